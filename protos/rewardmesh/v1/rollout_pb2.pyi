@@ -1,0 +1,163 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
+from rewardmesh.v1 import common_pb2 as _common_pb2
+from rewardmesh.v1 import reward_pb2 as _reward_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatPrompt(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("group_id", "token_ids", "chat", "sample_ids", "data_source", "ground_truth", "extra_info")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INFO_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    token_ids: _common_pb2.Tensor
+    chat: ChatPrompt
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    data_source: str
+    ground_truth: str
+    extra_info: _struct_pb2.Struct
+    def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., sample_ids: _Optional[_Iterable[str]] = ..., data_source: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class AgentLoopConfig(_message.Message):
+    __slots__ = ("max_turns", "max_response_tokens", "tools")
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    max_turns: int
+    max_response_tokens: int
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_turns: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "n", "sampling", "reward", "agent", "reward_timeout")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    n: int
+    sampling: SamplingParams
+    reward: str
+    agent: AgentLoopConfig
+    reward_timeout: _duration_pb2.Duration
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ..., agent: _Optional[_Union[AgentLoopConfig, _Mapping]] = ..., reward_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("sample", "result")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    sample: _common_pb2.Sample
+    result: _reward_pb2.RewardResult
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., result: _Optional[_Union[_reward_pb2.RewardResult, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _common_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("chunk", "policy_version")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    chunk: TensorChunk
+    policy_version: int
+    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "num_tensors", "num_bytes", "apply_seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    num_tensors: int
+    num_bytes: int
+    apply_seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutLoad(_message.Message):
+    __slots__ = ("running_samples", "pending_rewards", "active_requests")
+    RUNNING_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    running_samples: int
+    pending_rewards: int
+    active_requests: int
+    def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    backend: str
+    policy_version: int
+    load: RolloutLoad
+    max_model_len: int
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    reward_targets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,29 @@
+"""Engine failures, each meaning one thing; the server maps them to gRPC status codes in one place."""
+
+
+class RewardError(Exception):
+    """Base of every error the engine reports about one sample or request."""
+
+
+class InvalidInput(RewardError):
+    """The caller sent something malformed; the message names the field."""
+
+
+class UnknownReward(RewardError):
+    """No pipeline, rule or tool of that name."""
+
+
+class QueueFull(RewardError):
+    """The batcher's queue is at max_queue_size; retry later or elsewhere."""
+
+
+class DeadlineExceeded(RewardError):
+    """The sample's deadline passed before compute, or a source call timed out."""
+
+
+class SourceFailed(RewardError):
+    """A reward source raised; the sample gets no score."""
+
+
+class Unavailable(RewardError):
+    """The engine is shutting down or a remote dependency cannot be reached."""
