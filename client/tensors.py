@@ -1,0 +1,110 @@
+"""The one place where protobuf Tensors become numpy arrays or torch tensors and back.
+
+Tensors travel as raw little-endian bytes with a dtype and a shape (KServe v2's raw contents), so
+a 4k-token response is 16 KiB of int32 rather than 4k varints. bfloat16 has no numpy dtype: it
+travels as its 16-bit pattern and numpy sees it as uint16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rewardmesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+_NUMPY: dict[int, np.dtype] = {
+    common_pb2.DTYPE_INT32: np.dtype("<i4"),
+    common_pb2.DTYPE_INT64: np.dtype("<i8"),
+    common_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
+    common_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
+    common_pb2.DTYPE_BFLOAT16: np.dtype("<u2"),
+    common_pb2.DTYPE_UINT8: np.dtype("u1"),
+}
+_FROM_NUMPY: dict[str, common_pb2.DType] = {
+    "int32": common_pb2.DTYPE_INT32,
+    "int64": common_pb2.DTYPE_INT64,
+    "float32": common_pb2.DTYPE_FLOAT32,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "uint8": common_pb2.DTYPE_UINT8,
+}
+
+
+def dtype_name(dtype: int) -> str:
+    try:
+        return common_pb2.DType.Name(dtype).removeprefix("DTYPE_")
+    except ValueError:
+        return f"unknown({dtype})"
+
+
+def tensor_to_numpy(
+    t: common_pb2.Tensor, field: str, *, dtype: int | None = None, ndim: int | None = None
+) -> np.ndarray:
+    """Decode and validate; ValueError names the field and the problem (the server maps it to INVALID_ARGUMENT)."""
+    if t.dtype not in _NUMPY:
+        raise ValueError(f"{field}.dtype: {dtype_name(t.dtype)} is not a supported tensor dtype")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{field}.dtype must be {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
+    shape = tuple(t.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{field}.shape must have {ndim} dimension(s), got {list(shape)}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{field}.shape has a negative dimension: {list(shape)}")
+    np_dtype = _NUMPY[t.dtype]
+    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if len(t.raw_data) != expected:
+        raise ValueError(
+            f"{field}.raw_data has {len(t.raw_data)} bytes, but shape {list(shape)} of "
+            f"{dtype_name(t.dtype)} needs {expected}"
+        )
+    return np.frombuffer(t.raw_data, dtype=np_dtype).reshape(shape)
+
+
+def numpy_to_tensor(arr: np.ndarray, *, bfloat16: bool = False) -> common_pb2.Tensor:
+    """Encode; pass bfloat16=True for a uint16 array holding bf16 bit patterns."""
+    code: common_pb2.DType
+    if bfloat16:
+        code = common_pb2.DTYPE_BFLOAT16
+        arr = arr.astype("<u2", copy=False)
+    else:
+        try:
+            code = _FROM_NUMPY[arr.dtype.name]
+        except KeyError:
+            raise ValueError(f"no wire dtype for numpy dtype {arr.dtype}") from None
+        arr = arr.astype(_NUMPY[code], copy=False)
+    return common_pb2.Tensor(dtype=code, shape=list(arr.shape), raw_data=np.ascontiguousarray(arr).tobytes())
+
+
+def ids_tensor(ids: Sequence[int] | np.ndarray) -> common_pb2.Tensor:
+    """Token ids as a 1-D int32 tensor."""
+    return numpy_to_tensor(np.asarray(ids, dtype=np.int32).reshape(-1))
+
+
+def ids_from(t: common_pb2.Tensor, field: str) -> np.ndarray:
+    """A 1-D int32 id tensor; an unset tensor is empty (text-only samples are fine)."""
+    if not t.raw_data and not t.shape and t.dtype == common_pb2.DTYPE_UNSPECIFIED:
+        return np.zeros(0, dtype=np.int32)
+    return tensor_to_numpy(t, field, dtype=common_pb2.DTYPE_INT32, ndim=1)
+
+
+def torch_to_tensor(value: torch.Tensor) -> common_pb2.Tensor:
+    """bf16, fp16 and fp32 tensors (weights) to the wire, without a float round trip for bf16."""
+    import torch
+
+    value = value.detach().contiguous().cpu()
+    if value.dtype == torch.bfloat16:
+        return numpy_to_tensor(value.view(torch.int16).numpy().view("<u2"), bfloat16=True)
+    return numpy_to_tensor(value.numpy())
+
+
+def tensor_to_torch(t: common_pb2.Tensor, field: str) -> torch.Tensor:
+    import torch
+
+    arr = tensor_to_numpy(t, field)
+    if t.dtype == common_pb2.DTYPE_BFLOAT16:
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())

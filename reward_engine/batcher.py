@@ -1,0 +1,282 @@
+"""Dynamic batching of single samples onto batched reward sources, after Triton's dynamic batcher.
+
+Knobs: `max_batch_size`, `max_batch_tokens` (padded: batch size x longest sample), `max_queue_delay_ms`
+(wait for more work only while the oldest queued sample is younger than this), `max_queue_size`
+(beyond it, reject at once), `max_concurrent_batches`. Queue policy: the oldest live sample always
+goes into the next batch (bounded latency), the rest of the batch is filled with the samples
+nearest to it in length (less padding). Expired samples are dropped before compute; cancelled ones
+are skipped. The next batch forms while the current one computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
+from reward_engine.types import BatchResult, RewardInput, RewardOutput
+
+log = logging.getLogger(__name__)
+
+ComputeFn = Callable[[list[RewardInput]], Awaitable[BatchResult]]
+
+
+@dataclass
+class BatcherConfig:
+    """Triton-style dynamic batcher settings."""
+
+    max_batch_size: int = 32
+    max_batch_tokens: int = 0  # 0: no limit
+    max_queue_delay_ms: float = 2.0
+    max_queue_size: int = 4096
+    max_concurrent_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be >= 0, got {self.max_batch_tokens}")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        if self.max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+
+
+@dataclass
+class Scored:
+    """A sample's result plus where its time went on this server."""
+
+    output: RewardOutput
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass
+class BatchInfo:
+    """What one executed batch looked like (for logs, metrics and batch spans)."""
+
+    size: int
+    padded_tokens: int
+    real_tokens: int
+    compute_s: float
+    sample_ids: list[str]
+    start_time_ns: int
+    end_time_ns: int
+    contexts: list[object]
+
+
+@dataclass(eq=False)
+class _Item:
+    inp: RewardInput
+    future: asyncio.Future[Scored]
+    enqueued: float
+    deadline: float | None
+    context: object = None  # opaque per-sample context (a trace context), handed back in BatchInfo
+    tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.inp.num_tokens
+
+
+class DynamicBatcher:
+    """Collects concurrently submitted samples into batches for one compute function."""
+
+    def __init__(
+        self,
+        compute: ComputeFn,
+        config: BatcherConfig | None = None,
+        *,
+        name: str = "",
+        on_batch: Callable[[BatchInfo], None] | None = None,
+    ) -> None:
+        self.config = config or BatcherConfig()
+        self.name = name
+        self._compute = compute
+        self._on_batch = on_batch
+        self._queue: list[_Item] = []
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.config.max_concurrent_batches)
+        self._running: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight_batches(self) -> int:
+        return len(self._running)
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name=f"batcher:{self.name}")
+
+    async def submit(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
+        """Queue one sample and wait for its result; `deadline` is a time.monotonic() value."""
+        if self._closed:
+            raise Unavailable(f"reward pipeline '{self.name}' is shutting down; send the sample elsewhere")
+        if len(self._queue) >= self.config.max_queue_size:
+            raise QueueFull(
+                f"reward pipeline '{self.name}' queue is full ({self.config.max_queue_size} samples); "
+                "retry later or raise max_queue_size"
+            )
+        self.start()
+        item = _Item(inp, asyncio.get_running_loop().create_future(), time.monotonic(), deadline, context)
+        self._queue.append(item)
+        self._wake.set()
+        # Cancellation of the caller cancels item.future; the scheduler then skips the item.
+        return await item.future
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Stop taking work; with drain, finish what is queued and computing first."""
+        self._closed = True
+        if drain:
+            while self._queue or self._running:
+                self._wake.set()
+                await asyncio.sleep(0.005)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(Unavailable(f"reward pipeline '{self.name}' shut down"))
+        self._queue.clear()
+        for task in list(self._running):
+            task.cancel()
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _next_batch(self) -> list[_Item]:
+        """Wait until a batch is due (full, or its oldest sample waited max_queue_delay_ms), then take it."""
+        delay = self.config.max_queue_delay_ms / 1000.0
+        while True:
+            self._prune()
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._batch_is_full() or delay == 0:
+                return self._take()
+            due = self._queue[0].enqueued + delay
+            now = time.monotonic()
+            if now >= due:
+                return self._take()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), due - now)
+
+    def _prune(self) -> None:
+        """Drop cancelled samples and fail expired ones before they cost compute."""
+        if not self._queue:
+            return
+        now = time.monotonic()
+        keep: list[_Item] = []
+        for item in self._queue:
+            if item.future.done():
+                continue
+            if item.deadline is not None and now >= item.deadline:
+                waited = now - item.enqueued
+                item.future.set_exception(
+                    DeadlineExceeded(f"sample deadline passed after {waited:.3f}s in the reward queue")
+                )
+                continue
+            keep.append(item)
+        self._queue = keep
+
+    def _batch_is_full(self) -> bool:
+        cfg = self.config
+        if len(self._queue) >= cfg.max_batch_size:
+            return True
+        if cfg.max_batch_tokens:
+            longest = max(it.tokens for it in self._queue)
+            return longest * len(self._queue) >= cfg.max_batch_tokens
+        return False
+
+    def _take(self) -> list[_Item]:
+        """The oldest sample plus the samples nearest to it in length, within both limits."""
+        cfg = self.config
+        oldest = self._queue[0]
+        if len(self._queue) <= cfg.max_batch_size and not cfg.max_batch_tokens:
+            batch, self._queue = self._queue, []
+            return batch
+        rest = sorted(self._queue[1:], key=lambda it: (abs(it.tokens - oldest.tokens), it.enqueued))
+        batch = [oldest]
+        longest = oldest.tokens
+        for item in rest:
+            if len(batch) >= cfg.max_batch_size:
+                break
+            new_longest = max(longest, item.tokens)
+            if cfg.max_batch_tokens and new_longest * (len(batch) + 1) > cfg.max_batch_tokens:
+                continue
+            batch.append(item)
+            longest = new_longest
+        chosen = set(map(id, batch))
+        self._queue = [it for it in self._queue if id(it) not in chosen]
+        batch.sort(key=lambda it: it.enqueued)
+        return batch
+
+    async def _run(self, batch: list[_Item]) -> None:
+        try:
+            live = [it for it in batch if not it.future.done()]
+            if not live:
+                return
+            start = time.monotonic()
+            start_ns = time.time_ns()
+            try:
+                results = await self._compute([it.inp for it in live])
+                if len(results) != len(live):
+                    raise SourceFailed(f"source returned {len(results)} results for a batch of {len(live)}")
+            except asyncio.CancelledError:
+                for it in live:
+                    if not it.future.done():
+                        it.future.set_exception(Unavailable(f"reward pipeline '{self.name}' shut down"))
+                raise
+            except Exception as exc:  # a whole-batch failure fails each sample, not the batcher
+                log.warning("pipeline %s: batch of %d failed: %s", self.name, len(live), exc)
+                err = exc if isinstance(exc, SourceFailed | InvalidInput) else SourceFailed(str(exc))
+                results = [err] * len(live)
+            end = time.monotonic()
+            compute_s = end - start
+            for it, res in zip(live, results, strict=True):
+                if it.future.done():
+                    continue
+                if isinstance(res, BaseException):
+                    it.future.set_exception(res)
+                else:
+                    it.future.set_result(Scored(res, start - it.enqueued, compute_s, len(live)))
+            if self._on_batch is not None:
+                self._on_batch(
+                    BatchInfo(
+                        size=len(live),
+                        padded_tokens=len(live) * max(it.tokens for it in live),
+                        real_tokens=sum(it.tokens for it in live),
+                        compute_s=compute_s,
+                        sample_ids=[it.inp.sample_id for it in live],
+                        start_time_ns=start_ns,
+                        end_time_ns=time.time_ns(),
+                        contexts=[it.context for it in live],
+                    )
+                )
+        finally:
+            self._slots.release()

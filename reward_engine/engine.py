@@ -1,0 +1,151 @@
+"""The set of named pipelines a reward server offers, built from built-in rules and a YAML-shaped config."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from reward_engine.batcher import BatcherConfig, BatchInfo
+from reward_engine.errors import UnknownReward
+from reward_engine.pipeline import RewardPipeline, WeightedSource
+from reward_engine.types import RewardSource
+
+log = logging.getLogger(__name__)
+
+# Batcher defaults per source kind. Cheap inline rules take everything at once. Functions and judges
+# gain nothing from batching and a batch releases its results together, so one slow call would hold
+# back its batch-mates: they run one sample per "batch", many at once (the judge's own
+# max_concurrency and the process pool bound the real parallelism). A model waits a moment for a
+# fuller batch and computes one batch at a time while the next forms.
+KIND_BATCHING: dict[str, BatcherConfig] = {
+    "rule": BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
+    "function": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=16),
+    "judge": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
+    "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=1),
+}
+SOURCE_TYPES = ("rule", "function", "model", "judge")
+
+
+def _source_class(kind: str) -> type:
+    """Import lazily: a rule-only server never loads torch or aiohttp."""
+    if kind == "rule":
+        from reward_engine.sources.rules import RuleSource
+
+        return RuleSource
+    if kind == "function":
+        from reward_engine.sources.custom import FunctionSource
+
+        return FunctionSource
+    if kind == "model":
+        from reward_engine.sources.reward_model import ModelSource
+
+        return ModelSource
+    if kind == "judge":
+        from reward_engine.sources.judge import JudgeSource
+
+        return JudgeSource
+    raise ValueError(f"unknown source type '{kind}' (known: {', '.join(SOURCE_TYPES)})")
+
+
+def build_source(where: str, spec: dict[str, Any]) -> tuple[RewardSource, float]:
+    """One source from its config mapping: `type`, optional `name` and `weight`, the rest are options."""
+    spec = dict(spec)
+    kind = spec.pop("type", None)
+    if kind is None:
+        raise ValueError(f"{where}: missing 'type' (one of {', '.join(SOURCE_TYPES)})")
+    cls = _source_class(str(kind))
+    weight = float(spec.pop("weight", 1.0))
+    name = str(spec.pop("name", kind))
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(spec) - set(params))
+    if unknown:
+        known = sorted(p for p in params if p != "name")
+        raise ValueError(f"{where}: unknown option(s) {unknown} for type '{kind}' (known: {known})")
+    source: RewardSource = cls(name=name, **spec)
+    return source, weight
+
+
+def batcher_config(where: str, kind: str, overrides: dict[str, Any] | None) -> BatcherConfig:
+    base = KIND_BATCHING.get(kind, BatcherConfig())
+    values = {f.name: getattr(base, f.name) for f in fields(BatcherConfig)}
+    for key, value in (overrides or {}).items():
+        if key not in values:
+            raise ValueError(f"{where}.batching: unknown option '{key}' (known: {sorted(values)})")
+        values[key] = type(values[key])(value)
+    try:
+        return BatcherConfig(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}.batching: {exc}") from None
+
+
+class RewardEngine:
+    """Named pipelines, started and stopped together."""
+
+    def __init__(self, on_batch: Callable[[str, BatchInfo], None] | None = None) -> None:
+        self.pipelines: dict[str, RewardPipeline] = {}
+        self._on_batch = on_batch
+
+    def get(self, name: str) -> RewardPipeline:
+        try:
+            return self.pipelines[name]
+        except KeyError:
+            raise UnknownReward(
+                f"reward: no pipeline named '{name}' (this server offers: {', '.join(sorted(self.pipelines))})"
+            ) from None
+
+    def add(self, pipeline: RewardPipeline) -> None:
+        if pipeline.name in self.pipelines:
+            raise ValueError(f"pipeline '{pipeline.name}' is defined twice")
+        self.pipelines[pipeline.name] = pipeline
+
+    def add_builtin_rules(self) -> None:
+        """One pipeline per built-in rule, named after the rule."""
+        from reward_engine.sources.rules import RULES, RuleSource
+
+        for rule in sorted(RULES):
+            if rule not in self.pipelines:
+                self.add(
+                    RewardPipeline(
+                        rule,
+                        [WeightedSource(RuleSource(name=rule, rule=rule))],
+                        batcher_config(rule, "rule", None),
+                        description=f"built-in rule '{rule}'",
+                        on_batch=self._on_batch,
+                    )
+                )
+
+    def add_from_config(self, config: dict[str, Any]) -> None:
+        """Pipelines from a mapping `{name: {description, batching, sources: [{type, ...}]}}`."""
+        for name, spec in (config or {}).items():
+            where = f"pipelines.{name}"
+            if not isinstance(spec, dict) or not spec.get("sources"):
+                raise ValueError(f"{where}: needs a 'sources' list")
+            unknown = sorted(set(spec) - {"sources", "batching", "description"})
+            if unknown:
+                raise ValueError(f"{where}: unknown key(s) {unknown} (known: batching, description, sources)")
+            built = [build_source(f"{where}.sources[{i}]", s) for i, s in enumerate(spec["sources"])]
+            sources = [WeightedSource(src, w) for src, w in built]
+            kind = sources[0].source.kind
+            if any(ws.source.kind == "model" for ws in sources):
+                kind = "model"
+            self.add(
+                RewardPipeline(
+                    str(name),
+                    sources,
+                    batcher_config(where, kind, spec.get("batching")),
+                    description=str(spec.get("description", "")),
+                    on_batch=self._on_batch,
+                )
+            )
+
+    async def warmup(self) -> None:
+        for pipeline in self.pipelines.values():
+            await pipeline.warmup()
+            log.info("pipeline %s ready (%s)", pipeline.name, ", ".join(ws.source.kind for ws in pipeline.sources))
+
+    async def close(self, *, drain: bool = True) -> None:
+        for pipeline in self.pipelines.values():
+            await pipeline.close(drain=drain)

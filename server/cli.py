@@ -1,0 +1,115 @@
+"""The `rewardmesh` command: serve, build tiny models, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from server.config import load_yaml, resolve
+
+
+def default_models_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rewardmesh" / "tiny-models"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--config", help="YAML file; its `server:` section sets any option below")
+    p.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help=f"port to bind, 0 for any free one (default {default_port})")
+    p.add_argument("--grace-s", dest="grace_s", type=float, help="drain period on SIGTERM (default 30)")
+    p.add_argument("--max-message-mb", dest="max_message_mb", type=int, help="largest gRPC message (default 64)")
+    p.add_argument(
+        "--max-connection-age-s",
+        dest="max_connection_age_s",
+        type=float,
+        help="close connections after this age so clients re-resolve DNS (default 0: never)",
+    )
+    p.add_argument("--log-level", default=os.environ.get("REWARDMESH_LOG_LEVEL", "INFO"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rewardmesh",
+        description="gRPC service mesh for RL post-training: streaming rewards that hide behind generation. "
+        "Every option can also come from a REWARDMESH_<OPTION> environment variable or a YAML config file.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a server")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    reward = serve_sub.add_parser(
+        "reward",
+        help="run a reward server",
+        description="Serve RewardService. With no config it offers every built-in rule as a pipeline; "
+        "the YAML's `pipelines:` mapping adds reward-model, function and judge pipelines.",
+    )
+    _add_server_flags(reward, 50051)
+    reward.add_argument("--tokenizer", help="policy tokenizer directory, to decode samples that carry only ids")
+    reward.add_argument(
+        "--no-builtin-rules",
+        dest="builtin_rules",
+        action="store_const",
+        const=False,
+        help="do not offer the built-in rules as pipelines",
+    )
+
+    tiny = sub.add_parser("tiny-models", help="build tiny policy and reward models locally (no download)")
+    tiny.add_argument("--out", type=Path, default=default_models_dir(), help="output directory (default %(default)s)")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    demo = sub.add_parser("demo", help="run the embedded end-to-end demo on 127.0.0.1")
+    demo.add_argument("--samples", type=int, default=400, help="GSM8K-style samples to score (default %(default)s)")
+    demo.add_argument(
+        "--models",
+        type=Path,
+        default=default_models_dir(),
+        help="tiny models directory, built if missing (default %(default)s)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve" and args.service == "reward":
+        from server.reward_server import RewardServerConfig, serve_reward
+
+        _setup_logging(args.log_level)
+        file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
+        cfg = resolve(RewardServerConfig, args, file_cfg.get("server") or {})
+        try:
+            asyncio.run(serve_reward(cfg, file_cfg.get("pipelines")))
+        except ValueError as exc:  # a config mistake: say what to fix, not a traceback
+            print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "tiny-models":
+        from server.tiny_models import build_tiny_models
+
+        _setup_logging("INFO")
+        paths = build_tiny_models(args.out, seed=args.seed)
+        for name, path in vars(paths).items():
+            print(f"{name}: {path}")
+        return 0
+    if args.command == "demo":
+        from server.demo import run_demo
+
+        _setup_logging("WARNING")
+        return asyncio.run(run_demo(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The reward server process: an engine of pipelines behind RewardService, with health, reflection and drain."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from reward_engine.engine import RewardEngine
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from server.reward_service import RewardServicer
+from server.serving import GrpcServer, ServerOptions
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+@dataclass
+class RewardServerConfig(ServerOptions):
+    """Everything `rewardmesh serve reward` reads from flags, REWARDMESH_* variables or the YAML `server:` section."""
+
+    port: int = 50051
+    # Offer every built-in rule (gsm8k, math, ...) as a pipeline of its own name.
+    builtin_rules: bool = True
+    # Policy tokenizer used to decode ids when a sample carries no text (rules and judges read text).
+    tokenizer: str = ""
+
+
+def build_engine(pipelines: dict[str, Any] | None, *, builtin_rules: bool = True) -> RewardEngine:
+    engine = RewardEngine()
+    engine.add_from_config(pipelines or {})
+    if builtin_rules:
+        engine.add_builtin_rules()
+    return engine
+
+
+def load_tokenizer(path: str) -> Any:
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class RewardServer:
+    """Owns the engine and the gRPC server; `stop()` drains in-flight samples first."""
+
+    def __init__(self, engine: RewardEngine, options: ServerOptions | None = None, tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.options = options or ServerOptions(host="127.0.0.1", port=0)
+        self.servicer = RewardServicer(engine, tokenizer)
+        self.grpc = GrpcServer(
+            self.options,
+            [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer, SERVICE_NAME)],
+            on_drain=self.servicer.drain,
+        )
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "::", "") else self.options.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        await self.engine.warmup()
+        port = await self.grpc.start()
+        log.info(
+            "reward server listening on %s:%d with pipelines: %s",
+            self.options.host,
+            port,
+            ", ".join(sorted(self.engine.pipelines)),
+        )
+        return port
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.grpc.stop(grace)
+        await self.engine.close(drain=False)
+
+    async def wait(self) -> None:
+        await self.grpc.wait()
+
+
+async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None) -> None:
+    """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains."""
+    server = RewardServer(build_engine(pipelines, builtin_rules=cfg.builtin_rules), cfg, load_tokenizer(cfg.tokenizer))
+    await server.start()
+    server.grpc.stop_on_signals()
+    await server.wait()
+    await server.engine.close(drain=False)
+    log.info("reward server stopped after sending %d results", server.servicer.results_sent)

@@ -1,0 +1,119 @@
+"""What every rewardmesh server shares: channel options, health, reflection, interceptors, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from grpc import aio
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from server.status import ExceptionToStatusInterceptor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    """Transport settings shared by the reward and rollout servers."""
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    max_message_mb: int = 64
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    # Closing connections after this age makes clients re-resolve DNS as pods come and go; 0: never.
+    max_connection_age_s: float = 0.0
+    grace_s: float = 30.0
+
+    def channel_args(self) -> list[tuple[str, Any]]:
+        size = self.max_message_mb * 1024 * 1024
+        args: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ]
+        if self.max_connection_age_s > 0:
+            args += [
+                ("grpc.max_connection_age_ms", int(self.max_connection_age_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(self.grace_s * 1000)),
+            ]
+        return args
+
+
+def client_channel_args(max_message_mb: int = 64) -> list[tuple[str, Any]]:
+    size = max_message_mb * 1024 * 1024
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class GrpcServer:
+    """A grpc.aio server with health and reflection whose shutdown drains before it stops."""
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        services: Sequence[tuple[Callable[[Any, aio.Server], None], Any, str]],
+        *,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.options = options
+        self.server = aio.server(interceptors=[ExceptionToStatusInterceptor()], options=options.channel_args())
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [full_name for _, _, full_name in services]
+        for add, servicer, _ in services:
+            add(servicer, self.server)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self._names = names
+        self._on_drain = on_drain
+        self.port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.options.host}:{self.options.port}; is the port taken?")
+        await self.server.start()
+        for name in ["", *self._names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, let in-flight work finish within the grace period, then stop."""
+        if self._stopped.is_set():
+            return
+        grace = self.options.grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()
+        if self._on_drain is not None:
+            try:
+                await asyncio.wait_for(self._on_drain(), grace)
+            except TimeoutError:
+                log.warning("drain did not finish within %.1fs; stopping anyway", grace)
+        await self.server.stop(grace)
+        self._stopped.set()
+
+    def stop_on_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("received %s: draining (grace %.0fs), health NOT_SERVING", sig.name, self.options.grace_s)
+        asyncio.get_running_loop().create_task(self.stop())
+
+    async def wait(self) -> None:
+        await self._stopped.wait()

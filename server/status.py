@@ -1,0 +1,93 @@
+"""The one place where exceptions become gRPC status codes: per-sample errors and whole-RPC aborts alike."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from reward_engine import errors
+from rewardmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (errors.InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.UnknownReward, grpc.StatusCode.NOT_FOUND),
+    (errors.QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.SourceFailed, grpc.StatusCode.INTERNAL),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # decoding errors name their field
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code, str(exc) or cls.__name__
+    log.exception("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def status_proto(exc: BaseException) -> common_pb2.Status:
+    code, message = status_of(exc)
+    return common_pb2.Status(code=code.value[0], message=message)
+
+
+class ExceptionToStatusInterceptor(aio.ServerInterceptor):
+    """Turns an exception escaping a handler into the matching status instead of UNKNOWN."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        kwargs: dict[str, Any] = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **kwargs)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **kwargs)
+        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream), **kwargs)
+
+
+async def _abort(context: aio.ServicerContext, exc: Exception) -> None:
+    code, message = status_of(exc)
+    await context.abort(code, message)
+
+
+def _wrap_unary(fn: Any) -> Any:
+    async def wrapped(request: Any, context: aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapped
+
+
+def _wrap_stream(fn: Any) -> Any:
+    async def wrapped(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in fn(request, context):
+                yield response
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapped

@@ -1,0 +1,21 @@
+"""User reward functions the server integration tests load by file path, as users would."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+async def sleepy(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> dict:
+    """Sleeps extra_info['delay'] seconds (a slow remote checker), then scores the response length."""
+    delay = float((extra_info or {}).get("delay", 0.0))
+    await asyncio.sleep(delay)
+    return {"score": float(len(solution_str)), "delay": delay}
+
+
+def exact_match(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+    return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def explode(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+    raise ZeroDivisionError("checker bug")

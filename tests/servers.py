@@ -1,0 +1,57 @@
+"""Start real servers in-process on 127.0.0.1 port 0 for integration tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from grpc import aio
+
+from client.tensors import ids_tensor
+from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from server.reward_server import RewardServer, build_engine
+from server.serving import ServerOptions
+
+FNS = str(Path(__file__).with_name("server_reward_fns.py"))
+
+
+def fn_pipeline(function: str, **batching: Any) -> dict[str, Any]:
+    """A pipeline of one test function from server_reward_fns.py, run on the event loop or a thread."""
+    return {
+        "sources": [{"type": "function", "function": f"{FNS}:{function}", "executor": "auto", "timeout_s": 2.0}],
+        "batching": batching,
+    }
+
+
+@asynccontextmanager
+async def reward_server(pipelines: dict[str, Any] | None = None, tokenizer: Any = None) -> AsyncIterator[RewardServer]:
+    server = RewardServer(build_engine(pipelines), ServerOptions(host="127.0.0.1", port=0, grace_s=5), tokenizer)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
+@asynccontextmanager
+async def reward_stub(address: str) -> AsyncIterator[reward_pb2_grpc.RewardServiceAsyncStub]:
+    async with aio.insecure_channel(address) as channel:
+        yield reward_pb2_grpc.RewardServiceStub(channel)  # type: ignore[misc]
+
+
+def sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -> common_pb2.Sample:
+    s = common_pb2.Sample(
+        sample_id=sid,
+        group_id="g",
+        prompt_ids=ids_tensor([1, 2, 3]),
+        response_ids=ids_tensor([4, 5]),
+        prompt_text="What is 2 + 2?",
+        response_text=response,
+        data_source="openai/gsm8k",
+        ground_truth=truth,
+    )
+    if extra:
+        s.extra_info.update(extra)
+    return s

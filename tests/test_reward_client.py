@@ -1,0 +1,75 @@
+"""RewardClient against real servers: completion order, failover without double delivery, drain, dead targets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+
+from client.reward_client import RewardClient
+from tests.servers import fn_pipeline, reward_server, sample
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+async def test_score_yields_in_completion_order() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
+        async with RewardClient([server.address]) as client:
+            samples = [sample(f"s{i}", response="x" * i, delay=0.05 * (5 - i)) for i in range(5)]
+            got = [r.sample_id async for r in client.score(samples, "sleepy")]
+    assert got == ["s4", "s3", "s2", "s1", "s0"]
+
+
+async def test_balances_over_targets_by_outstanding_work() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+        async with RewardClient([a.address, b.address]) as client:
+            futures = [client.submit(sample(f"s{i}", delay=0.2), "sleepy") for i in range(10)]
+            assert [len(s.pending) for s in client.streams] == [5, 5]
+            results = await asyncio.gather(*futures)
+    assert all(not r.HasField("error") for r in results)
+    assert a.servicer.results_sent == 5 and b.servicer.results_sent == 5
+
+
+async def test_target_killed_mid_stream_every_sample_answered_exactly_once() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+        async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
+            futures = {f"s{i}": client.submit(sample(f"s{i}", delay=0.3), "sleepy") for i in range(40)}
+            await asyncio.sleep(0.1)
+            await a.grpc.server.stop(0)  # abrupt: no drain, streams cut
+            results = await asyncio.gather(*futures.values())
+            assert client.rerouted >= 1
+    assert Counter(r.sample_id for r in results) == Counter(futures.keys())  # each exactly once
+    assert all(not r.HasField("error") for r in results), [r.error for r in results if r.HasField("error")]
+    assert b.servicer.results_sent >= 20
+
+
+async def test_draining_target_hands_its_new_samples_to_another() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+        async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
+            first = [client.submit(sample(f"a{i}", delay=0.3), "sleepy") for i in range(6)]
+            await asyncio.sleep(0.05)
+            drain = asyncio.create_task(a.stop(grace=5))
+            await asyncio.sleep(0.05)
+            later = [client.submit(sample(f"b{i}", delay=0.0), "sleepy") for i in range(6)]
+            results = await asyncio.gather(*first, *later)
+            await drain
+    assert all(not r.HasField("error") for r in results)
+    assert sorted(r.sample_id for r in results) == sorted([f"a{i}" for i in range(6)] + [f"b{i}" for i in range(6)])
+
+
+async def test_no_live_target_gives_unavailable_result_not_a_hang() -> None:
+    async with reward_server() as server:
+        address = server.address
+    async with RewardClient([address], max_attempts=3, retry_backoff_s=0.02) as client:
+        result = await asyncio.wait_for(client.submit(sample("orphan"), "gsm8k"), 20)
+    assert result.error.code == UNAVAILABLE
+    assert "after 3 attempts" in result.error.message and address in result.error.message
+
+
+async def test_score_batch_and_list_rewards() -> None:
+    async with reward_server() as server, RewardClient(server.address) as client:
+        results = await client.score_batch([sample("a", "#### 4"), sample("b", "#### 3")], "gsm8k")
+        listing = await client.list_rewards()
+    assert [r.score for r in results] == [1.0, 0.0]
+    assert "gsm8k" in [p.name for p in listing.pipelines]
