@@ -1,0 +1,345 @@
+"""A reward source backed by a sequence-classifier reward model (one forward pass per batch).
+
+How a sample becomes a sequence for the reward model:
+
+* **Same tokenizer** (``retokenize="never"``, or ``"auto"`` with no ``policy_tokenizer`` or one whose
+  vocabulary equals the reward model's): ``prompt_ids + response_ids`` are scored as they are.
+* **Different tokenizer** (``"always"``, or ``"auto"`` with differing vocabularies): the texts are rebuilt
+  as ``[user: prompt_text, assistant: response_text]`` and rendered with the reward model's chat template
+  (plain ``prompt_text + response_text`` when it has none), then tokenized by the reward model's tokenizer.
+  Empty texts are decoded from the ids with the policy tokenizer (special tokens skipped); without one the
+  sample fails with ``InvalidInput``. Note that ``prompt_ids`` usually hold the policy's *templated* prompt,
+  so a decoded prompt keeps the policy template's role words; send ``prompt_text`` as the raw user message
+  for a faithful re-rendering.
+
+Sequences longer than ``max_length`` (capped by the model's ``max_position_embeddings``) keep their **last**
+``max_length`` tokens: the score is read at the final token, so the end of the response must survive and the
+start of the prompt is what gets dropped.
+
+The batch is right-padded with an attention mask, and each row's score is the classifier logit at that row's
+last real token (found from its length, not from pad ids, so a sequence that contains the pad token is still
+scored at its true end). A sample's score therefore does not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from reward_engine.errors import InvalidInput, SourceFailed, Unavailable
+from reward_engine.types import BatchResult, RewardInput, RewardOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_RETOKENIZE = ("auto", "always", "never")
+
+
+class ModelSource:
+    """Scores samples with a local sequence-classification reward model."""
+
+    kind = "model"
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_length: int = 4096,
+        policy_tokenizer: str | None = None,
+        retokenize: str = "auto",
+        score_index: int = 0,
+    ) -> None:
+        self.name = name
+        self.target = str(path)
+        if retokenize not in _RETOKENIZE:
+            raise ValueError(f"reward model {name!r}: retokenize must be one of {_RETOKENIZE}, not {retokenize!r}")
+        if max_length < 1:
+            raise ValueError(f"reward model {name!r}: max_length must be >= 1, not {max_length}")
+        self.device: torch.device = _pick_device(device, name)
+        self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
+
+        self.tokenizer: PreTrainedTokenizerBase = _load_tokenizer(path, f"reward model {name!r}")
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=self.dtype)
+        except Exception as e:  # transformers raises many types; the caller needs one clear message
+            raise ValueError(
+                f"reward model {name!r}: cannot load a sequence classifier from {path}: {type(e).__name__}: {e}"
+            ) from e
+        model.to(device=self.device, dtype=self.dtype)  # also covers transformers versions that ignore dtype=
+        model.eval()
+        self._model: PreTrainedModel | None = model
+
+        text_config = model.config.get_text_config()
+        num_labels = int(model.config.num_labels)
+        if not 0 <= score_index < num_labels:
+            raise ValueError(f"reward model {name!r}: score_index {score_index} out of range for {num_labels} label(s)")
+        self.score_index = score_index
+        max_pos = getattr(text_config, "max_position_embeddings", None)
+        self.max_length = min(max_length, int(max_pos)) if max_pos else max_length
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = getattr(text_config, "pad_token_id", None)
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        self.pad_token_id = int(pad) if isinstance(pad, int) else 0
+
+        # Read the logit at each row's true last token ourselves when the model is "backbone + linear head"
+        # (every decoder *ForSequenceClassification); otherwise trust the model's own pooling.
+        head = getattr(model, "score", None)
+        backbone = getattr(model, model.base_model_prefix, None)
+        self._head: torch.nn.Module | None = head if isinstance(head, torch.nn.Linear) else None
+        self._backbone: torch.nn.Module | None = backbone if isinstance(backbone, torch.nn.Module) else None
+
+        self.policy_tokenizer: PreTrainedTokenizerBase | None = (
+            _load_tokenizer(policy_tokenizer, f"reward model {name!r} policy_tokenizer") if policy_tokenizer else None
+        )
+        if retokenize == "always":
+            self.retokenizes = True
+        elif retokenize == "never" or self.policy_tokenizer is None:
+            self.retokenizes = False
+        else:
+            self.retokenizes = self.policy_tokenizer.get_vocab() != self.tokenizer.get_vocab()
+
+        self._lock = threading.Lock()  # one forward pass at a time: predictable memory, no thrashing
+        # Rust tokenizers can raise "Already borrowed" when one instance is used from several threads at once.
+        self._tokenizer_lock = threading.Lock()
+        self._warned_truncation = False
+        logger.info(
+            "reward model %r: %s on %s/%s, max_length %d, %s",
+            name,
+            path,
+            self.device,
+            self.dtype,
+            self.max_length,
+            "re-tokenizes text" if self.retokenizes else "scores policy token ids",
+        )
+
+    # ------------------------------------------------------------------------------------------ scoring
+
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        """Score a batch in a worker thread, so the event loop keeps serving during the forward pass."""
+        if self._model is None:
+            return [Unavailable(f"reward model {self.name!r} is closed") for _ in batch]
+        if not batch:
+            return []
+        return await asyncio.to_thread(self._score_batch_sync, batch)
+
+    def score_tokens(self, token_ids: Sequence[np.ndarray | Sequence[int]]) -> list[float]:
+        """Score ready token sequences in one padded batch (synchronous; for offline and benchmark use).
+
+        Raises ``InvalidInput`` if any sequence is empty or holds ids outside the model's vocabulary, and
+        whatever the forward pass raises.
+        """
+        seqs = [self._check_ids(np.asarray(ids), f"token_ids[{i}]") for i, ids in enumerate(token_ids)]
+        if not seqs:
+            return []
+        return self._forward(seqs)
+
+    async def warmup(self) -> None:
+        """One tiny forward pass, so the first real batch does not pay for lazy CUDA/kernel initialisation."""
+        await asyncio.to_thread(self.score_tokens, [np.arange(min(4, self.vocab_size))])
+
+    async def close(self) -> None:
+        """Drop the model (waiting for a forward pass in flight) and give its memory back."""
+        await asyncio.to_thread(self._close_sync)
+
+    def _close_sync(self) -> None:
+        with self._lock:
+            self._model = self._head = self._backbone = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _score_batch_sync(self, batch: list[RewardInput]) -> BatchResult:
+        results: list[RewardOutput | BaseException | None] = [None] * len(batch)
+        ready: list[np.ndarray] = []
+        where: list[int] = []
+        for i, sample in enumerate(batch):
+            try:
+                ready.append(self._sequence(sample))
+                where.append(i)
+            except InvalidInput as e:
+                results[i] = e
+            except Exception as e:  # e.g. the reward model's chat template rejects the conversation
+                failed = SourceFailed(
+                    f"reward model {self.name!r}: cannot build the input of {sample.sample_id!r}: "
+                    f"{type(e).__name__}: {e}"
+                )
+                failed.__cause__ = e
+                results[i] = failed
+        if ready:
+            try:
+                scores = self.score_tokens(ready)
+            except Unavailable as e:  # closed while this batch waited for the model
+                for i in where:
+                    results[i] = Unavailable(str(e))
+            except Exception as e:
+                logger.warning("reward model %r: forward pass over %d samples failed: %r", self.name, len(ready), e)
+                for i in where:
+                    failed = SourceFailed(
+                        f"reward model {self.name!r}: forward pass failed on a batch of {len(ready)}: "
+                        f"{type(e).__name__}: {e}"
+                    )
+                    failed.__cause__ = e
+                    results[i] = failed
+            else:
+                for i, score in zip(where, scores, strict=True):
+                    results[i] = RewardOutput(score=score)
+        out: BatchResult = []
+        for r in results:
+            assert r is not None
+            out.append(r)
+        return out
+
+    def _sequence(self, sample: RewardInput) -> np.ndarray:
+        """The token ids the reward model sees for one sample, checked and truncated."""
+        if not self.retokenizes:
+            ids = np.concatenate([_ids(sample.prompt_ids, "prompt_ids"), _ids(sample.response_ids, "response_ids")])
+            if ids.size == 0:
+                raise InvalidInput("prompt_ids and response_ids are both empty")
+            return self._check_ids(ids, "prompt_ids/response_ids")
+        with self._tokenizer_lock:
+            prompt = self._text(sample.prompt_text, sample.prompt_ids, "prompt")
+            response = self._text(sample.response_text, sample.response_ids, "response")
+            conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            if self.tokenizer.chat_template:
+                text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
+                assert isinstance(text, str)
+                encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                encoded = self.tokenizer(prompt + response)["input_ids"]
+        ids = np.asarray(encoded, dtype=np.int64)
+        if ids.size == 0:
+            raise InvalidInput("prompt_text and response_text are both empty")
+        return self._check_ids(ids, "prompt_text/response_text")
+
+    def _text(self, text: str, ids: np.ndarray, field: str) -> str:
+        if text:
+            return text
+        token_ids = _ids(ids, f"{field}_ids")
+        if token_ids.size == 0:
+            return ""
+        if self.policy_tokenizer is None:
+            raise InvalidInput(
+                f"{field}_text is empty: reward model {self.name!r} re-tokenizes text (its tokenizer is "
+                f"not the policy's) and has no policy_tokenizer to decode {field}_ids; send {field}_text"
+            )
+        decoded = self.policy_tokenizer.decode(token_ids.tolist(), skip_special_tokens=True)
+        assert isinstance(decoded, str)
+        return decoded
+
+    def _check_ids(self, ids: np.ndarray, field: str) -> np.ndarray:
+        if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+            raise InvalidInput(f"{field}: expected a 1-D integer array, got shape {ids.shape} {ids.dtype}")
+        if ids.size == 0:
+            raise InvalidInput(f"{field}: empty sequence")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            # Checked here because an out-of-range id on CUDA is a device-side assert that kills the process.
+            bad = lo if lo < 0 else hi
+            raise InvalidInput(f"{field}: token id {bad} outside the reward model's vocabulary [0, {self.vocab_size})")
+        if ids.size > self.max_length:
+            if not self._warned_truncation:
+                self._warned_truncation = True
+                logger.warning(
+                    "reward model %r: truncating a %d-token input to its last %d tokens (further truncations "
+                    "are not logged)",
+                    self.name,
+                    ids.size,
+                    self.max_length,
+                )
+            ids = ids[-self.max_length :]
+        return ids.astype(np.int64, copy=False)
+
+    def _forward(self, seqs: list[np.ndarray]) -> list[float]:
+        lengths = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))
+        width = int(lengths.max())
+        input_ids = np.full((len(seqs), width), self.pad_token_id, dtype=np.int64)
+        attention_mask = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, s in enumerate(seqs):
+            input_ids[row, : s.size] = s
+            attention_mask[row, : s.size] = 1
+        ids_t = torch.from_numpy(input_ids).to(self.device)
+        mask_t = torch.from_numpy(attention_mask).to(self.device)
+        last = torch.from_numpy(lengths - 1).to(self.device)
+        with self._lock, torch.inference_mode():  # inference_mode is per thread: it must be set here
+            model = self._model
+            if model is None:
+                raise Unavailable(f"reward model {self.name!r} is closed")
+            if self._head is not None and self._backbone is not None:
+                out: Any = self._backbone(input_ids=ids_t, attention_mask=mask_t, use_cache=False)
+                hidden = out[0]  # last_hidden_state, [batch, width, hidden]
+                rows = torch.arange(len(seqs), device=self.device)
+                logits = self._head(hidden[rows, last])
+            else:
+                logits = model(input_ids=ids_t, attention_mask=mask_t).logits
+            scores: list[float] = logits[:, self.score_index].float().cpu().tolist()
+        return scores
+
+
+def _ids(ids: np.ndarray, field: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise InvalidInput(f"{field}: expected a 1-D integer array, got shape {arr.shape} {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _pick_device(device: str, name: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        picked = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"reward model {name!r}: bad device {device!r}: {e}") from e
+    if picked.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"reward model {name!r}: device {device!r} requested but CUDA is not available")
+    return picked
+
+
+def _pick_dtype(dtype: str, device: torch.device, name: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"reward model {name!r}: dtype must be 'auto' or one of {sorted(_DTYPES)}, not {dtype!r}"
+        ) from None
+
+
+def _load_tokenizer(path: str, what: str) -> PreTrainedTokenizerBase:
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"{what}: {path} is not a local directory (models are loaded from local files only; "
+            "download the model first)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"{what}: cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from e
+    assert isinstance(tokenizer, PreTrainedTokenizerBase)
+    return tokenizer
