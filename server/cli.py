@@ -65,6 +65,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not offer the built-in rules as pipelines",
     )
 
+    rollout = serve_sub.add_parser(
+        "rollout",
+        help="run a rollout server",
+        description="Serve RolloutService: generate with an agent loop and stream every finished sample "
+        "into the reward servers at once.",
+    )
+    _add_server_flags(rollout, 50061)
+    rollout.add_argument("--backend", choices=["hf", "vllm"], help="generation engine (default hf)")
+    rollout.add_argument("--model", help="local model directory (e.g. from `rewardmesh tiny-models`)")
+    rollout.add_argument("--reward-target", dest="reward_target",
+                         help="reward servers HOST:PORT[,HOST:PORT...] or dns:///name:port")  # fmt: skip
+    rollout.add_argument("--default-max-tokens", dest="default_max_tokens", type=int,
+                         help="max_tokens when a request sets none (default 256)")  # fmt: skip
+    rollout.add_argument("--device", help="hf backend: auto, cpu or cuda (default auto)")
+    rollout.add_argument("--max-batch-size", dest="max_batch_size", type=int,
+                         help="hf backend: most requests generated together (default 32)")  # fmt: skip
+
     tiny = sub.add_parser("tiny-models", help="build tiny policy and reward models locally (no download)")
     tiny.add_argument("--out", type=Path, default=default_models_dir(), help="output directory (default %(default)s)")
     tiny.add_argument("--seed", type=int, default=0)
@@ -92,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(serve_reward(cfg, file_cfg.get("pipelines")))
         except ValueError as exc:  # a config mistake: say what to fix, not a traceback
+            print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "serve" and args.service == "rollout":
+        from server.rollout_server import RolloutServerConfig, serve_rollout
+
+        _setup_logging(args.log_level)
+        file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
+        rcfg = resolve(RolloutServerConfig, args, file_cfg.get("server") or {})
+        try:
+            asyncio.run(serve_rollout(rcfg))
+        except ValueError as exc:
             print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
             return 2
         return 0

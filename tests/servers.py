@@ -10,7 +10,7 @@ from typing import Any
 from grpc import aio
 
 from client.tensors import ids_tensor
-from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rewardmesh.v1 import common_pb2, reward_pb2_grpc
 from server.reward_server import RewardServer, build_engine
 from server.serving import ServerOptions
 
@@ -55,3 +55,23 @@ def sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -
     if extra:
         s.extra_info.update(extra)
     return s
+
+
+@asynccontextmanager
+async def rollout_server(backend: Any, reward_targets: list[str] | None = None) -> AsyncIterator[Any]:
+    from server.rollout_server import RolloutServer
+
+    server = RolloutServer(backend, reward_targets, ServerOptions(host="127.0.0.1", port=0, grace_s=2))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
+@asynccontextmanager
+async def rollout_stub(address: str) -> AsyncIterator[Any]:
+    from rewardmesh.v1 import rollout_pb2_grpc
+
+    async with aio.insecure_channel(address) as channel:
+        yield rollout_pb2_grpc.RolloutServiceStub(channel)

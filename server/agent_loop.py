@@ -1,0 +1,114 @@
+"""One sample's agent loop: generate, parse tool calls, run tools, generate again, until done.
+
+Tool output tokens enter the response with mask 0 (the policy did not produce them). Times are
+summed over turns like verl's AgentLoopMetrics: `generate_sequences` and `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from server.backends.base import Backend, GenerationRequest
+from server.tools import parse_tool_calls, run_tool_call
+
+
+@dataclass
+class AgentSettings:
+    max_turns: int = 1
+    max_response_tokens: int = 0  # 0: limited only by the context
+    tools: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Rollout:
+    """What the loop produced for one sample."""
+
+    response_ids: list[int]
+    response_mask: list[int]
+    finish_reason: str  # stop | length | abort | max_turns
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_preempted: int = -1
+    policy_version: int = 0
+
+
+def tool_turn_ids(tokenizer: Any, outputs: list[str], last_token: int | None) -> list[int]:
+    """Tool results as a Hermes/ChatML user turn, closing the assistant turn first if the model did not."""
+    end = "<|im_end|>"
+    body = "".join(f"<tool_response>\n{json.dumps(out)}\n</tool_response>\n" for out in outputs)
+    text = f"\n<|im_start|>user\n{body.rstrip()}{end}\n<|im_start|>assistant\n"
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    if last_token != end_id:
+        text = end + text
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def run_agent_loop(
+    backend: Backend,
+    prompt_ids: list[int],
+    sampling: GenerationRequest,
+    settings: AgentSettings,
+    on_turn: Any = None,
+) -> Rollout:
+    """Run turns until the model stops without calling a tool, a budget runs out, or max_turns is reached.
+
+    `sampling` is the per-turn template (its prompt_ids are ignored). `on_turn(kind, name, seconds)` is
+    an optional hook for tracing each generate and tool call.
+    """
+    ids = list(prompt_ids)
+    out = Rollout([], [], "stop")
+    versions: list[int] = []
+    max_turns = max(1, settings.max_turns)
+    for turn in range(max_turns):
+        budget = backend.max_model_len - len(ids)
+        if settings.max_response_tokens:
+            budget = min(budget, settings.max_response_tokens - len(out.response_ids))
+        max_tokens = min(sampling.max_tokens, budget)
+        if max_tokens <= 0:
+            out.finish_reason = "length"
+            break
+        started = time.perf_counter()
+        gen = await backend.generate(replace(sampling, prompt_ids=ids, max_tokens=max_tokens))
+        spent = time.perf_counter() - started
+        out.generate_s += spent
+        if on_turn is not None:
+            on_turn("generate", f"turn {turn}", spent)
+        out.num_turns += 1
+        versions.append(gen.policy_version)
+        if gen.num_preempted >= 0:
+            out.num_preempted = max(out.num_preempted, 0) + gen.num_preempted
+        out.response_ids += gen.token_ids
+        out.response_mask += [1] * len(gen.token_ids)
+        ids += gen.token_ids
+        out.finish_reason = gen.finish_reason
+        if not settings.tools or gen.finish_reason != "stop":
+            break
+        calls = parse_tool_calls(backend.tokenizer.decode(gen.token_ids, skip_special_tokens=False))
+        if not calls:
+            break
+        if turn == max_turns - 1:
+            out.finish_reason = "max_turns"
+            break
+        results = []
+        for call in calls:
+            started = time.perf_counter()
+            results.append(await run_tool_call(call, settings.tools))
+            spent = time.perf_counter() - started
+            out.tool_s += spent
+            out.num_tool_calls += 1
+            if on_turn is not None:
+                on_turn("tool_call", call.name or "malformed", spent)
+        observation = tool_turn_ids(backend.tokenizer, results, gen.token_ids[-1] if gen.token_ids else None)
+        if settings.max_response_tokens:
+            observation = observation[: max(0, settings.max_response_tokens - len(out.response_ids))]
+        out.response_ids += observation
+        out.response_mask += [0] * len(observation)
+        ids += observation
+    # The oldest policy that contributed tokens: what bounded staleness must check.
+    out.policy_version = min(versions) if versions else backend.policy_version
+    return out

@@ -1,0 +1,225 @@
+"""Rollout server over real gRPC with real reward servers: streaming, overlap, failover, weights, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc import aio
+
+from client.tensors import ids_from, ids_tensor
+from client.weights import iter_chunks
+from rewardmesh.v1 import common_pb2, rollout_pb2
+from server.reward_server import load_tokenizer
+from server.tiny_models import TinyModelPaths
+from tests.scripted_backend import ScriptedBackend
+from tests.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models: TinyModelPaths) -> Any:
+    return load_tokenizer(str(tiny_models.policy))
+
+
+def timed_script(text: str, turn: int) -> tuple[str, float]:
+    """Generation time is written in the prompt: 'wait 0.3' takes 0.3 s; the answer is '#### 4'."""
+    seconds = float(text.split("wait ")[1].split()[0]) if "wait " in text else 0.0
+    return "so #### 4", seconds
+
+
+def prompt(tok: Any, text: str, group: str = "", truth: str = "4", **kw: Any) -> rollout_pb2.Prompt:
+    return rollout_pb2.Prompt(group_id=group, token_ids=ids_tensor(tok.encode(text)), ground_truth=truth,
+                              data_source="openai/gsm8k", **kw)  # fmt: skip
+
+
+def gen_request(prompts: list[rollout_pb2.Prompt], n: int = 1, reward: str = "", **kw: Any) -> Any:
+    return rollout_pb2.GenerateRequest(prompts=prompts, n=n, reward=reward,
+                                       sampling=rollout_pb2.SamplingParams(max_tokens=64), **kw)  # fmt: skip
+
+
+async def test_samples_stream_back_scored_fast_ones_first(tok: Any) -> None:
+    backend = ScriptedBackend(tok, timed_script)
+    async with reward_server() as rs, rollout_server(backend, [rs.address]) as ro, rollout_stub(ro.address) as stub:
+        prompts = [prompt(tok, "wait 0.4 slow", "slow"), prompt(tok, "wait 0.0 fast", "fast")]
+        got = [r async for r in stub.Generate(gen_request(prompts, n=2, reward="gsm8k"))]
+    assert [r.sample.group_id for r in got] == ["fast", "fast", "slow", "slow"]
+    assert sorted(r.sample.sample_id for r in got) == ["fast/0", "fast/1", "slow/0", "slow/1"]
+    for r in got:
+        s = r.sample
+        assert not r.result.HasField("error") and r.result.score == 1.0 and r.result.sample_id == s.sample_id
+        assert s.finish_reason == common_pb2.FINISH_REASON_STOP and s.timing.num_turns == 1
+        assert s.timing.reward > 0 and s.timing.reward >= s.timing.reward_compute
+        assert s.timing.response_length == len(ids_from(s.response_ids, "r")) > 0
+        assert s.response_text == "so #### 4" and s.ground_truth == "4"
+    slow = next(r for r in got if r.sample.group_id == "slow")
+    assert slow.sample.timing.generate_sequences >= 0.35
+
+
+async def test_reward_overlaps_generation(tok: Any) -> None:
+    """With a reward that sleeps per sample, the first scored sample arrives before the last finished generating."""
+    backend = ScriptedBackend(tok, timed_script)
+    finished: list[float] = []
+    original = backend.generate
+
+    async def recording(req: Any) -> Any:
+        out = await original(req)
+        finished.append(time.monotonic())
+        return out
+
+    backend.generate = recording  # type: ignore[method-assign]
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as rs, rollout_server(backend, [rs.address]) as ro:
+        async with rollout_stub(ro.address) as stub:
+            prompts = [prompt(tok, f"wait {0.1 * (i + 1):.1f}", f"g{i}", extra_info=None) for i in range(6)]
+            for p in prompts:
+                p.extra_info.update({"delay": 0.15})
+            arrivals = []
+            async for r in stub.Generate(gen_request(prompts, reward="sleepy")):
+                arrivals.append(time.monotonic())
+                assert not r.result.HasField("error")
+    assert len(arrivals) == 6
+    assert arrivals[0] < max(finished)  # scoring of early samples ran while later ones generated
+
+
+async def test_reward_target_killed_mid_stream_is_rerouted(tok: Any) -> None:
+    backend = ScriptedBackend(tok, timed_script)
+    pipes = {"sleepy": fn_pipeline("sleepy")}
+    async with (
+        reward_server(pipes) as a,
+        reward_server(pipes) as b,
+        rollout_server(backend, [a.address, b.address]) as ro,
+    ):
+        async with rollout_stub(ro.address) as stub:
+            prompts = [prompt(tok, "wait 0.05", f"g{i}") for i in range(10)]
+            for p in prompts:
+                p.extra_info.update({"delay": 0.5})
+
+            async def kill_a() -> None:
+                await asyncio.sleep(0.3)  # samples are in a's queue by now
+                await a.grpc.server.stop(0)
+
+            killer = asyncio.create_task(kill_a())
+            got = [r async for r in stub.Generate(gen_request(prompts, n=3, reward="sleepy"))]
+            await killer
+        rerouted = ro.rewards.rerouted if ro.rewards else 0
+    ids = [r.sample.sample_id for r in got]
+    assert len(ids) == 30 and len(set(ids)) == 30
+    assert all(not r.result.HasField("error") for r in got), [r.result.error for r in got]
+    assert rerouted >= 1 and b.servicer.results_sent >= 15
+
+
+async def test_no_reward_named_returns_unscored_samples(tok: Any) -> None:
+    async with rollout_server(ScriptedBackend(tok, timed_script)) as ro, rollout_stub(ro.address) as stub:
+        got = [r async for r in stub.Generate(gen_request([prompt(tok, "hi")], n=2))]
+    assert len(got) == 2 and not any(r.HasField("result") for r in got)
+    assert got[0].sample.timing.reward == 0
+
+
+async def test_chat_prompt_and_tool_loop_through_the_server(tok: Any) -> None:
+    def script(text: str, turn: int) -> tuple[str, float]:
+        if turn == 0:
+            return '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>', 0.0
+        return "#### 4", 0.0
+
+    chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="What is 2+2?")])
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(group_id="c", chat=chat, ground_truth="4")], n=1, reward="gsm8k",
+        sampling=rollout_pb2.SamplingParams(max_tokens=128),
+        agent=rollout_pb2.AgentLoopConfig(max_turns=3, tools=["calculator"]),
+    )  # fmt: skip
+    async with reward_server() as rs, rollout_server(ScriptedBackend(tok, script), [rs.address]) as ro:
+        async with rollout_stub(ro.address) as stub:
+            (r,) = [x async for x in stub.Generate(req)]
+    mask = ids_from(r.sample.response_mask, "m")
+    assert r.sample.timing.num_turns == 2 and r.sample.timing.tool_calls > 0
+    assert 0 < int(mask.sum()) < len(mask)  # tool tokens masked out
+    assert r.sample.prompt_text == "What is 2+2?" and "<|im_start|>" in tok.decode(ids_from(r.sample.prompt_ids, "p"))
+    assert r.result.score == 1.0
+
+
+async def test_bad_requests_are_invalid_argument_naming_the_field(tok: Any) -> None:
+    good = prompt(tok, "hi")
+    short_bytes = common_pb2.Tensor(dtype=common_pb2.DTYPE_INT32, shape=[3], raw_data=b"\x00")
+    cases = [
+        (gen_request([]), "prompts is empty"),
+        (gen_request([good], n=0), "n must be >= 1"),
+        (rollout_pb2.GenerateRequest(prompts=[good], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=5000)),
+         "sampling.max_tokens 5000"),
+        (gen_request([good], agent=rollout_pb2.AgentLoopConfig(tools=["web_search"])), "agent.tools[0]: unknown tool"),
+        (gen_request([rollout_pb2.Prompt(group_id="x")]), "prompts[0] has no input"),
+        (gen_request([rollout_pb2.Prompt(token_ids=ids_tensor([]))]), "prompts[0].token_ids is empty"),
+        (gen_request([rollout_pb2.Prompt(token_ids=short_bytes)]), "prompts[0].token_ids.raw_data"),
+        (gen_request([good], reward="gsm8k"), "no --reward-target"),
+    ]  # fmt: skip
+    async with rollout_server(ScriptedBackend(tok, timed_script)) as ro, rollout_stub(ro.address) as stub:
+        for req, text in cases:
+            with pytest.raises(aio.AioRpcError) as info:
+                _ = [r async for r in stub.Generate(req)]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
+            assert text in (info.value.details() or ""), (text, info.value.details())
+        ok = [r async for r in stub.Generate(gen_request([good]))]  # still serving
+    assert len(ok) == 1
+
+
+async def test_client_cancel_aborts_in_flight_generations(tok: Any) -> None:
+    backend = ScriptedBackend(tok, timed_script)
+    async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
+        prompts = [prompt(tok, "wait 0.0", "quick")] + [prompt(tok, "wait 30", f"stuck{i}") for i in range(4)]
+        call = stub.Generate(gen_request(prompts))
+        first = await call.read()
+        assert first.sample.group_id == "quick"
+        assert backend.running == 4
+        call.cancel()
+        for _ in range(100):
+            if backend.running == 0:
+                break
+            await asyncio.sleep(0.02)
+        info = await stub.GetInfo(rollout_pb2.GetInfoRequest())
+    assert backend.running == 0 and backend.cancelled == 4
+    assert info.load.running_samples == 0 and info.load.active_requests == 0
+
+
+async def test_update_weights_applies_atomically_and_validates(tok: Any) -> None:
+    backend = ScriptedBackend(tok, timed_script)
+
+    def stream(state: dict[str, torch.Tensor], version: int = 0, chunk: int = 4) -> Any:
+        for i, c in enumerate(iter_chunks(state, chunk_bytes=chunk)):
+            yield rollout_pb2.UpdateWeightsRequest(chunk=c, policy_version=version if i == 0 else 0)
+
+    async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
+        new = torch.arange(4, dtype=torch.bfloat16).reshape(2, 2)
+        resp = await stub.UpdateWeights(stream({"w": new}))  # 8 bytes in 4-byte chunks
+        assert resp.policy_version == 1 and resp.num_tensors == 1 and resp.num_bytes == 8
+        assert torch.equal(backend.weights["w"], new.float())
+        resp = await stub.UpdateWeights(stream({"w": new * 2}, version=7))
+        assert resp.policy_version == 7
+        bad = [
+            ({"nope": torch.zeros(2, 2)}, "unknown tensor 'nope'"),
+            ({"w": torch.zeros(3, 2)}, "chunk.shape of 'w'"),
+            ({"w": torch.zeros(2, 2, dtype=torch.int32)}, "chunk.dtype of 'w'"),
+        ]
+        for state, text in bad:
+            with pytest.raises(aio.AioRpcError) as info:
+                await stub.UpdateWeights(stream(state))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in (info.value.details() or "")
+        assert backend.policy_version == 7 and torch.equal(backend.weights["w"], (new * 2).float())  # nothing applied
+        (r,) = [x async for x in stub.Generate(gen_request([prompt(tok, "hi")]))]
+        assert r.sample.policy_version == 7
+        info = await stub.GetInfo(rollout_pb2.GetInfoRequest())
+    assert info.policy_version == 7 and info.backend == "scripted" and "calculator" in info.tools
+
+
+def test_partial_chunks_are_rejected() -> None:
+    from client.weights import WeightAssembler
+
+    asm = WeightAssembler({"w": ((4,), torch.float32)})
+    chunks = list(iter_chunks({"w": torch.ones(4)}, chunk_bytes=4))
+    for c in chunks[:-1]:
+        asm.add(c)
+    with pytest.raises(ValueError, match="got 12 of 16 bytes"):
+        asm.finish()
+    assert np.frombuffer(chunks[0].data, "<f4")[0] == 1.0
