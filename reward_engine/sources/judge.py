@@ -1,0 +1,319 @@
+"""An LLM judge behind an OpenAI-compatible chat-completions endpoint (vLLM, SGLang, OpenAI, ...).
+
+Everything is async on one aiohttp session: a judge call is pure network wait, so hundreds can be
+in flight on the event loop without threads; max_concurrency and requests_per_minute protect the
+judge server, not us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import string
+from typing import Any
+
+import aiohttp
+
+from reward_engine.errors import DeadlineExceeded, InvalidInput, RewardError, SourceFailed, Unavailable
+from reward_engine.sources.verl_compat import describe_exception
+from reward_engine.types import BatchResult, RewardInput, RewardOutput
+
+DEFAULT_PROMPT_TEMPLATE = """\
+You are a strict grader. Rate how well the response below answers the prompt, on a scale from 0 \
+(wrong, off-topic or no answer) to 10 (fully correct, complete and clear). If a reference answer is \
+given, a response whose final answer disagrees with it cannot score above 2.
+
+[Prompt]
+{prompt}
+
+[Reference answer (may be empty)]
+{ground_truth}
+
+[Response]
+{response}
+
+Explain your judgement in a few sentences, then give the rating on the last line, exactly in the \
+form "Score: N" with N an integer from 0 to 10."""
+
+# "Score: 7", "score = 7.5", "**Score:** 7", "Score: 7/10"; the last match in the reply counts.
+DEFAULT_SCORE_REGEX = r"(?i)score\s*\**\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)"
+
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth", "data_source", "extra_info")
+
+_SNIPPET_CHARS = 200
+
+
+class _AnyKey(dict[str, Any]):
+    """extra_info stand-in for checking a template: any {extra_info[key]} is acceptable there."""
+
+    def __missing__(self, key: str) -> str:
+        return ""
+
+
+def chat_completions_url(url: str) -> str:
+    """Accept a server root, an OpenAI-style base URL ending in /v1, or the full endpoint."""
+    base = url.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    if base.endswith("/v1"):
+        return base + "/chat/completions"
+    return base + "/v1/chat/completions"
+
+
+class RateLimiter:
+    """Spaces request starts at least 60/requests_per_minute seconds apart (0 = unlimited).
+
+    Each caller reserves the next free start time before awaiting, with no await between reading
+    and advancing it, so concurrent callers on one event loop can never share a slot. Spacing
+    rather than a token bucket: no burst at start-up for a judge that is already loaded.
+    """
+
+    def __init__(self, requests_per_minute: float) -> None:
+        self.interval = 60.0 / requests_per_minute if requests_per_minute > 0 else 0.0
+        self._next_start = 0.0
+
+    async def acquire(self) -> None:
+        if self.interval <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        start = max(now, self._next_start)
+        self._next_start = start + self.interval
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
+class _HTTPFailure(Exception):
+    """A reply we will not retry (HTTP error status, unusable body)."""
+
+
+def _snippet(text: str) -> str:
+    return repr(text[:_SNIPPET_CHARS] + ("..." if len(text) > _SNIPPET_CHARS else ""))
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+
+
+def _non_negative(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value >= 0
+
+
+class JudgeSource:
+    """Scores each sample by asking an LLM judge and parsing a number out of its reply.
+
+    Config keys:
+      url: judge server (e.g. http://vllm:8000, .../v1 or the full .../v1/chat/completions).
+      model: model name sent in the request.
+      prompt_template: str.format template with {prompt}, {response}, {ground_truth},
+        {data_source} and {extra_info[key]}; write literal braces as {{ }}.
+      score_regex: the last match's group 1 (or whole match if no group) is the judge's number;
+        score = number * score_scale (default 0.1 maps 0-10 to 0-1). Extra ``judge_raw`` = number.
+      max_concurrency: requests in flight to the judge at once, from this source.
+      requests_per_minute: request starts per minute, retries included (0 = unlimited).
+      timeout_s: per HTTP attempt -> DeadlineExceeded (not retried: the judge is slow, not away).
+      max_retries, retry_backoff_s: connection errors only (refused, reset, DNS) are retried, with
+        backoff retry_backoff_s * 2**n, then Unavailable. HTTP errors are never retried: a 4xx
+        will not improve and a 5xx judge under load should not get extra traffic from us.
+      temperature, max_tokens, system_prompt: sent as is.
+      api_key_env: environment variable holding a bearer token, read when the session opens
+        (unset or empty = no Authorization header).
+    """
+
+    kind = "judge"
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        model: str,
+        prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+        score_regex: str = DEFAULT_SCORE_REGEX,
+        score_scale: float = 0.1,
+        max_concurrency: int = 8,
+        requests_per_minute: float = 0,
+        timeout_s: float = 60,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        temperature: float = 0.0,
+        max_tokens: int = 256,
+        api_key_env: str = "OPENAI_API_KEY",
+        system_prompt: str = "",
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("judge source: 'name' must be a non-empty string")
+        where = f"judge source {name!r}"
+        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+            raise ValueError(f"{where}: 'url' must be an http:// or https:// URL, got {url!r}")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{where}: 'model' must be a non-empty string")
+        self._check_template(where, prompt_template)
+        try:
+            self._score_re = re.compile(score_regex)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"{where}: 'score_regex' {score_regex!r} does not compile: {exc}") from exc
+        if isinstance(score_scale, bool) or not isinstance(score_scale, int | float):
+            raise ValueError(f"{where}: 'score_scale' must be a number, got {score_scale!r}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"{where}: 'max_concurrency' must be an integer >= 1, got {max_concurrency!r}")
+        if not _non_negative(requests_per_minute):
+            raise ValueError(
+                f"{where}: 'requests_per_minute' must be >= 0 (0 = unlimited), got {requests_per_minute!r}"
+            )
+        if not _positive(timeout_s):
+            raise ValueError(f"{where}: 'timeout_s' must be a positive number, got {timeout_s!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"{where}: 'max_retries' must be an integer >= 0, got {max_retries!r}")
+        if not _non_negative(retry_backoff_s):
+            raise ValueError(f"{where}: 'retry_backoff_s' must be >= 0, got {retry_backoff_s!r}")
+        if not _non_negative(temperature):
+            raise ValueError(f"{where}: 'temperature' must be >= 0, got {temperature!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {max_tokens!r}")
+        if not isinstance(api_key_env, str):
+            raise ValueError(f"{where}: 'api_key_env' must be a string, got {api_key_env!r}")
+        if not isinstance(system_prompt, str):
+            raise ValueError(f"{where}: 'system_prompt' must be a string")
+
+        self.name = name
+        self.target = url
+        self.endpoint = chat_completions_url(url)
+        self.model = model
+        self.prompt_template = prompt_template
+        self.score_scale = float(score_scale)
+        self.max_concurrency = max_concurrency
+        self.timeout_s = float(timeout_s)
+        self.max_retries = max_retries
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.temperature = float(temperature)
+        self.max_tokens = max_tokens
+        self.api_key_env = api_key_env
+        self.system_prompt = system_prompt
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._limiter = RateLimiter(float(requests_per_minute))
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    @staticmethod
+    def _check_template(where: str, template: Any) -> None:
+        """Reject a template that would fail on every sample, at config time."""
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{where}: 'prompt_template' must be a non-empty string")
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+            probe = dict.fromkeys(TEMPLATE_FIELDS[:-1], "")
+            template.format_map({**probe, "extra_info": _AnyKey()})
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise ValueError(
+                f"{where}: 'prompt_template' is not a valid template ({describe_exception(exc)}); "
+                f"fields: {', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}; literal braces are {{{{ }}}}"
+            ) from exc
+        if not any(re.match(r"response\b", f) for f in fields):
+            raise ValueError(f"{where}: 'prompt_template' never shows the judge the {{response}}")
+
+    def _session_now(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            headers = {"Content-Type": "application/json"}
+            key = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+            self._session = aiohttp.ClientSession(
+                headers=headers,
+                # Our own asyncio.timeout bounds each attempt; aiohttp's default 5-minute total must not.
+                timeout=aiohttp.ClientTimeout(total=None),
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency),
+            )
+        return self._session
+
+    def _messages(self, sample: RewardInput) -> list[dict[str, str]]:
+        try:
+            content = self.prompt_template.format(
+                prompt=sample.prompt_text,
+                response=sample.response_text,
+                ground_truth=sample.ground_truth,
+                data_source=sample.data_source,
+                extra_info=sample.extra_info,
+            )
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise InvalidInput(
+                f"judge {self.name!r}: prompt_template cannot be filled for sample "
+                f"{sample.sample_id!r}: {describe_exception(exc)}"
+            ) from exc
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": content})
+        return messages
+
+    async def _post(self, body: dict[str, Any]) -> str:
+        async with self._session_now().post(self.endpoint, json=body) as response:
+            raw = await response.text(errors="replace")
+            if not 200 <= response.status < 300:
+                raise _HTTPFailure(f"judge {self.endpoint} answered HTTP {response.status}: {_snippet(raw)}")
+        try:
+            content = json.loads(raw)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _HTTPFailure(f"judge {self.endpoint} sent no chat completion: {_snippet(raw)}") from exc
+        if not isinstance(content, str):
+            raise _HTTPFailure(f"judge {self.endpoint} sent a completion without text content: {_snippet(raw)}")
+        return content
+
+    def _parse(self, reply: str) -> RewardOutput:
+        matches = list(self._score_re.finditer(reply))
+        if not matches:
+            raise SourceFailed(f"judge reply has no score matching {self._score_re.pattern!r}: {_snippet(reply)}")
+        last = matches[-1]
+        text = last.group(1) if self._score_re.groups else last.group(0)
+        try:
+            raw = float(text)
+        except (TypeError, ValueError):
+            raise SourceFailed(f"judge score {text!r} is not a number; reply: {_snippet(reply)}") from None
+        if not math.isfinite(raw):
+            raise SourceFailed(f"judge score {text!r} is not finite; reply: {_snippet(reply)}")
+        return RewardOutput(score=raw * self.score_scale, extras={"judge_raw": raw})
+
+    async def _score_one(self, sample: RewardInput) -> RewardOutput | BaseException:
+        try:
+            body = {
+                "model": self.model,
+                "messages": self._messages(sample),
+                "temperature": self.temperature,
+                "max_tokens": self.max_tokens,
+            }
+            attempts = self.max_retries + 1
+            last_error: BaseException | None = None
+            for attempt in range(attempts):
+                if self._closed:
+                    return Unavailable(f"judge source {self.name!r} is closed")
+                async with self._semaphore:
+                    await self._limiter.acquire()
+                    try:
+                        async with asyncio.timeout(self.timeout_s):
+                            reply = await self._post(body)
+                        return self._parse(reply)
+                    except TimeoutError:  # before ClientConnectionError: aiohttp's timeouts subclass both
+                        return DeadlineExceeded(f"judge {self.endpoint} did not answer within {self.timeout_s:g}s")
+                    except aiohttp.ClientConnectionError as exc:
+                        last_error = exc
+                # Back off outside the semaphore: a sample waiting to retry holds no concurrency slot.
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+            return Unavailable(
+                f"judge {self.endpoint} unreachable after {attempts} attempt(s): "
+                f"{describe_exception(last_error) if last_error else 'no attempt made'}"
+            )
+        except RewardError as exc:
+            return exc
+        except _HTTPFailure as exc:
+            return SourceFailed(str(exc))
+        except Exception as exc:  # other aiohttp errors: bad redirect, payload error, ...
+            return SourceFailed(f"judge {self.endpoint} request failed: {describe_exception(exc)}")
+
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        return list(await asyncio.gather(*(self._score_one(sample) for sample in batch)))
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,294 @@
+"""Rule-based rewards: a registry of cheap, deterministic verl-style scorers and the source that runs them.
+
+Rules have verl's signature ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+returning a float or a dict with a "score" key, so verl's built-in scorers and user rules can be
+registered unchanged and give the same rewards here as inside verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from reward_engine.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
+from reward_engine.sources.verl_compat import describe_exception, to_output
+from reward_engine.types import BatchResult, RewardInput, RewardOutput
+
+RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
+
+RULES: dict[str, RuleFn] = {}
+
+
+def register_rule(name: str, *, replace: bool = False) -> Callable[[RuleFn], RuleFn]:
+    """Decorator adding a rule under ``name``; a duplicate name is an error unless ``replace``,
+    so two modules cannot silently shadow each other's rule."""
+    if not name or not isinstance(name, str):
+        raise ValueError("rule name must be a non-empty string")
+
+    def decorator(fn: RuleFn) -> RuleFn:
+        if name in RULES and RULES[name] is not fn and not replace:
+            raise ValueError(f"rule {name!r} is already registered (pass replace=True to override it)")
+        RULES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_rule(name: str) -> RuleFn:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise UnknownReward(f"unknown rule {name!r}; known rules: {', '.join(sorted(RULES))}") from None
+
+
+# --------------------------------------------------------------------------------------------- gsm8k
+
+# verl matches only the last 300 characters: regexes over long rollouts are slow and the answer is at the end.
+_GSM8K_CLIP_CHARS = 300
+_GSM8K_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+_GSM8K_FLEXIBLE_RE = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """verl's gsm8k extract_solution: strict = last ``#### N``; flexible = last number in the text.
+
+    Strict is faithful to verl, so rewards match verl's, quirks included: "#### 72." yields "72.",
+    which does not equal "72". Flexible deliberately differs: verl's regex takes "72." from "the
+    answer is 72." and a bare "," from prose, so it drops trailing dots/commas, skips matches
+    without a digit and removes thousands separators, i.e. it really is "the last number".
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
+    if len(solution_str) > _GSM8K_CLIP_CHARS:
+        solution_str = solution_str[-_GSM8K_CLIP_CHARS:]
+    if method == "strict":
+        found = _GSM8K_STRICT_RE.findall(solution_str)
+        if not found:
+            return None
+        return str(found[-1]).replace(",", "").replace("$", "")
+    for candidate in reversed(_GSM8K_FLEXIBLE_RE.findall(solution_str)):
+        number = str(candidate).rstrip(".,").replace(",", "")
+        if any(ch.isdigit() for ch in number):
+            return number
+    return None
+
+
+def _gsm8k_ground_truth(ground_truth: str) -> str:
+    """Accept both verl's preprocessed answer ("72") and the raw gsm8k answer ("...#### 72")."""
+    text = ground_truth.strip()
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip()
+    return text.replace(",", "")
+
+
+def gsm8k_score(
+    solution_str: str,
+    ground_truth: str,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> dict[str, float]:
+    """verl's gsm8k compute_score, returning a dict whose extras say why: ``acc`` (answer correct)
+    and ``format`` (a strict ``#### N`` answer was present, whatever the method)."""
+    answer = extract_gsm8k_answer(solution_str, method)
+    has_format = extract_gsm8k_answer(solution_str, "strict") is not None
+    correct = answer is not None and answer == _gsm8k_ground_truth(ground_truth)
+    if answer is None:
+        value = 0.0
+    else:
+        value = score if correct else format_score
+    return {"score": float(value), "acc": 1.0 if correct else 0.0, "format": 1.0 if has_format else 0.0}
+
+
+@register_rule("gsm8k")
+def gsm8k(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Strict gsm8k (verl's default): only a ``#### N`` answer counts."""
+    return gsm8k_score(solution_str, ground_truth, method="strict")
+
+
+@register_rule("gsm8k_flexible")
+def gsm8k_flexible(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Flexible gsm8k: the last number in the response is the answer."""
+    return gsm8k_score(solution_str, ground_truth, method="flexible")
+
+
+# ---------------------------------------------------------------------------------------------- math
+
+
+class _DropTimeoutWarning(logging.Filter):
+    """math-verify warns once that its timeouts are off; that is our deliberate choice, not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+_math_lock = threading.Lock()
+_math_fns: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+
+
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Import math-verify on first use: it costs ~0.5 s and most pipelines never score math."""
+    global _math_fns
+    with _math_lock:
+        if _math_fns is None:
+            from math_verify import parse, verify
+
+            for logger_name in ("math_verify.parser", "math_verify.grader"):
+                logging.getLogger(logger_name).addFilter(_DropTimeoutWarning())
+            _math_fns = (parse, verify)
+        return _math_fns
+
+
+def math_score(solution_str: str, ground_truth: str) -> dict[str, float]:
+    """Compare the response's final answer (e.g. ``\\boxed{...}``) with ground_truth via math-verify.
+
+    Thread safety: math-verify's default timeouts use ``signal.alarm``, which raises ValueError
+    outside the main thread and would fire into whatever the main thread (the event loop) is doing
+    inside it. We always pass ``parsing_timeout=None`` / ``timeout_seconds=None`` to turn them off,
+    so this runs in any thread; the price is no internal time limit on pathological inputs: run
+    untrusted, possibly huge answers through a FunctionSource with executor="process" and a timeout.
+    """
+    parse, verify = _math_verify()
+    gold_text = ground_truth.strip()
+    if not gold_text:
+        raise InvalidInput("ground_truth is empty; the math rule needs the reference answer")
+    if "\\boxed" not in gold_text:
+        gold_text = "\\boxed{" + gold_text + "}"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise InvalidInput(f"ground_truth {ground_truth[:80]!r} is not a parseable math answer")
+    predicted = parse(solution_str, parsing_timeout=None)
+    correct = bool(predicted) and bool(verify(gold, predicted, timeout_seconds=None))
+    return {
+        "score": 1.0 if correct else 0.0,
+        "acc": 1.0 if correct else 0.0,
+        "parsed": float(bool(predicted)),
+    }
+
+
+@register_rule("math")
+def math_rule(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Math answer equivalence via math-verify (1/0), with ``parsed`` = an answer was found."""
+    return math_score(solution_str, ground_truth)
+
+
+# -------------------------------------------------------------------------------------- format, etc.
+
+_BOXED_RE = re.compile(r"\\boxed\s*\{\s*[^\s}]")
+
+
+@register_rule("format")
+def format_rule(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """1 if the response states a final answer as ``#### N`` or a non-empty ``\\boxed{...}``."""
+    has_hash = extract_gsm8k_answer(solution_str, "strict") is not None
+    has_boxed = _BOXED_RE.search(solution_str) is not None
+    return {
+        "score": 1.0 if (has_hash or has_boxed) else 0.0,
+        "hash_answer": 1.0 if has_hash else 0.0,
+        "boxed": 1.0 if has_boxed else 0.0,
+    }
+
+
+@register_rule("noop")
+def noop(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """0.0 without looking at the sample: measures transport and batching cost alone."""
+    return 0.0
+
+
+@register_rule("length")
+def length(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """-len(response)/1000: a trivial, input-dependent score for tests and smoke runs."""
+    return -len(solution_str) / 1000.0
+
+
+# ---------------------------------------------------------------------------------------------- auto
+
+_GSM8K_MARKERS = ("gsm8k",)
+_MATH_MARKERS = ("math", "aime", "amc", "numina", "olympiad", "dapo", "deepscaler")
+
+
+def rule_for_data_source(data_source: str) -> str:
+    """The rule verl's default_compute_score would pick for a data_source, by name."""
+    lowered = data_source.lower()
+    if any(marker in lowered for marker in _GSM8K_MARKERS):
+        return "gsm8k"
+    if any(marker in lowered for marker in _MATH_MARKERS):
+        return "math"
+    raise UnknownReward(
+        f"rule 'auto' has no scorer for data_source {data_source!r}; it knows names containing "
+        f"{', '.join(_GSM8K_MARKERS)} (-> gsm8k) or {', '.join(_MATH_MARKERS)} (-> math)"
+    )
+
+
+@register_rule("auto")
+def auto(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float | dict[str, Any]:
+    """Dispatch on data_source like verl's default_compute_score, for mixed-dataset batches."""
+    rule = RULES[rule_for_data_source(data_source)]
+    return rule(data_source, solution_str, ground_truth, extra_info)
+
+
+# -------------------------------------------------------------------------------------------- source
+
+# Rules run on the event loop; yield to it at least this often so a big batch of slow rules (math)
+# does not stall the server's other requests.
+_YIELD_EVERY_S = 0.02
+
+
+class RuleSource:
+    """Runs a registered rule inline on each sample: rules are cheap, so a pool would cost more
+    than the work. A rule that can hang belongs in a FunctionSource, which has timeouts."""
+
+    kind = "rule"
+
+    def __init__(self, name: str, rule: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("rule source: 'name' must be a non-empty string")
+        if not isinstance(rule, str) or not rule:
+            raise ValueError(f"rule source {name!r}: 'rule' must be a non-empty string")
+        try:
+            self._fn = get_rule(rule)
+        except UnknownReward as exc:
+            raise ValueError(f"rule source {name!r}: 'rule': {exc}") from exc
+        self.name = name
+        self.target = rule
+
+    def _score_one(self, sample: RewardInput) -> RewardOutput | BaseException:
+        what = f"rule {self.target!r}"
+        try:
+            value = self._fn(sample.data_source, sample.response_text, sample.ground_truth, sample.extra_info)
+        except RewardError as exc:
+            return exc  # already says what is wrong (unknown data_source, bad ground_truth)
+        except Exception as exc:
+            return SourceFailed(f"{what} raised {describe_exception(exc)}")
+        try:
+            return to_output(value, what)
+        except SourceFailed as exc:
+            return exc
+
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        results: BatchResult = []
+        last_yield = time.monotonic()
+        for sample in batch:
+            results.append(self._score_one(sample))
+            if time.monotonic() - last_yield > _YIELD_EVERY_S:
+                await asyncio.sleep(0)
+                last_yield = time.monotonic()
+        return results
+
+    async def close(self) -> None:
+        return None

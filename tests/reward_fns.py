@@ -1,0 +1,97 @@
+"""User reward functions with verl's signature, loaded by tests/test_custom.py as a file and as a module.
+
+Kept free of test-only imports: worker processes import this file on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+
+def _forked_from_tests() -> float:
+    """1.0 if this process inherited the test modules, which only a fork (not spawn) would give it."""
+    return float(any(name.startswith("tests.test_") for name in sys.modules))
+
+
+def exact(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+async def exact_async(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
+    await asyncio.sleep(0)
+    return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def detailed(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "score": 0.5 if solution_str == ground_truth else -0.5,
+        "length": len(solution_str),
+        "matched": solution_str == ground_truth,
+        "pid": os.getpid(),
+        "forked": _forked_from_tests(),
+        "note": "non-numeric, dropped",
+        "source_len": len(data_source),
+    }
+
+
+def boom(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """Raises for a response containing 'boom', scores 1 otherwise."""
+    if "boom" in solution_str:
+        raise ValueError(f"cannot score {solution_str!r}")
+    return 1.0
+
+
+def sleepy(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Sleeps extra_info['sleep_s'] seconds (0 if absent): a hung call when that exceeds timeout_s."""
+    time.sleep(float((extra_info or {}).get("sleep_s", 0.0)))
+    return {"score": 1.0, "pid": os.getpid()}
+
+
+async def sleepy_async(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
+    await asyncio.sleep(float((extra_info or {}).get("sleep_s", 0.0)))
+    return 1.0
+
+
+def cpu_heavy(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Pure-Python arithmetic that holds the GIL the whole time (~0.1 s)."""
+    n = int((extra_info or {}).get("n", 300_000))
+    started = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return {
+        "score": float(total % 2),
+        "pid": os.getpid(),
+        "forked": _forked_from_tests(),
+        "ms": (time.perf_counter() - started) * 1000.0,
+    }
+
+
+def crash(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """Kills its own process for a response 'crash' (a segfaulting extension would look the same)."""
+    if solution_str == "crash":
+        os._exit(3)
+    return 1.0
+
+
+def returns_text(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> str:
+    return "high"
+
+
+NOT_CALLABLE = 42

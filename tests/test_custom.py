@@ -1,0 +1,237 @@
+"""FunctionSource: loading user functions, each executor, failures isolated per sample, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reward_engine.errors import DeadlineExceeded, SourceFailed, Unavailable
+from reward_engine.sources.custom import FunctionSource
+from reward_engine.types import RewardInput, RewardOutput
+
+FILE = "tests/reward_fns.py"
+MODULE = "tests.reward_fns"
+
+
+def sample(response: str, truth: str = "", sid: str = "s", **extra: Any) -> RewardInput:
+    return RewardInput(
+        sample_id=sid,
+        prompt_ids=np.zeros(2, dtype=np.int32),
+        response_ids=np.zeros(3, dtype=np.int32),
+        response_text=response,
+        ground_truth=truth,
+        data_source="unit",
+        extra_info=dict(extra),
+    )
+
+
+@asynccontextmanager
+async def function_source(**config: Any) -> AsyncIterator[FunctionSource]:
+    source = FunctionSource(name=config.pop("name", "fn"), **config)
+    try:
+        yield source
+    finally:
+        await source.close()
+
+
+@pytest.fixture(autouse=True)
+def _run_from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """File specs are relative to the working directory."""
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("tests/reward_fns.py", "module:function"),  # no colon
+        ("tests/no_such_file.py:exact", "does not exist"),
+        ("tests/reward_fns.py:no_such_fn", "no attribute 'no_such_fn'"),
+        ("tests.reward_fns:no_such_fn", "no attribute 'no_such_fn'"),
+        ("tests.no_such_module:exact", "no module named 'tests.no_such_module'"),
+        ("tests/reward_fns.py:NOT_CALLABLE", "not a callable"),
+        (":exact", "both parts"),
+        ("tests.reward_fns:", "both parts"),
+    ],
+)
+def test_bad_spec_is_a_clear_value_error(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FunctionSource(name="fn", function=spec)
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"executor": "gpu"}, "'executor'"),
+        ({"timeout_s": 0}, "'timeout_s'"),
+        ({"max_workers": 0}, "'max_workers'"),
+    ],
+)
+def test_bad_config_names_the_key(config: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        FunctionSource(name="fn", function=f"{MODULE}:exact", **config)
+
+
+def test_auto_executor_choice() -> None:
+    assert FunctionSource(name="a", function=f"{MODULE}:exact").mode == "process"
+    assert FunctionSource(name="b", function=f"{MODULE}:exact_async").mode == "loop"
+    assert FunctionSource(name="c", function=f"{FILE}:exact", executor="inline").mode == "loop"
+    source = FunctionSource(name="d", function=f"{FILE}:exact", executor="thread")
+    assert (source.kind, source.target, source.mode) == ("function", f"{FILE}:exact", "thread")
+
+
+# ----------------------------------------------------------------------------------- each executor
+
+
+@pytest.mark.parametrize("spec", [f"{FILE}:detailed", f"{MODULE}:detailed"])
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+async def test_in_process_executors_file_and_module(spec: str, executor: str) -> None:
+    async with function_source(function=spec, executor=executor) as source:
+        results = await source.score_batch([sample("42", "42"), sample("41", "42")])
+    assert results == [
+        RewardOutput(0.5, {"length": 2.0, "matched": 1.0, "pid": float(os.getpid()), "forked": 1.0, "source_len": 4.0}),
+        RewardOutput(
+            -0.5, {"length": 2.0, "matched": 0.0, "pid": float(os.getpid()), "forked": 1.0, "source_len": 4.0}
+        ),
+    ]
+
+
+@pytest.mark.parametrize("spec", [f"{FILE}:detailed", f"{MODULE}:detailed"])
+async def test_process_executor_runs_in_spawned_workers(spec: str) -> None:
+    async with function_source(function=spec, max_workers=2) as source:
+        assert source.mode == "process"
+        results = await source.score_batch([sample("42", "42"), sample("41", "42"), sample("", "42")])
+    assert [r.score for r in results if isinstance(r, RewardOutput)] == [0.5, -0.5, -0.5]
+    for result in results:
+        assert isinstance(result, RewardOutput)
+        assert result.extras["pid"] != os.getpid()
+        assert result.extras["forked"] == 0.0  # a fresh interpreter: spawned, not forked
+        assert "note" not in result.extras
+
+
+@pytest.mark.parametrize("executor", ["auto", "inline", "thread", "process"])
+async def test_async_function_in_every_executor(executor: str) -> None:
+    async with function_source(function=f"{FILE}:exact_async", executor=executor) as source:
+        results = await source.score_batch([sample("7", "7"), sample("8", "7")])
+    assert results == [RewardOutput(1.0, {}), RewardOutput(0.0, {})]
+
+
+async def test_cpu_heavy_work_runs_in_other_processes() -> None:
+    async with function_source(function=f"{FILE}:cpu_heavy", max_workers=2) as source:
+        await source.warmup()
+        assert source._pool is not None
+        workers = set(source._pool.pids)
+        assert len(workers) == 2 and os.getpid() not in workers
+        results = await source.score_batch([sample(str(i), n=200_000) for i in range(4)])
+    pids = {r.extras["pid"] for r in results if isinstance(r, RewardOutput)}
+    assert len(results) == 4 and all(isinstance(r, RewardOutput) for r in results)
+    assert pids <= {float(pid) for pid in workers}
+
+
+# --------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+async def test_raising_sample_fails_alone(executor: str) -> None:
+    async with function_source(function=f"{FILE}:boom", executor=executor, max_workers=2) as source:
+        results = await source.score_batch([sample("fine"), sample("boom!"), sample("also fine")])
+    assert results[0] == RewardOutput(1.0, {}) and results[2] == RewardOutput(1.0, {})
+    assert isinstance(results[1], SourceFailed)
+    assert str(results[1]) == f"function '{FILE}:boom' raised ValueError: cannot score 'boom!'"
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+async def test_bad_return_type_is_source_failed(executor: str) -> None:
+    async with function_source(function=f"{MODULE}:returns_text", executor=executor) as source:
+        (result,) = await source.score_batch([sample("x")])
+    assert isinstance(result, SourceFailed)
+    assert "returned str" in str(result) and "returns_text" in str(result)
+
+
+async def test_process_timeout_recycles_the_pool_and_kills_the_stuck_worker() -> None:
+    async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=2) as source:
+        await source.warmup()
+        assert source._pool is not None
+        first_pool = source._pool
+        first_workers = set(first_pool.pids)
+        started = time.monotonic()
+        results = await source.score_batch([sample("fine", sleep_s=0.2), sample("hung", sleep_s=60)])
+        assert time.monotonic() - started < 10
+        assert isinstance(results[0], RewardOutput) and results[0].score == 1.0
+        assert isinstance(results[1], DeadlineExceeded)
+        assert str(results[1]) == f"function '{FILE}:sleepy' timed out after 1s"
+
+        # The source keeps working, on a fresh pool...
+        again = await source.score_batch([sample("a"), sample("b", sleep_s=0.1)])
+        assert all(isinstance(r, RewardOutput) and r.score == 1.0 for r in again)
+        assert source._pool is not first_pool and first_pool.retired
+        assert not first_workers & {r.extras["pid"] for r in again if isinstance(r, RewardOutput)}
+        # ...and the worker stuck in the 60 s sleep is terminated, not left holding a slot.
+        await asyncio_wait_until(lambda: not first_workers & {p.pid for p in multiprocessing.active_children()})
+
+
+async def test_thread_timeout_then_next_calls_succeed() -> None:
+    async with function_source(function=f"{FILE}:sleepy", executor="thread", timeout_s=0.2, max_workers=1) as source:
+        results = await source.score_batch([sample("hung", sleep_s=0.6), sample("fine")])
+        assert isinstance(results[0], DeadlineExceeded) and results[1] == RewardOutput(1.0, {"pid": float(os.getpid())})
+        # With max_workers=1 the stuck thread would block this call if its pool were reused.
+        started = time.monotonic()
+        (result,) = await source.score_batch([sample("fine")])
+        assert isinstance(result, RewardOutput) and time.monotonic() - started < 0.3
+
+
+async def test_async_timeout_cancels_only_that_sample() -> None:
+    async with function_source(function=f"{MODULE}:sleepy_async", timeout_s=0.2) as source:
+        results = await source.score_batch([sample("slow", sleep_s=30), sample("fast"), sample("fast")])
+        assert isinstance(results[0], DeadlineExceeded) and "timed out after 0.2s" in str(results[0])
+        assert results[1:] == [RewardOutput(1.0, {}), RewardOutput(1.0, {})]
+        assert await source.score_batch([sample("fast")]) == [RewardOutput(1.0, {})]
+
+
+async def test_dead_worker_fails_its_sample_only() -> None:
+    """A worker that dies breaks its pool; the sample is retried once, then fails; others go on."""
+    async with function_source(function=f"{FILE}:crash", max_workers=1) as source:
+        results = await source.score_batch([sample("ok"), sample("crash"), sample("ok")])
+        assert results[0] == RewardOutput(1.0, {}) and results[2] == RewardOutput(1.0, {})
+        assert isinstance(results[1], SourceFailed) and "worker process died" in str(results[1])
+        assert await source.score_batch([sample("ok")]) == [RewardOutput(1.0, {})]
+
+
+async def test_closed_source_reports_unavailable() -> None:
+    source = FunctionSource(name="fn", function=f"{FILE}:exact", executor="thread")
+    assert await source.score_batch([sample("1", "1")]) == [RewardOutput(1.0, {})]
+    await source.close()
+    (result,) = await source.score_batch([sample("1", "1")])
+    assert isinstance(result, Unavailable)
+
+
+async def asyncio_wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Poll a condition that another process settles (no event to await across processes)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_cancelled_call_keeps_its_slot_until_the_worker_is_free() -> None:
+    """A cancelled caller does not free the only worker while it still runs the call; the call's
+    timeout recycles the pool, and the next call gets a fresh worker instead of queueing."""
+    async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=1) as source:
+        await source.warmup()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(source.score_batch([sample("hung", sleep_s=60)]), 0.2)
+        started = time.monotonic()
+        (result,) = await source.score_batch([sample("next")])
+        waited = time.monotonic() - started
+        assert isinstance(result, RewardOutput) and result.score == 1.0
+        assert waited >= 0.6  # it waited for the hung call's timeout (1 s after it started)

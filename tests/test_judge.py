@@ -1,0 +1,297 @@
+"""JudgeSource against a local fake OpenAI-compatible server: parsing, limits, timeouts, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reward_engine.errors import DeadlineExceeded, InvalidInput, SourceFailed, Unavailable
+from reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
+from reward_engine.types import RewardInput, RewardOutput
+from tests.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
+
+
+def sample(response: str, sid: str = "s", **fields: Any) -> RewardInput:
+    return RewardInput(
+        sample_id=sid,
+        prompt_ids=np.zeros(2, dtype=np.int32),
+        response_ids=np.zeros(3, dtype=np.int32),
+        prompt_text=fields.pop("prompt", "What is 6 x 7?"),
+        response_text=response,
+        ground_truth=fields.pop("ground_truth", "42"),
+        data_source=fields.pop("data_source", "unit"),
+        extra_info=fields,
+    )
+
+
+def judged(score: float, raw: float) -> RewardOutput:
+    """The output expected for a judge reply of ``raw``, with the score rounded as the division does."""
+    return RewardOutput(score=pytest.approx(score), extras={"judge_raw": raw})  # type: ignore[arg-type]
+
+
+def judge(url: str, **config: Any) -> JudgeSource:
+    return JudgeSource(name=config.pop("name", "judge"), url=url, model=config.pop("model", "judge-model"), **config)
+
+
+async def test_score_is_parsed_and_scaled() -> None:
+    replies = {
+        "a": "The response is right.\nScore: 7",
+        "b": "**Score:** 9",
+        "c": "A score: 3 would be harsh. Final verdict:\nScore = 6.5/10",
+    }
+    async with FakeOpenAI(reply=lambda body: replies[body["messages"][-1]["content"][-1]]) as server:
+        source = judge(server.url, prompt_template="{response}")
+        try:
+            results = await source.score_batch([sample("a"), sample("b"), sample("c")])
+        finally:
+            await source.close()
+    assert results == [
+        judged(0.7, 7.0),
+        judged(0.9, 9.0),
+        judged(0.65, 6.5),  # the last match counts
+    ]
+    assert {r.path for r in server.requests} == {"/v1/chat/completions"}
+
+
+async def test_template_fields_and_request_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JUDGE_TEST_KEY", "sekret")
+    template = "Q={prompt}|A={response}|REF={ground_truth}|SRC={data_source}|TOPIC={extra_info[topic]}|{{literal}}"
+    async with FakeOpenAI(reply="Score: 10") as server:
+        source = judge(
+            server.url + "/v1",
+            model="qwen-judge",
+            prompt_template=template,
+            score_regex=r"Score: (\d+)",
+            score_scale=1.0,
+            system_prompt="Be fair.",
+            temperature=0.3,
+            max_tokens=64,
+            api_key_env="JUDGE_TEST_KEY",
+        )
+        try:
+            (result,) = await source.score_batch(
+                [sample("It is 42 {not a field}", prompt="6x7?", data_source="arith", topic="times")]
+            )
+        finally:
+            await source.close()
+    assert result == RewardOutput(10.0, {"judge_raw": 10.0})
+    (request,) = server.requests
+    assert request.body == {
+        "model": "qwen-judge",
+        "messages": [
+            {"role": "system", "content": "Be fair."},
+            {"role": "user", "content": "Q=6x7?|A=It is 42 {not a field}|REF=42|SRC=arith|TOPIC=times|{literal}"},
+        ],
+        "temperature": 0.3,
+        "max_tokens": 64,
+    }
+    assert request.headers["Authorization"] == "Bearer sekret"
+
+
+async def test_default_template_shows_everything() -> None:
+    async with FakeOpenAI(reply="Fine.\nScore: 8") as server:
+        source = judge(server.url, api_key_env="JUDGE_TEST_UNSET_VARIABLE")
+        try:
+            (result,) = await source.score_batch([sample("The product is 42.", prompt="What is 6 x 7?")])
+        finally:
+            await source.close()
+    assert result == judged(0.8, 8.0)
+    text = server.requests[0].user_message
+    assert "What is 6 x 7?" in text and "The product is 42." in text and "\n42\n" in text
+    assert "Authorization" not in server.requests[0].headers
+    assert [m["role"] for m in server.requests[0].body["messages"]] == ["user"]
+
+
+async def test_max_concurrency_is_respected() -> None:
+    async with FakeOpenAI(reply=Reply(content="Score: 5", delay_s=0.05)) as server:
+        source = judge(server.url, max_concurrency=3)
+        try:
+            results = await source.score_batch([sample(str(i)) for i in range(12)])
+        finally:
+            await source.close()
+    assert all(isinstance(r, RewardOutput) for r in results)
+    assert len(server.requests) == 12
+    assert server.peak_in_flight == 3  # never more, and the limit is actually used
+
+
+async def test_requests_per_minute_is_respected() -> None:
+    async with FakeOpenAI(reply="Score: 5") as server:
+        source = judge(server.url, requests_per_minute=600, max_concurrency=10)  # one per 0.1 s
+        try:
+            started = time.monotonic()
+            results = await source.score_batch([sample(str(i)) for i in range(10)])
+            elapsed = time.monotonic() - started
+        finally:
+            await source.close()
+    assert all(isinstance(r, RewardOutput) for r in results)
+    arrivals = sorted(r.arrived for r in server.requests)
+    assert elapsed >= 0.88
+    assert arrivals[-1] - arrivals[0] >= 0.85
+    assert elapsed < 3.0
+
+
+async def test_rate_limiter_spacing_under_concurrency() -> None:
+    limiter = RateLimiter(requests_per_minute=1200)  # 50 ms apart
+    loop = asyncio.get_running_loop()
+    starts: list[float] = []
+
+    async def one() -> None:
+        await limiter.acquire()
+        starts.append(loop.time())
+
+    await asyncio.gather(*(one() for _ in range(6)))
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) == 6 and min(gaps) >= 0.045
+    assert RateLimiter(0).interval == 0
+
+
+async def test_timeout_is_deadline_exceeded_for_that_sample_only() -> None:
+    def reply(body: dict[str, Any]) -> Reply:
+        slow = "slow" in body["messages"][-1]["content"]
+        return Reply(content="Score: 4", delay_s=30 if slow else 0)
+
+    async with FakeOpenAI(reply=reply) as server:
+        source = judge(server.url, prompt_template="{response}", timeout_s=0.3, max_retries=3)
+        try:
+            started = time.monotonic()
+            results = await source.score_batch([sample("slow"), sample("fast")])
+            elapsed = time.monotonic() - started
+        finally:
+            await source.close()
+    assert isinstance(results[0], DeadlineExceeded) and "0.3s" in str(results[0])
+    assert results[1] == judged(0.4, 4.0)
+    assert len(server.requests) == 2  # a timeout is not retried
+    assert elapsed < 2.0
+
+
+async def test_http_error_is_source_failed_and_not_retried() -> None:
+    async with FakeOpenAI(reply=Reply(status=500, raw_body="upstream model crashed: CUDA OOM")) as server:
+        source = judge(server.url, max_retries=3, retry_backoff_s=0.01)
+        try:
+            (result,) = await source.score_batch([sample("x")])
+        finally:
+            await source.close()
+    assert isinstance(result, SourceFailed)
+    assert "HTTP 500" in str(result) and "CUDA OOM" in str(result)
+    assert len(server.requests) == 1
+
+
+async def test_client_error_status_is_source_failed() -> None:
+    async with FakeOpenAI(reply=Reply(status=404, raw_body='{"error": "model not found"}')) as server:
+        source = judge(server.url, max_retries=2)
+        try:
+            (result,) = await source.score_batch([sample("x")])
+        finally:
+            await source.close()
+    assert isinstance(result, SourceFailed) and "HTTP 404" in str(result) and "model not found" in str(result)
+    assert len(server.requests) == 1
+
+
+async def test_connection_refused_is_retried_then_unavailable() -> None:
+    source = judge(f"http://127.0.0.1:{closed_port()}", max_retries=3, retry_backoff_s=0.05)
+    try:
+        started = time.monotonic()
+        (result,) = await source.score_batch([sample("x")])
+        elapsed = time.monotonic() - started
+    finally:
+        await source.close()
+    assert isinstance(result, Unavailable)
+    assert "after 4 attempt(s)" in str(result)
+    assert elapsed >= 0.05 + 0.1 + 0.2 - 0.02  # the three backoffs between the four attempts
+
+
+async def test_dropped_connections_are_retried_exactly_max_retries_times() -> None:
+    async with DroppingServer() as server:
+        source = judge(server.url, max_retries=2, retry_backoff_s=0.01)
+        try:
+            (result,) = await source.score_batch([sample("x")])
+        finally:
+            await source.close()
+    assert isinstance(result, Unavailable) and "after 3 attempt(s)" in str(result)
+    assert server.connections == 3
+
+
+async def test_unparseable_reply_is_source_failed_quoting_it() -> None:
+    async with FakeOpenAI(reply="I refuse to grade this response because it is rude.") as server:
+        source = judge(server.url, max_retries=3)
+        try:
+            (result,) = await source.score_batch([sample("x")])
+        finally:
+            await source.close()
+    assert isinstance(result, SourceFailed)
+    assert "I refuse to grade" in str(result) and "no score" in str(result)
+    assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["<html>502 Bad Gateway</html>", '{"choices": []}', '{"choices": [{"message": {"content": null}}]}'],
+)
+async def test_garbage_body_is_source_failed(body: str) -> None:
+    async with FakeOpenAI(reply=Reply(status=200, raw_body=body)) as server:
+        source = judge(server.url)
+        try:
+            (result,) = await source.score_batch([sample("x")])
+        finally:
+            await source.close()
+    assert isinstance(result, SourceFailed) and body[:10] in str(result)
+
+
+async def test_missing_template_field_fails_only_that_sample() -> None:
+    async with FakeOpenAI(reply="Score: 3") as server:
+        source = judge(server.url, prompt_template="{response} on {extra_info[topic]}")
+        try:
+            results = await source.score_batch([sample("a", topic="sums"), sample("b", sid="no-topic")])
+        finally:
+            await source.close()
+    assert results[0] == judged(0.3, 3.0)
+    assert isinstance(results[1], InvalidInput) and "no-topic" in str(results[1]) and "topic" in str(results[1])
+    assert len(server.requests) == 1
+
+
+async def test_closed_source_is_unavailable() -> None:
+    async with FakeOpenAI(reply="Score: 3") as server:
+        source = judge(server.url)
+        await source.close()
+        (result,) = await source.score_batch([sample("a")])
+    assert isinstance(result, Unavailable) and server.requests == []
+
+
+def test_endpoint_url_forms() -> None:
+    assert chat_completions_url("http://h:8000") == "http://h:8000/v1/chat/completions"
+    assert chat_completions_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
+    assert chat_completions_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
+    assert chat_completions_url("https://h/api/v1/chat/completions") == "https://h/api/v1/chat/completions"
+    source = judge("http://h:8000/v1")
+    assert (source.kind, source.target, source.endpoint) == (
+        "judge",
+        "http://h:8000/v1",
+        "http://h:8000/v1/chat/completions",
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"url": "h:8000"}, "'url'"),
+        ({"model": ""}, "'model'"),
+        ({"prompt_template": "Rate {answer}"}, "'prompt_template'"),
+        ({"prompt_template": "Rate {prompt} {"}, "'prompt_template'"),
+        ({"prompt_template": "Rate {prompt}"}, "never shows the judge the {response}"),
+        ({"score_regex": "Score: ("}, "'score_regex'"),
+        ({"max_concurrency": 0}, "'max_concurrency'"),
+        ({"requests_per_minute": -1}, "'requests_per_minute'"),
+        ({"timeout_s": 0}, "'timeout_s'"),
+        ({"max_retries": -1}, "'max_retries'"),
+        ({"max_tokens": 0}, "'max_tokens'"),
+    ],
+)
+def test_bad_config_names_the_key(config: dict[str, Any], key: str) -> None:
+    url = config.pop("url", "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match=key.replace("{", r"\{").replace("}", r"\}")):
+        judge(url, **config)
