@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc import aio
 
+from client.targets import expand_targets
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,18 +26,14 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def channel_options(target: str, max_message_mb: int = 64) -> list[tuple[str, object]]:
+def channel_options(max_message_mb: int = 64) -> list[tuple[str, object]]:
     size = max_message_mb * 1024 * 1024
-    opts: list[tuple[str, object]] = [
+    return [
         ("grpc.max_send_message_length", size),
         ("grpc.max_receive_message_length", size),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    if target.startswith("dns:"):
-        # Headless Services resolve to every pod: spread new streams over all of them.
-        opts.append(("grpc.lb_policy_name", "round_robin"))
-    return opts
 
 
 @dataclass(eq=False)
@@ -53,7 +50,7 @@ class _TargetStream:
     def __init__(self, owner: RewardClient, address: str, max_message_mb: int) -> None:
         self.owner = owner
         self.address = address
-        self.channel = aio.insecure_channel(address, options=channel_options(address, max_message_mb))
+        self.channel = aio.insecure_channel(address, options=channel_options(max_message_mb))
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
         self.down_until = 0.0
@@ -118,7 +115,7 @@ class RewardClient:
         retry_backoff_s: float = 0.2,
         max_message_mb: int = 64,
     ) -> None:
-        addresses = [t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets) if t.strip()]
+        addresses = expand_targets(targets)
         if not addresses:
             raise ValueError("RewardClient needs at least one target HOST:PORT")
         self.max_attempts = max_attempts

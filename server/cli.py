@@ -86,15 +86,37 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", type=Path, default=default_models_dir(), help="output directory (default %(default)s)")
     tiny.add_argument("--seed", type=int, default=0)
 
-    demo = sub.add_parser("demo", help="run the embedded end-to-end demo on 127.0.0.1")
-    demo.add_argument("--samples", type=int, default=400, help="GSM8K-style samples to score (default %(default)s)")
-    demo.add_argument(
-        "--models",
-        type=Path,
-        default=default_models_dir(),
-        help="tiny models directory, built if missing (default %(default)s)",
+    demo = sub.add_parser(
+        "demo",
+        help="train the tiny policy with GRPO on the mesh (in-process servers on 127.0.0.1, or real ones)",
+        description="Starts a reward server and rollout servers in-process (or uses --rollout-target) and trains "
+        "the tiny policy to answer one-token additions, syncing weights after every step.",
     )
+    demo.add_argument("--steps", type=int, default=100, help="training steps (default %(default)s)")
+    demo.add_argument("--prompts-per-step", dest="prompts_per_step", type=int, default=32)
+    demo.add_argument("--n", type=int, default=8, help="samples per prompt, a GRPO group (default %(default)s)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="learning rate (default %(default)s)")
+    demo.add_argument("--off-policy-steps", dest="off_policy_steps", type=int, default=1,
+                      help="step k+1 rolls out while step k trains (default %(default)s; 0: synchronous)")  # fmt: skip
+    demo.add_argument("--rollout-servers", dest="rollout_servers", type=int, default=2,
+                      help="in-process hf rollout servers (default %(default)s)")  # fmt: skip
+    demo.add_argument("--rollout-target", dest="rollout_target",
+                      help="use these rollout servers instead (HOST:PORT,... or dns:///name:port)")  # fmt: skip
+    demo.add_argument("--reward", default="first_number", help="reward pipeline name (default %(default)s)")
+    demo.add_argument("--model", type=Path, help="policy directory (default: the tiny policy)")
+    demo.add_argument("--models", type=Path, default=default_models_dir(),
+                      help="tiny models directory, built if missing (default %(default)s)")  # fmt: skip
+    demo.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=64)
+    demo.add_argument(
+        "--plot", type=Path, default=Path("demo_scores.png"), help="score curve PNG (default %(default)s)"
+    )
+    demo.add_argument("--metrics-out", dest="metrics_out", type=Path, help="write per-step metrics as JSON")
     demo.add_argument("--seed", type=int, default=0)
+
+    rdemo = sub.add_parser("reward-demo", help="score GSM8K-style samples through a real reward server and client")
+    rdemo.add_argument("--samples", type=int, default=400, help="samples to score (default %(default)s)")
+    rdemo.add_argument("--models", type=Path, default=default_models_dir())
+    rdemo.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -137,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _setup_logging("WARNING")
         return asyncio.run(run_demo(args))
+    if args.command == "reward-demo":
+        from server.reward_demo import run_reward_demo
+
+        _setup_logging("WARNING")
+        return asyncio.run(run_reward_demo(args))
     return 2
 
 

@@ -1,143 +1,147 @@
-"""`rewardmesh demo`: the reward service end to end in one process on 127.0.0.1.
+"""`rewardmesh demo`: RL post-training end to end on the mesh, on a CPU, in a few minutes.
 
-A real reward server (a GSM8K rule plus the tiny reward model, weighted) and a real client stream a
-few hundred GSM8K-style samples through `Score`, as a rollout server would the moment each sample
-finishes, and report scores, per-sample reward latency and the batch sizes the batcher formed.
+One reward server and two rollout servers (hf backend) start in-process on 127.0.0.1 (or the
+flags point at real ones); a minimal GRPO loop trains the tiny policy to answer single-digit
+additions with one token, scored by a rule, syncing weights to every rollout server after each step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import random
 import statistics
 import time
-from collections import Counter
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from client.reward_client import RewardClient
-from client.tensors import ids_tensor
-from reward_engine.engine import RewardEngine
-from rewardmesh.v1 import common_pb2, reward_pb2
-from server.reward_server import RewardServer, load_tokenizer
+from client.batch import RolloutBatch
+from client.grpo import GRPOLearner
+from client.trainer import PromptSpec, Sampling, TrainerClient
+from server.reward_server import RewardServer, build_engine, load_tokenizer
 from server.serving import ServerOptions
 from server.tiny_models import build_tiny_models
 
-NAMES = ["Janet", "Tom", "Aisha", "Mateo", "Li", "Priya", "Olu", "Sven"]
-ITEMS = ["apples", "marbles", "books", "coins", "stamps", "shells"]
+COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed", "slow_gen", "slow_rw", "stale")
 
 
-@dataclass
-class DemoSample:
-    question: str
-    answer: int
-    response: str
-    kind: str  # correct | wrong | unformatted
-
-
-def make_samples(n: int, seed: int) -> list[DemoSample]:
-    """GSM8K-shaped word problems with responses of varying length and quality."""
-    rng = random.Random(seed)
+def addition_prompts(tokenizer: Any, count: int, rng: random.Random) -> list[PromptSpec]:
     out = []
-    for _ in range(n):
-        a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(1, 9)
-        who, what = rng.choice(NAMES), rng.choice(ITEMS)
-        answer = (a + b) * c
-        question = f"{who} has {a} {what} and finds {b} more. Each is worth {c} dollars. How many dollars in all?"
-        steps = [f"{who} has {a} + {b} = {a + b} {what}.", f"Each is worth {c}, so {a + b} * {c} = {answer}."]
-        steps += ["Let me double-check the arithmetic step by step."] * rng.randint(0, 6)
-        kind = rng.choices(["correct", "wrong", "unformatted"], weights=[6, 3, 1])[0]
-        final = answer if kind != "wrong" else answer + rng.randint(1, 9)
-        tail = f"#### {final}" if kind != "unformatted" else f"The answer is {final}."
-        out.append(DemoSample(question, answer, " ".join([*steps, tail]), kind))
+    for _ in range(count):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        out.append(PromptSpec(token_ids=tokenizer.encode(f"{a}+{b}="), ground_truth=str(a + b), data_source="addition"))
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+@contextlib.asynccontextmanager
+async def local_mesh(policy: str, servers: int, max_batch_size: int) -> AsyncIterator[list[str]]:
+    """One reward server and `servers` hf rollout servers on 127.0.0.1; yields the rollout addresses."""
+    from server.backends.hf import HFBackend
+    from server.rollout_server import RolloutServer
+
+    reward = RewardServer(build_engine(None), ServerOptions(host="127.0.0.1", port=0, grace_s=2))
+    await reward.start()
+    rollouts = []
+    try:
+        for _ in range(servers):
+            backend = HFBackend(policy, device="cpu", max_batch_size=max_batch_size)
+            server = RolloutServer(backend, [reward.address], ServerOptions(host="127.0.0.1", port=0, grace_s=2))
+            await server.start()
+            rollouts.append(server)
+        yield [r.address for r in rollouts]
+    finally:
+        for r in rollouts:
+            await r.stop(grace=1)
+        await reward.stop(grace=1)
+
+
+def row(step: int, batch: RolloutBatch, step_s: float, version: int) -> dict[str, float]:
+    m = batch.metrics
+    return {
+        "step": step,
+        "score": m["critic/score/mean"],
+        "acc": m.get("reward_extra/acc/mean", float("nan")),
+        "step_s": step_s,
+        "gen_s": m["timing_s/gen"],
+        "rw_hidden": m["timing_s/reward_hidden"],
+        "rw_exposed": m["timing_s/reward_exposed"],
+        "slow_gen": m["timing_s/agent_loop/slowest/generate_sequences"],
+        "slow_rw": m["timing_s/agent_loop/slowest/reward"],
+        "stale": m.get("off_policy/max_staleness", 0.0),
+    }
+
+
+def plot(scores: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(scores) + 1), scores, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean score")
+    ax.set_title("rewardmesh demo: GRPO on one-token additions")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    print(f"building tiny models in {args.models} (no download) ...")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per model load would drown the step table
     models = build_tiny_models(args.models)
-    tokenizer = load_tokenizer(str(models.policy))
-    engine = RewardEngine()
-    engine.add_from_config(
-        {
-            "gsm8k_rm": {
-                "description": "GSM8K strict rule plus 0.1 x the tiny reward model",
-                "batching": {"max_batch_size": 32, "max_queue_delay_ms": 5},
-                "sources": [
-                    {"type": "rule", "name": "gsm8k", "rule": "gsm8k", "weight": 1.0},
-                    {"type": "model", "name": "rm", "path": str(models.reward_model), "weight": 0.1},
-                ],
-            }
-        }
-    )
-    engine.add_builtin_rules()
-    server = RewardServer(engine, ServerOptions(host="127.0.0.1", port=0))
-    await server.start()
-    print(f"reward server on {server.address}; pipelines: {', '.join(sorted(engine.pipelines))}")
+    policy = str(args.model or models.policy)
+    tokenizer = load_tokenizer(policy)
+    rng = random.Random(args.seed)
+    learner = GRPOLearner(policy, lr=args.lr, seed=args.seed)
 
-    samples = make_samples(args.samples, args.seed)
-    protos = [
-        common_pb2.Sample(
-            sample_id=f"s{i}",
-            group_id=f"g{i // 4}",
-            prompt_ids=ids_tensor(tokenizer.encode(s.question)),
-            response_ids=ids_tensor(tokenizer.encode(s.response)),
-            prompt_text=s.question,
-            response_text=s.response,
-            data_source="openai/gsm8k",
-            ground_truth=str(s.answer),
-        )
-        for i, s in enumerate(samples)
-    ]
-    latencies: dict[str, float] = {}
-    results: list[reward_pb2.RewardResult] = []
-    start = time.perf_counter()
-    async with RewardClient([server.address]) as client:
-        # Samples arrive one by one, as generation would finish them, not as one batch.
-        sent: dict[str, float] = {}
-        futures = []
-        for p in protos:
-            sent[p.sample_id] = time.perf_counter()
-            futures.append(client.submit(p, "gsm8k_rm"))
-            await asyncio.sleep(random.Random(p.sample_id).uniform(0, 0.004))
-        for fut in tqdm(asyncio.as_completed(futures), total=len(futures), desc="scoring", unit="sample"):
-            r = await fut
-            latencies[r.sample_id] = time.perf_counter() - sent[r.sample_id]
-            results.append(r)
-    wall = time.perf_counter() - start
-    await server.stop(grace=1)
+    def steps() -> Iterator[list[PromptSpec]]:
+        for _ in range(args.steps):
+            yield addition_prompts(tokenizer, args.prompts_per_step, rng)
 
-    ok = [r for r in results if not r.HasField("error")]
-    by_kind = {f"s{i}": s.kind for i, s in enumerate(samples)}
-    lat_ms = [v * 1000 for v in latencies.values()]
-    sizes = Counter(r.batch_size for r in ok)
-    print()
-    print(
-        f"scored {len(ok)}/{len(results)} samples in {wall:.2f}s ({len(results) / wall:.0f} samples/s), "
-        f"{len(results) - len(ok)} errors"
-    )
-    for kind in ("correct", "wrong", "unformatted"):
-        group = [r for r in ok if by_kind[r.sample_id] == kind]
-        if group:
-            print(
-                f"  {kind:<12} n={len(group):<4} mean score {statistics.fmean(r.score for r in group):+.3f}  "
-                f"gsm8k acc {statistics.fmean(r.extras['gsm8k/acc'] for r in group):.2f}"
-            )
-    print(
-        f"reward latency per sample (ms): p50 {_pct(lat_ms, 0.5):.1f}  p95 {_pct(lat_ms, 0.95):.1f}  "
-        f"max {max(lat_ms):.1f}"
-    )
-    print(
-        f"server side (ms): queue mean {statistics.fmean(r.timing.queue for r in ok) * 1000:.1f}  "
-        f"compute mean {statistics.fmean(r.timing.compute for r in ok) * 1000:.1f}"
-    )
-    hist = ", ".join(f"{size}x{count}" for size, count in sorted(sizes.items()))
-    print(f"batch sizes (size x samples): {hist}")
-    return 0 if len(ok) == len(results) else 1
+    if args.rollout_target:
+        mesh: Any = contextlib.nullcontext(args.rollout_target.split(","))
+    else:
+        mesh = local_mesh(policy, args.rollout_servers, args.max_batch_size)
+    history: list[dict[str, float]] = []
+    started = time.perf_counter()
+    async with mesh as targets:
+        sampling = Sampling(temperature=1.0, max_tokens=1)
+        async with TrainerClient(targets, reward=args.reward, sampling=sampling,
+                                 pad_token_id=tokenizer.pad_token_id or 0) as client:  # fmt: skip
+            print(f"rollout servers: {', '.join(t.address for t in client.targets)}; reward pipeline '{args.reward}'")
+            print("  ".join(f"{c:>10}" for c in COLUMNS))
+            last = time.perf_counter()
+            bar = tqdm(total=args.steps, desc="training", unit="step", leave=False)
+            step = 0
+            async for batch in client.batches(steps(), n=args.n, off_policy_steps=args.off_policy_steps):
+                step += 1
+                stats = await asyncio.to_thread(learner.step, batch)  # servers keep generating meanwhile
+                await client.update_weights(learner.state_dict())
+                now = time.perf_counter()
+                r = row(step, batch, now - last, client.policy_version)
+                last = now
+                history.append({**r, **stats})
+                bar.update(1)
+                tqdm.write("  ".join(f"{r[c]:>10.3f}" if c != "step" else f"{int(r[c]):>10d}" for c in COLUMNS))
+            bar.close()
+    wall = time.perf_counter() - started
+    scores = [h["score"] for h in history]
+    k = min(10, len(scores) // 2) or 1
+    first, final = statistics.fmean(scores[:k]), statistics.fmean(scores[-k:])
+    print(f"\n{len(history)} steps in {wall:.1f}s; mean score first {k} steps {first:.3f} -> last {k} steps "
+          f"{final:.3f} ({final / max(first, 1e-9):.1f}x)")  # fmt: skip
+    if args.plot:
+        plot(scores, args.plot)
+        print(f"score curve: {args.plot}")
+    if args.metrics_out:
+        args.metrics_out.write_text(json.dumps(history, indent=1))
+    return 0

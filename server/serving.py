@@ -50,16 +50,6 @@ class ServerOptions:
         return args
 
 
-def client_channel_args(max_message_mb: int = 64) -> list[tuple[str, Any]]:
-    size = max_message_mb * 1024 * 1024
-    return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-
-
 class GrpcServer:
     """A grpc.aio server with health and reflection whose shutdown drains before it stops."""
 

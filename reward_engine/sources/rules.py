@@ -214,6 +214,22 @@ def length(data_source: str, solution_str: str, ground_truth: str, extra_info: d
     return -len(solution_str) / 1000.0
 
 
+@register_rule("first_number")
+def first_number(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """1 if the response opens with the ground-truth number, 0.1 if it opens with a wrong number, else 0.
+
+    The demo's task (one-token answers to single-digit additions): the small format credit gives a
+    random tiny policy a gradient from the first step.
+    """
+    match = re.match(r"\s*(-?\d+)", solution_str)
+    if match is None:
+        return {"score": 0.0, "acc": 0.0, "format": 0.0}
+    correct = match.group(1) == ground_truth.strip()
+    return {"score": 1.0 if correct else 0.1, "acc": float(correct), "format": 1.0}
+
+
 # ---------------------------------------------------------------------------------------------- auto
 
 _GSM8K_MARKERS = ("gsm8k",)

@@ -1,0 +1,395 @@
+"""TrainerClient: fans prompts out over rollout servers and turns scored samples into training batches.
+
+Each prompt group is one Generate call on the rollout server with the least outstanding work. The
+client names every sample id up front, so if a server fails mid-step only the samples it had not yet
+returned are asked of another server: none is lost, none is counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from google.protobuf import struct_pb2
+from grpc import aio
+
+from client.batch import RolloutBatch, ScoredSample, assemble_batch, compute_metrics, set_group_advantages
+from client.reward_client import channel_options
+from client.targets import expand_targets
+from client.tensors import ids_tensor
+from client.weights import iter_chunks
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# A failed or draining server: resend its unfinished samples elsewhere. Anything else is the caller's bug.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
+
+
+@dataclass
+class PromptSpec:
+    """One prompt of a step: token ids or chat messages, and what its reward needs."""
+
+    token_ids: Sequence[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    data_source: str = ""
+    ground_truth: str = ""
+    extra_info: dict[str, Any] | None = None
+    group_id: str = ""
+
+    def to_proto(self, group_id: str, sample_ids: list[str]) -> rollout_pb2.Prompt:
+        p = rollout_pb2.Prompt(group_id=group_id, sample_ids=sample_ids, data_source=self.data_source,
+                               ground_truth=self.ground_truth)  # fmt: skip
+        if self.token_ids is not None:
+            p.token_ids.CopyFrom(ids_tensor(list(self.token_ids)))
+        elif self.messages is not None:
+            p.chat.messages.extend(rollout_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in self.messages)
+        if self.extra_info:
+            s = struct_pb2.Struct()
+            s.update(self.extra_info)
+            p.extra_info.CopyFrom(s)
+        return p
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def to_proto(self) -> rollout_pb2.SamplingParams:
+        p = rollout_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                       max_tokens=self.max_tokens, stop=self.stop)  # fmt: skip
+        if self.seed is not None:
+            p.seed = self.seed
+        return p
+
+
+@dataclass
+class _Launched:
+    out: asyncio.Queue[ScoredSample | BaseException]
+    tasks: list[asyncio.Task[None]]
+    total: int
+    started: float
+
+
+@dataclass
+class _Target:
+    address: str
+    channel: aio.Channel
+    stub: rollout_pb2_grpc.RolloutServiceAsyncStub
+    outstanding: int = 0
+    down_until: float = 0.0
+
+
+class TrainerClient:
+    """What a trainer imports: rollouts as scored samples, batches, mini-batches, weight sync."""
+
+    def __init__(
+        self,
+        targets: Sequence[str] | str,
+        *,
+        reward: str = "",
+        sampling: Sampling | None = None,
+        agent: rollout_pb2.AgentLoopConfig | None = None,
+        reward_timeout: float | None = None,
+        pad_token_id: int = 0,
+        normalize_adv_std: bool = True,
+        max_attempts: int = 4,
+        retry_backoff_s: float = 0.2,
+    ) -> None:
+        addresses = expand_targets(targets)
+        if not addresses:
+            raise ValueError("TrainerClient needs at least one rollout server HOST:PORT")
+        self.targets = []
+        for a in addresses:
+            channel = aio.insecure_channel(a, options=channel_options())
+            self.targets.append(_Target(a, channel, rollout_pb2_grpc.RolloutServiceStub(channel)))
+        self.reward = reward
+        self.sampling = sampling or Sampling()
+        self.agent = agent or rollout_pb2.AgentLoopConfig()
+        self.reward_timeout = reward_timeout
+        self.pad_token_id = pad_token_id
+        self.normalize_adv_std = normalize_adv_std
+        self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.policy_version = 0
+        self.resent_samples = 0
+        self.dropped_stale_samples = 0
+        self.groups_started = 0
+        self._step = 0
+
+    async def __aenter__(self) -> TrainerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for t in self.targets:
+            await t.channel.close(grace=None)
+
+    # -- rollouts -----------------------------------------------------------------------------
+
+    def _pick(self, avoid: _Target | None) -> _Target | None:
+        now = time.monotonic()
+        usable = [t for t in self.targets if t.down_until <= now]
+        preferred = [t for t in usable if t is not avoid] or usable
+        return min(preferred, key=lambda t: t.outstanding) if preferred else None
+
+    def _request(self, prompt: rollout_pb2.Prompt, n: int, reward: str, sampling: Sampling) -> Any:
+        req = rollout_pb2.GenerateRequest(prompts=[prompt], n=n, reward=reward, sampling=sampling.to_proto(),
+                                          agent=self.agent)  # fmt: skip
+        if self.reward_timeout is not None:
+            req.reward_timeout.FromNanoseconds(int(self.reward_timeout * 1e9))
+        return req
+
+    async def _run_group(
+        self,
+        spec: PromptSpec,
+        group_id: str,
+        sample_ids: list[str],
+        reward: str,
+        sampling: Sampling,
+        out: asyncio.Queue[ScoredSample | BaseException],
+        started: float,
+    ) -> None:
+        remaining = list(sample_ids)
+        errors: list[str] = []
+        target: _Target | None = None
+        for _attempt in range(self.max_attempts):
+            target = self._pick(avoid=target)
+            while target is None:
+                await asyncio.sleep(self.retry_backoff_s)
+                target = self._pick(avoid=None)
+            if errors:
+                self.resent_samples += len(remaining)
+            request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling)
+            target.outstanding += len(remaining)
+            try:
+                async for response in target.stub.Generate(request):
+                    sid = response.sample.sample_id
+                    if sid not in remaining:
+                        continue  # never count a sample twice
+                    remaining.remove(sid)
+                    target.outstanding -= 1
+                    sample = ScoredSample.from_response(response)
+                    sample.arrived = time.perf_counter() - started
+                    out.put_nowait(sample)
+                if not remaining:
+                    return
+                errors.append(f"{target.address}: stream ended without {len(remaining)} samples")
+            except aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    out.put_nowait(exc)
+                    return
+                errors.append(f"{target.address}: {exc.code().name}: {exc.details()}")
+                target.down_until = time.monotonic() + self.retry_backoff_s
+                log.warning("rollout server %s failed (%s); re-sending %d samples of group %s elsewhere",
+                            target.address, exc.code().name, len(remaining), group_id)  # fmt: skip
+            finally:
+                target.outstanding -= len(remaining)
+        out.put_nowait(RuntimeError(f"group {group_id}: no rollout server finished it: {'; '.join(errors)}"))
+
+    def _launch(
+        self, prompts: Sequence[PromptSpec], n: int, reward: str | None, sampling: Sampling | None
+    ) -> _Launched:
+        """Start every group's Generate call now (they run whenever the caller awaits anything)."""
+        self._step += 1
+        stamp = f"s{self._step}-{uuid.uuid4().hex[:6]}"
+        launched = _Launched(asyncio.Queue(), [], len(prompts) * n, time.perf_counter())
+        for i, spec in enumerate(prompts):
+            group = spec.group_id or f"{stamp}-{i}"
+            ids = [f"{group}/{k}" for k in range(n)]
+            run = self._run_group(spec, group, ids, self.reward if reward is None else reward,
+                                  sampling or self.sampling, launched.out, launched.started)  # fmt: skip
+            launched.tasks.append(asyncio.create_task(run))
+        self.groups_started += len(prompts)
+        return launched
+
+    @staticmethod
+    async def _consume(launched: _Launched) -> AsyncIterator[ScoredSample]:
+        try:
+            for _ in range(launched.total):
+                item = await launched.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for t in launched.tasks:
+                t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*launched.tasks, return_exceptions=True)
+
+    async def rollout(
+        self,
+        prompts: Sequence[PromptSpec],
+        n: int = 1,
+        *,
+        reward: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> AsyncIterator[ScoredSample]:
+        """Scored samples as they complete, from every rollout server."""
+        async for sample in self._consume(self._launch(prompts, n, reward, sampling)):
+            yield sample
+
+    async def _groups(self, launched: _Launched, n: int) -> AsyncIterator[list[ScoredSample]]:
+        """Complete groups, advantages computed the moment the group's last sample arrives."""
+        pending: dict[str, list[ScoredSample]] = {}
+        async for sample in self._consume(launched):
+            group = pending.setdefault(sample.group_id, [])
+            group.append(sample)
+            if len(group) == n:
+                del pending[sample.group_id]
+                set_group_advantages(group, normalize_std=self.normalize_adv_std)
+                yield group
+
+    async def _collect(self, launched: _Launched, n: int) -> RolloutBatch:
+        samples = [s async for group in self._groups(launched, n) for s in group]
+        return self._batch(samples, time.perf_counter() - launched.started)
+
+    async def generate_batch(
+        self, prompts: Sequence[PromptSpec], n: int = 1, *, reward: str | None = None, sampling: Sampling | None = None
+    ) -> RolloutBatch:
+        return await self._collect(self._launch(prompts, n, reward, sampling), n)
+
+    async def stream_minibatches(
+        self,
+        prompts: Sequence[PromptSpec],
+        n: int = 1,
+        *,
+        minibatch_size: int,
+        reward: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> AsyncIterator[RolloutBatch]:
+        """Mini-batches of complete groups as soon as `minibatch_size` samples are in: training starts early."""
+        launched = self._launch(prompts, n, reward, sampling)
+        ready: list[ScoredSample] = []
+        async for group in self._groups(launched, n):
+            ready += group
+            if len(ready) >= minibatch_size:
+                yield self._batch(ready, time.perf_counter() - launched.started)
+                ready = []
+        if ready:
+            yield self._batch(ready, time.perf_counter() - launched.started)
+
+    def _batch(self, samples: list[ScoredSample], gen_seconds: float) -> RolloutBatch:
+        metrics = compute_metrics(samples, gen_seconds)
+        metrics.update(reward_overlap(samples, gen_seconds))
+        return assemble_batch(samples, pad_token_id=self.pad_token_id, metrics=metrics)
+
+    async def batches(
+        self,
+        prompt_steps: Iterable[Sequence[PromptSpec]],
+        n: int = 1,
+        *,
+        off_policy_steps: int = 1,
+        reward: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> AsyncIterator[RolloutBatch]:
+        """One batch per step; step k+1's rollouts already run while the trainer works on step k.
+
+        Groups with a sample older than `policy_version - off_policy_steps` are dropped, never handed out.
+        """
+        steps = iter(prompt_steps)
+        in_flight: deque[asyncio.Task[RolloutBatch]] = deque()
+
+        def launch() -> None:
+            prompts = next(steps, None)
+            if prompts is not None:
+                launched = self._launch(prompts, n, reward, sampling)
+                in_flight.append(asyncio.create_task(self._collect(launched, n)))
+
+        try:
+            while True:
+                while len(in_flight) < off_policy_steps + 1:
+                    before = len(in_flight)
+                    launch()
+                    if len(in_flight) == before:
+                        break  # no more steps
+                if not in_flight:
+                    return
+                fresh = self._drop_stale(await in_flight.popleft(), off_policy_steps)
+                if fresh is not None:
+                    yield fresh
+        finally:
+            for task in in_flight:
+                task.cancel()
+
+    def _drop_stale(self, batch: RolloutBatch, bound: int) -> RolloutBatch | None:
+        """Drop whole groups with a sample beyond the staleness bound; None when nothing is left."""
+        oldest_allowed = self.policy_version - bound
+        stale_groups = {s.group_id for s in batch.samples if s.policy_version < oldest_allowed}
+        kept = [s for s in batch.samples if s.group_id not in stale_groups]
+        self.dropped_stale_samples += len(batch.samples) - len(kept)
+        if not kept:
+            log.warning("all %d samples of a step were more than %d versions old; step skipped", len(batch), bound)
+            return None
+        metrics = dict(batch.metrics)
+        metrics["off_policy/dropped_samples"] = float(len(batch.samples) - len(kept))
+        metrics["off_policy/max_staleness"] = float(
+            max((self.policy_version - s.policy_version for s in kept), default=0)
+        )
+        if not stale_groups:
+            batch.metrics = metrics
+            return batch
+        return assemble_batch(kept, pad_token_id=self.pad_token_id, metrics=metrics)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    async def update_weights(
+        self, state: Mapping[str, torch.Tensor], *, version: int | None = None, chunk_bytes: int = 4 << 20
+    ) -> int:
+        """Stream the tensors to every rollout server; returns once all of them applied the same version."""
+        version = version if version is not None else self.policy_version + 1
+
+        async def push(t: _Target) -> int:
+            def requests() -> Any:
+                for i, chunk in enumerate(iter_chunks(state, chunk_bytes)):
+                    yield rollout_pb2.UpdateWeightsRequest(chunk=chunk, policy_version=version if i == 0 else 0)
+
+            response = await t.stub.UpdateWeights(requests())
+            return int(response.policy_version)
+
+        applied = await asyncio.gather(*(push(t) for t in self.targets))
+        if set(applied) != {version}:
+            raise RuntimeError(f"rollout servers applied versions {applied}, expected {version} everywhere")
+        self.policy_version = version
+        return version
+
+    async def info(self) -> list[rollout_pb2.GetInfoResponse]:
+        return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in self.targets)))
+
+
+def reward_overlap(samples: Sequence[ScoredSample], rollout_seconds: float) -> dict[str, float]:
+    """How much reward time hid behind generation, from each sample's arrival and reward wait.
+
+    A sample finished generating at `arrived - reward`; the step's reward time is the union of the
+    intervals [generated, arrived]; the exposed part is what ran after the last sample finished generating.
+    """
+    intervals = sorted((s.arrived - s.timing["reward"], s.arrived) for s in samples if s.timing["reward"] > 0)
+    if not intervals:
+        return {"timing_s/reward_hidden": 0.0, "timing_s/reward_exposed": 0.0}
+    busy, cur_start, cur_end = 0.0, intervals[0][0], intervals[0][1]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    generation_done = max(s.arrived - s.timing["reward"] for s in samples)
+    exposed = max(0.0, max(s.arrived for s in samples) - generation_done)
+    return {"timing_s/reward_hidden": max(0.0, busy - exposed), "timing_s/reward_exposed": exposed}
