@@ -24,7 +24,9 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
         cwd=tmp_path, check=True, capture_output=True,
     )  # fmt: skip
     generated = sorted(p.name for p in src.iterdir() if p.suffix in (".py", ".pyi"))
-    committed = sorted(p.name for p in V1.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_grpc.py", "_grpc.pyi")))
+    committed = sorted(
+        p.name for p in V1.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_grpc.py", "_grpc.pyi"))
+    )
     assert generated == committed
     stale = [name for name in generated if (src / name).read_bytes() != (V1 / name).read_bytes()]
     assert not stale, f"stubs are stale, run `make protos`: {stale}"

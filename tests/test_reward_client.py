@@ -22,7 +22,10 @@ async def test_score_yields_in_completion_order() -> None:
 
 
 async def test_balances_over_targets_by_outstanding_work() -> None:
-    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+    async with (
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as a,
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as b,
+    ):
         async with RewardClient([a.address, b.address]) as client:
             futures = [client.submit(sample(f"s{i}", delay=0.2), "sleepy") for i in range(10)]
             assert [len(s.pending) for s in client.streams] == [5, 5]
@@ -32,7 +35,10 @@ async def test_balances_over_targets_by_outstanding_work() -> None:
 
 
 async def test_target_killed_mid_stream_every_sample_answered_exactly_once() -> None:
-    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+    async with (
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as a,
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as b,
+    ):
         async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
             futures = {f"s{i}": client.submit(sample(f"s{i}", delay=0.3), "sleepy") for i in range(40)}
             await asyncio.sleep(0.1)
@@ -45,7 +51,10 @@ async def test_target_killed_mid_stream_every_sample_answered_exactly_once() -> 
 
 
 async def test_draining_target_hands_its_new_samples_to_another() -> None:
-    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as a, reward_server({"sleepy": fn_pipeline("sleepy")}) as b:
+    async with (
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as a,
+        reward_server({"sleepy": fn_pipeline("sleepy")}) as b,
+    ):
         async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
             first = [client.submit(sample(f"a{i}", delay=0.3), "sleepy") for i in range(6)]
             await asyncio.sleep(0.05)

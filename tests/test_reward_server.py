@@ -173,7 +173,9 @@ async def test_list_rewards_health_and_reflection(tiny_models: TinyModelPaths) -
             )
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
             services: list[str] = []
-            async for resp in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+            async for resp in refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            ):
                 services += [s.name for s in resp.list_services_response.service]
     names = [p.name for p in listing.pipelines]
     assert names == sorted(names) and {"mixed", "gsm8k", "math", "noop"} <= set(names)
