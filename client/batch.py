@@ -34,6 +34,7 @@ class ScoredSample:
     error: str = ""  # set when generation or reward failed; such samples score 0
     advantage: float = 0.0
     arrived: float = 0.0  # seconds from the start of its rollout call until it reached the trainer
+    trace_context: dict[str, str] = field(default_factory=dict)  # the rollout.sample span, when traced
 
     @classmethod
     def from_response(cls, r: rollout_pb2.GenerateResponse) -> ScoredSample:
@@ -64,6 +65,7 @@ class ScoredSample:
             policy_version=s.policy_version,
             response_text=s.response_text,
             error=error,
+            trace_context=dict(r.trace_context),
         )
 
     @property

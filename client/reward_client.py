@@ -19,6 +19,7 @@ import grpc
 from grpc import aio
 
 from client.targets import expand_targets
+from client.telemetry import client_interceptors
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ class _TargetStream:
     def __init__(self, owner: RewardClient, address: str, max_message_mb: int) -> None:
         self.owner = owner
         self.address = address
-        self.channel = aio.insecure_channel(address, options=channel_options(max_message_mb))
+        self.channel = aio.insecure_channel(
+            address, options=channel_options(max_message_mb), interceptors=client_interceptors()
+        )
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
         self.down_until = 0.0

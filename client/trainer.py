@@ -21,10 +21,21 @@ import grpc
 import torch
 from google.protobuf import struct_pb2
 from grpc import aio
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
-from client.batch import RolloutBatch, ScoredSample, assemble_batch, compute_metrics, set_group_advantages
+from client.batch import (
+    RolloutBatch,
+    ScoredSample,
+    assemble_batch,
+    compute_metrics,
+    set_group_advantages,
+    slowest_sample,
+)
 from client.reward_client import channel_options
 from client.targets import expand_targets
+from client.telemetry import client_interceptors, tracer
 from client.tensors import ids_tensor
 from client.weights import iter_chunks
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -83,6 +94,7 @@ class _Launched:
     tasks: list[asyncio.Task[None]]
     total: int
     started: float
+    span: trace.Span
 
 
 @dataclass
@@ -115,7 +127,7 @@ class TrainerClient:
             raise ValueError("TrainerClient needs at least one rollout server HOST:PORT")
         self.targets = []
         for a in addresses:
-            channel = aio.insecure_channel(a, options=channel_options())
+            channel = aio.insecure_channel(a, options=channel_options(), interceptors=client_interceptors())
             self.targets.append(_Target(a, channel, rollout_pb2_grpc.RolloutServiceStub(channel)))
         self.reward = reward
         self.sampling = sampling or Sampling()
@@ -209,13 +221,20 @@ class TrainerClient:
         """Start every group's Generate call now (they run whenever the caller awaits anything)."""
         self._step += 1
         stamp = f"s{self._step}-{uuid.uuid4().hex[:6]}"
-        launched = _Launched(asyncio.Queue(), [], len(prompts) * n, time.perf_counter())
-        for i, spec in enumerate(prompts):
-            group = spec.group_id or f"{stamp}-{i}"
-            ids = [f"{group}/{k}" for k in range(n)]
-            run = self._run_group(spec, group, ids, self.reward if reward is None else reward,
-                                  sampling or self.sampling, launched.out, launched.started)  # fmt: skip
-            launched.tasks.append(asyncio.create_task(run))
+        span = tracer().start_span("trainer.step", attributes={
+            "rewardmesh.step": self._step, "rewardmesh.num_prompts": len(prompts), "rewardmesh.n": n,
+            "rewardmesh.policy_version": self.policy_version})  # fmt: skip
+        launched = _Launched(asyncio.Queue(), [], len(prompts) * n, time.perf_counter(), span)
+        token = otel_context.attach(trace.set_span_in_context(span))  # the tasks (and their RPCs) inherit it
+        try:
+            for i, spec in enumerate(prompts):
+                group = spec.group_id or f"{stamp}-{i}"
+                ids = [f"{group}/{k}" for k in range(n)]
+                run = self._run_group(spec, group, ids, self.reward if reward is None else reward,
+                                      sampling or self.sampling, launched.out, launched.started)  # fmt: skip
+                launched.tasks.append(asyncio.create_task(run))
+        finally:
+            otel_context.detach(token)
         self.groups_started += len(prompts)
         return launched
 
@@ -242,8 +261,12 @@ class TrainerClient:
         sampling: Sampling | None = None,
     ) -> AsyncIterator[ScoredSample]:
         """Scored samples as they complete, from every rollout server."""
-        async for sample in self._consume(self._launch(prompts, n, reward, sampling)):
-            yield sample
+        launched = self._launch(prompts, n, reward, sampling)
+        try:
+            async for sample in self._consume(launched):
+                yield sample
+        finally:
+            launched.span.end()
 
     async def _groups(self, launched: _Launched, n: int) -> AsyncIterator[list[ScoredSample]]:
         """Complete groups, advantages computed the moment the group's last sample arrives."""
@@ -257,8 +280,13 @@ class TrainerClient:
                 yield group
 
     async def _collect(self, launched: _Launched, n: int) -> RolloutBatch:
-        samples = [s async for group in self._groups(launched, n) for s in group]
-        return self._batch(samples, time.perf_counter() - launched.started)
+        try:
+            samples = [s async for group in self._groups(launched, n) for s in group]
+            batch = self._batch(samples, time.perf_counter() - launched.started)
+            _close_step_span(launched.span, batch)
+            return batch
+        finally:
+            launched.span.end()
 
     async def generate_batch(
         self, prompts: Sequence[PromptSpec], n: int = 1, *, reward: str | None = None, sampling: Sampling | None = None
@@ -277,13 +305,20 @@ class TrainerClient:
         """Mini-batches of complete groups as soon as `minibatch_size` samples are in: training starts early."""
         launched = self._launch(prompts, n, reward, sampling)
         ready: list[ScoredSample] = []
-        async for group in self._groups(launched, n):
-            ready += group
-            if len(ready) >= minibatch_size:
+        seen: list[ScoredSample] = []
+        try:
+            async for group in self._groups(launched, n):
+                ready += group
+                seen += group
+                if len(ready) >= minibatch_size:
+                    yield self._batch(ready, time.perf_counter() - launched.started)
+                    ready = []
+            if ready:
                 yield self._batch(ready, time.perf_counter() - launched.started)
-                ready = []
-        if ready:
-            yield self._batch(ready, time.perf_counter() - launched.started)
+            if seen:
+                _close_step_span(launched.span, self._batch(seen, time.perf_counter() - launched.started))
+        finally:
+            launched.span.end()
 
     def _batch(self, samples: list[ScoredSample], gen_seconds: float) -> RolloutBatch:
         metrics = compute_metrics(samples, gen_seconds)
@@ -371,6 +406,20 @@ class TrainerClient:
 
     async def info(self) -> list[rollout_pb2.GetInfoResponse]:
         return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in self.targets)))
+
+
+def _close_step_span(span: trace.Span, batch: RolloutBatch) -> None:
+    """The slowest-sample breakdown as attributes (the metrics' own names) and an event naming its trace."""
+    if not span.is_recording() or not batch.samples:
+        return
+    span.set_attributes({k: v for k, v in batch.metrics.items() if k.startswith("timing_s/")})
+    slow = slowest_sample(batch.samples)
+    parts = slow.trace_context.get("traceparent", "").split("-")
+    event: dict[str, AttributeValue] = {"rewardmesh.sample_id": slow.sample_id, "rewardmesh.total_s": slow.total_time}
+    if len(parts) == 4:
+        event.update({"trace_id": parts[1], "span_id": parts[2]})
+    span.set_attribute("rewardmesh.slowest.sample_id", slow.sample_id)
+    span.add_event("slowest_sample", event)
 
 
 def reward_overlap(samples: Sequence[ScoredSample], rollout_seconds: float) -> dict[str, float]:

@@ -84,9 +84,14 @@ def batcher_config(where: str, kind: str, overrides: dict[str, Any] | None) -> B
 class RewardEngine:
     """Named pipelines, started and stopped together."""
 
-    def __init__(self, on_batch: Callable[[str, BatchInfo], None] | None = None) -> None:
+    def __init__(self) -> None:
         self.pipelines: dict[str, RewardPipeline] = {}
-        self._on_batch = on_batch
+        # Called after every executed batch (metrics, batch spans); listeners may be added at any time.
+        self.batch_listeners: list[Callable[[str, BatchInfo], None]] = []
+
+    def _on_batch(self, pipeline: str, info: BatchInfo) -> None:
+        for listener in self.batch_listeners:
+            listener(pipeline, info)
 
     def get(self, name: str) -> RewardPipeline:
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,12 +54,12 @@ async def run_agent_loop(
     prompt_ids: list[int],
     sampling: GenerationRequest,
     settings: AgentSettings,
-    on_turn: Any = None,
+    on_turn: Callable[[str, str, int, int], None] | None = None,
 ) -> Rollout:
     """Run turns until the model stops without calling a tool, a budget runs out, or max_turns is reached.
 
-    `sampling` is the per-turn template (its prompt_ids are ignored). `on_turn(kind, name, seconds)` is
-    an optional hook for tracing each generate and tool call.
+    `sampling` is the per-turn template (its prompt_ids are ignored). `on_turn(kind, name, start_ns,
+    end_ns)` is an optional hook for tracing each generate and tool call.
     """
     ids = list(prompt_ids)
     out = Rollout([], [], "stop")
@@ -72,12 +73,12 @@ async def run_agent_loop(
         if max_tokens <= 0:
             out.finish_reason = "length"
             break
-        started = time.perf_counter()
+        started = time.time_ns()
         gen = await backend.generate(replace(sampling, prompt_ids=ids, max_tokens=max_tokens))
-        spent = time.perf_counter() - started
-        out.generate_s += spent
+        ended = time.time_ns()
+        out.generate_s += (ended - started) / 1e9
         if on_turn is not None:
-            on_turn("generate", f"turn {turn}", spent)
+            on_turn("generate", f"turn {turn}", started, ended)
         out.num_turns += 1
         versions.append(gen.policy_version)
         if gen.num_preempted >= 0:
@@ -96,13 +97,13 @@ async def run_agent_loop(
             break
         results = []
         for call in calls:
-            started = time.perf_counter()
+            started = time.time_ns()
             results.append(await run_tool_call(call, settings.tools))
-            spent = time.perf_counter() - started
-            out.tool_s += spent
+            ended = time.time_ns()
+            out.tool_s += (ended - started) / 1e9
             out.num_tool_calls += 1
             if on_turn is not None:
-                on_turn("tool_call", call.name or "malformed", spent)
+                on_turn("tool_call", call.name or "malformed", started, ended)
         observation = tool_turn_ids(backend.tokenizer, results, gen.token_ids[-1] if gen.token_ids else None)
         if settings.max_response_tokens:
             observation = observation[: max(0, settings.max_response_tokens - len(out.response_ids))]

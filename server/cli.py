@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from client.telemetry import setup_telemetry
 from server.config import load_yaml, resolve
 
 
@@ -36,6 +37,9 @@ def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         type=float,
         help="close connections after this age so clients re-resolve DNS (default 0: never)",
     )
+    p.add_argument("--prometheus-port", dest="prometheus_port", type=int,
+                   default=int(os.environ.get("REWARDMESH_PROMETHEUS_PORT", "0")),
+                   help="serve OpenTelemetry metrics for Prometheus on this port (default: off)")  # fmt: skip
     p.add_argument("--log-level", default=os.environ.get("REWARDMESH_LOG_LEVEL", "INFO"))
 
 
@@ -112,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--metrics-out", dest="metrics_out", type=Path, help="write per-step metrics as JSON")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--trace-out", dest="trace_out", type=Path,
+                      help="write every span as OTLP JSON lines here and print the slowest sample's span tree")  # fmt: skip
 
     rdemo = sub.add_parser("reward-demo", help="score GSM8K-style samples through a real reward server and client")
     rdemo.add_argument("--samples", type=int, default=400, help="samples to score (default %(default)s)")
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         from server.reward_server import RewardServerConfig, serve_reward
 
         _setup_logging(args.log_level)
+        setup_telemetry("reward", prometheus_port=args.prometheus_port)
         file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
         cfg = resolve(RewardServerConfig, args, file_cfg.get("server") or {})
         try:
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         from server.rollout_server import RolloutServerConfig, serve_rollout
 
         _setup_logging(args.log_level)
+        setup_telemetry("rollout", prometheus_port=args.prometheus_port)
         file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
         rcfg = resolve(RolloutServerConfig, args, file_cfg.get("server") or {})
         try:
@@ -158,7 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         from server.demo import run_demo
 
         _setup_logging("WARNING")
-        return asyncio.run(run_demo(args))
+        if args.trace_out:
+            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+            from client.telemetry import OtlpJsonLinesExporter
+
+            args.trace_memory = InMemorySpanExporter()
+            telemetry = setup_telemetry("demo", span_exporters=[OtlpJsonLinesExporter(args.trace_out)],
+                                        span_processors=[SimpleSpanProcessor(args.trace_memory)])  # fmt: skip
+        else:
+            telemetry = setup_telemetry("demo")
+        try:
+            return asyncio.run(run_demo(args))
+        finally:
+            telemetry.shutdown()
     if args.command == "reward-demo":
         from server.reward_demo import run_reward_demo
 

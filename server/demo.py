@@ -144,4 +144,36 @@ async def run_demo(args: argparse.Namespace) -> int:
         print(f"score curve: {args.plot}")
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(history, indent=1))
+    memory = getattr(args, "trace_memory", None)
+    if memory is not None:
+        print(f"spans: {args.trace_out}")
+        print(slowest_sample_tree(list(memory.get_finished_spans())))
     return 0
+
+
+def slowest_sample_tree(spans: list[Any]) -> str:
+    """The last step's slowest sample as an indented span tree with durations, from its step span's event."""
+    steps = [s for s in spans if s.name == "trainer.step" and s.events]
+    if not steps:
+        return "no traced step"
+    step = max(steps, key=lambda s: s.end_time or 0)
+    event = next(e for e in step.events if e.name == "slowest_sample")
+    span_id = event.attributes.get("span_id")
+    children: dict[int, list[Any]] = {}
+    for s in spans:
+        if s.parent is not None:
+            children.setdefault(s.parent.span_id, []).append(s)
+    root = next((s for s in spans if f"{s.context.span_id:016x}" == span_id), None)
+    if root is None:
+        return f"slowest sample {event.attributes.get('rewardmesh.sample_id')}: its spans were not recorded"
+    lines = [f"slowest sample of step {step.attributes.get('rewardmesh.step')}: "
+             f"{event.attributes.get('rewardmesh.sample_id')} (trace {event.attributes.get('trace_id')})"]  # fmt: skip
+
+    def walk(span: Any, depth: int) -> None:
+        ms = (span.end_time - span.start_time) / 1e6
+        lines.append(f"{'  ' * depth}{span.name:<{28 - 2 * depth}} {ms:9.2f} ms")
+        for child in sorted(children.get(span.context.span_id, []), key=lambda c: c.start_time):
+            walk(child, depth + 1)
+
+    walk(root, 1)
+    return "\n".join(lines)

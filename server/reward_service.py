@@ -17,6 +17,7 @@ from reward_engine.engine import RewardEngine
 from reward_engine.errors import InvalidInput, RewardError, Unavailable, UnknownReward
 from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from server.reward_telemetry import RewardTelemetry
 from server.status import status_proto
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, engine: RewardEngine, tokenizer: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.telemetry = RewardTelemetry(engine)
         self._in_flight: set[str] = set()
         self._draining = asyncio.Event()
         self.results_sent = 0
@@ -82,9 +84,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             await asyncio.sleep(0.01)
 
     async def score_one(
-        self, sample: common_pb2.Sample, reward: str, timeout_s: float | None, context: object = None
+        self,
+        sample: common_pb2.Sample,
+        reward: str,
+        timeout_s: float | None,
+        trace_context: dict[str, str] | None = None,
     ) -> reward_pb2.RewardResult:
         arrived = time.monotonic()
+        arrival_ns = time.time_ns()
         sid = sample.sample_id
         result = reward_pb2.RewardResult(sample_id=sid, reward=reward)
         added = False
@@ -104,7 +111,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             deadline = arrived + timeout_s if timeout_s is not None else None
             self._in_flight.add(sid)
             added = True
-            scored = await pipeline.score(inp, deadline=deadline, context=context)
+            scored = await pipeline.score(inp, deadline=deadline, context=trace_context)
             result.score = scored.output.score
             result.extras.update(scored.output.extras)
             result.batch_size = scored.batch_size
@@ -116,6 +123,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             if added:
                 self._in_flight.discard(sid)
         result.timing.total = time.monotonic() - arrived
+        self.telemetry.on_result(result, trace_context or {}, arrival_ns)
         return result
 
     @staticmethod

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpc import aio
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from client.reward_client import RewardClient
+from client.telemetry import inject, traceparent, tracer
 from client.tensors import ids_from, ids_tensor
 from client.weights import WeightAssembler
 from reward_engine.errors import InvalidInput
@@ -163,13 +167,36 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         reward: str,
         reward_timeout: float | None,
     ) -> rollout_pb2.GenerateResponse:
+        attrs: dict[str, AttributeValue] = {
+            "rewardmesh.sample_id": job.sample_id,
+            "rewardmesh.group_id": job.group_id,
+            "rewardmesh.prompt_length": len(job.prompt_ids),
+        }
+        with tracer().start_as_current_span("rollout.sample", attributes=attrs) as span:
+            response = await self._run_traced(job, template, settings, reward, reward_timeout, span)
+            response.trace_context.update(traceparent(span))
+            return response
+
+    async def _run_traced(
+        self,
+        job: _Job,
+        template: GenerationRequest,
+        settings: AgentSettings,
+        reward: str,
+        reward_timeout: float | None,
+        span: trace.Span,
+    ) -> rollout_pb2.GenerateResponse:
+        def on_turn(kind: str, name: str, start_ns: int, end_ns: int) -> None:
+            attrs = {"rewardmesh.tool": name} if kind == "tool_call" else {"rewardmesh.turn": name}
+            tracer().start_span(kind, start_time=start_ns, attributes=attrs).end(end_time=end_ns)
+
         self.running_samples += 1
         try:
             sampling = GenerationRequest(**{**vars(template), "seed": job.seed})
-            rollout = await run_agent_loop(self.backend, job.prompt_ids, sampling, settings)
+            rollout = await run_agent_loop(self.backend, job.prompt_ids, sampling, settings, on_turn)
         except (ValueError, RuntimeError) as exc:  # a backend failure is this sample's error, not the stream's
             log.warning("sample %s failed in generation: %s", job.sample_id, exc)
-            rollout = Rollout([], [], "abort")
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
             failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.group_id)
             return rollout_pb2.GenerateResponse(
                 sample=failed, result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc))
@@ -177,17 +204,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self.running_samples -= 1
         sample = self._sample(job, rollout)
+        span.set_attributes(
+            {
+                "rewardmesh.response_length": len(rollout.response_ids),
+                "rewardmesh.num_preempted": rollout.num_preempted,
+                "rewardmesh.num_turns": rollout.num_turns,
+                "rewardmesh.policy_version": rollout.policy_version,
+            }
+        )
         if not reward or self.rewards is None:
             return rollout_pb2.GenerateResponse(sample=sample)
         self.pending_rewards += 1
         started = time.perf_counter()
         try:
-            result = await self.rewards.submit(sample, reward, timeout=reward_timeout)
+            with tracer().start_as_current_span("reward", attributes={"rewardmesh.pipeline": reward}) as rspan:
+                result = await self.rewards.submit(sample, reward, timeout=reward_timeout, trace_context=inject())
+                rspan.set_attributes({"rewardmesh.score": result.score, "rewardmesh.batch.size": result.batch_size})
+                if result.HasField("error"):
+                    rspan.set_status(Status(StatusCode.ERROR, result.error.message))
         finally:
             self.pending_rewards -= 1
         sample.timing.reward = time.perf_counter() - started
         sample.timing.reward_queue = result.timing.queue
         sample.timing.reward_compute = result.timing.compute
+        span.set_attribute("rewardmesh.score", result.score)
         return rollout_pb2.GenerateResponse(sample=sample, result=result)
 
     # -- RPCs ---------------------------------------------------------------------------------
@@ -223,8 +263,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         started = time.perf_counter()
         await self.backend.update_weights(tensors, version)
         spent = time.perf_counter() - started
-        log.info("applied %d tensors (%d bytes) as policy version %d in %.3fs", len(tensors), assembler.num_bytes,
-                 version, spent)  # fmt: skip
+        log.info(
+            "applied %d tensors (%d bytes) as policy version %d in %.3fs",
+            len(tensors),
+            assembler.num_bytes,
+            version,
+            spent,
+        )
         return rollout_pb2.UpdateWeightsResponse(
             policy_version=self.backend.policy_version,
             num_tensors=len(tensors),

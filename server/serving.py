@@ -14,6 +14,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client.telemetry import server_interceptors
 from server.status import ExceptionToStatusInterceptor
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class GrpcServer:
         on_drain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.options = options
-        self.server = aio.server(interceptors=[ExceptionToStatusInterceptor()], options=options.channel_args())
+        interceptors = [*server_interceptors(), ExceptionToStatusInterceptor()]
+        self.server = aio.server(interceptors=interceptors, options=options.channel_args())
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [full_name for _, _, full_name in services]

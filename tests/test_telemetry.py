@@ -1,0 +1,151 @@
+"""Traces and metrics across real gRPC hops (trainer -> rollout -> reward), with in-memory exporters."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from client.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
+from client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.v1 import rollout_pb2
+from server.reward_server import load_tokenizer
+from server.tiny_models import TinyModelPaths
+from tests.scripted_backend import ScriptedBackend
+from tests.servers import reward_server, rollout_server
+
+SPANS = InMemorySpanExporter()
+METRICS = InMemoryMetricReader()
+
+
+@pytest.fixture(scope="module")
+def telemetry() -> Telemetry:
+    t = setup_telemetry("test", span_processors=[SimpleSpanProcessor(SPANS)], metric_readers=[METRICS])
+    if not t.tracing:
+        pytest.skip("another test installed telemetry without in-memory exporters first")
+    return t
+
+
+def tool_script(text: str, turn: int) -> tuple[str, float]:
+    if turn == 0:
+        return '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>', 0.01
+    return "#### 4", 0.02 if "slow" in text else 0.0
+
+
+def metric_points(name: str) -> list[Any]:
+    data = METRICS.get_metrics_data()
+    assert data is not None
+    return [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name
+            for p in m.data.data_points]  # fmt: skip
+
+
+async def test_one_trace_per_step_across_three_services(telemetry: Telemetry, tiny_models: TinyModelPaths) -> None:
+    tok = load_tokenizer(str(tiny_models.policy))
+    SPANS.clear()
+    pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
+                                   "batching": {"max_batch_size": 8, "max_queue_delay_ms": 20}}}  # fmt: skip
+    agent = rollout_pb2.AgentLoopConfig(max_turns=3, tools=["calculator"])
+    async with reward_server(pipelines) as rs, rollout_server(ScriptedBackend(tok, tool_script), [rs.address]) as ro:
+        async with TrainerClient([ro.address], reward="gsm8k_batched", agent=agent,
+                                 sampling=Sampling(max_tokens=128)) as client:  # fmt: skip
+            prompts = [PromptSpec(token_ids=tok.encode(t), ground_truth="4") for t in ("fast one", "slow one")]
+            batch = await client.generate_batch(prompts, n=2)
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    spans = list(SPANS.get_finished_spans())
+    by_id = {s.context.span_id: s for s in spans}
+    named: dict[str, list[ReadableSpan]] = defaultdict(list)
+    for s in spans:
+        named[s.name].append(s)
+
+    def parent(s: ReadableSpan) -> ReadableSpan | None:
+        return by_id.get(s.parent.span_id) if s.parent else None
+
+    def ancestors(s: ReadableSpan) -> list[str]:
+        out = []
+        while (p := parent(s)) is not None:
+            out.append(p.name)
+            s = p
+        return out
+
+    (step,) = named["trainer.step"]
+    samples = named["rollout.sample"]
+    assert len(samples) == 4
+    for sample in samples:
+        assert sample.context.trace_id == step.context.trace_id
+        assert ancestors(sample)[-1] == "trainer.step"  # through the Generate client and server spans
+        children = [s for s in spans if s.parent and s.parent.span_id == sample.context.span_id]
+        assert sorted(c.name for c in children) == ["generate", "generate", "reward", "tool_call"]
+        assert next(c for c in children if c.name == "tool_call").attributes["rewardmesh.tool"] == "calculator"
+        (reward,) = [c for c in children if c.name == "reward"]
+        remote = sorted(s.name for s in spans if s.parent and s.parent.span_id == reward.context.span_id)
+        assert remote[-2:] == ["reward.compute", "reward.queue"]  # from the reward server, over the Score stream
+        assert sample.attributes["rewardmesh.score"] == 1.0 and sample.attributes["rewardmesh.response_length"] > 0
+    # gRPC spans follow the RPC semantic conventions.
+    rpc = [s for s in spans if (s.attributes or {}).get("rpc.method") == "Generate"]
+    assert rpc and all(s.attributes["rpc.system"] == "grpc" for s in rpc)
+    assert {s.attributes["rpc.service"] for s in rpc} == {"rewardmesh.v1.RolloutService"}
+    # Batch spans link to exactly the samples they served.
+    reward_spans = {s.context.span_id for s in named["reward"]}
+    linked = [link.context.span_id for b in named["reward.batch"] for link in b.links]
+    assert sorted(linked) == sorted(reward_spans)
+    for b in named["reward.batch"]:
+        assert len(b.links) == b.attributes["rewardmesh.batch.size"] and b.parent is None
+    # The step span carries the slowest-sample breakdown, equal to the trainer's metrics, and names its trace.
+    for key, value in batch.metrics.items():
+        if key.startswith("timing_s/agent_loop/slowest/"):
+            assert step.attributes[key] == pytest.approx(value)
+    (event,) = [e for e in step.events if e.name == "slowest_sample"]
+    slow = max(batch.samples, key=lambda s: s.total_time)
+    assert event.attributes["rewardmesh.sample_id"] == slow.sample_id
+    slow_span = next(s for s in samples if s.attributes["rewardmesh.sample_id"] == slow.sample_id)
+    assert event.attributes["span_id"] == f"{slow_span.context.span_id:016x}"
+    # Histograms count every scored sample; the batch-size histogram sums to the samples served.
+    latency = [p for p in metric_points("rewardmesh.reward.latency") if p.attributes["pipeline"] == "gsm8k_batched"]
+    assert sum(p.count for p in latency) == 4
+    sizes = [p for p in metric_points("rewardmesh.reward.batch_size") if p.attributes["pipeline"] == "gsm8k_batched"]
+    assert sum(p.sum for p in sizes) == 4
+    scored = [p for p in metric_points("rewardmesh.reward.scored") if p.attributes["pipeline"] == "gsm8k_batched"]
+    assert sum(p.value for p in scored) == 4
+
+
+async def test_failures_are_counted_by_kind(telemetry: Telemetry) -> None:
+    from tests.servers import reward_stub, sample
+
+    from rewardmesh.v1 import reward_pb2
+
+    async with reward_server() as rs, reward_stub(rs.address) as stub:
+        bad = sample("bad")
+        bad.response_ids.raw_data = b"\x01"
+        await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="format", samples=[bad, sample("ok")]))
+
+    def total(name: str) -> float:
+        return sum(p.value for p in metric_points(name) if p.attributes["pipeline"] == "format")
+
+    assert total("rewardmesh.reward.rejected") == 1 and total("rewardmesh.reward.scored") == 1
+
+
+def test_otlp_json_lines_exporter(tmp_path: Path, telemetry: Telemetry) -> None:
+    from client.telemetry import tracer
+
+    path = tmp_path / "spans.jsonl"
+    exporter = OtlpJsonLinesExporter(path)
+    SPANS.clear()
+    with tracer().start_as_current_span("outer", attributes={"n": 3, "x": 1.5, "ok": True}):
+        with tracer().start_as_current_span("inner"):
+            pass
+    spans = SPANS.get_finished_spans()
+    exporter.export(spans)
+    exporter.shutdown()
+    (line,) = path.read_text().splitlines()
+    otlp = json.loads(line)["resourceSpans"][0]
+    out = {s["name"]: s for s in otlp["scopeSpans"][0]["spans"]}
+    assert out["inner"]["parentSpanId"] == out["outer"]["spanId"] and len(out["outer"]["traceId"]) == 32
+    assert {a["key"]: a["value"] for a in out["outer"]["attributes"]}["n"] == {"intValue": "3"}
+    assert any(a["key"] == "service.name" for a in otlp["resource"]["attributes"])
