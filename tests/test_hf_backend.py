@@ -1,0 +1,414 @@
+"""HFBackend on the real tiny policy: micro-batching, per-row sampling and stops, cancellation, weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from server.backends import make_backend
+from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
+from server.backends.hf import HFBackend, sample, trim_at_stop
+from server.tiny_models import TinyModelPaths
+
+PROMPTS = [
+    "What is 2 + 2?",
+    "Tell me a short story about a cat.",
+    "7 + 8 =",
+    "The teacher checks the answer again and again, with care.",
+    "Add 9 and 9.",
+]
+
+
+@pytest.fixture
+async def backend(tiny_models: TinyModelPaths) -> AsyncIterator[HFBackend]:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20)
+    await b.start()
+    yield b
+    await b.close()
+
+
+def ids(backend: HFBackend, text: str) -> list[int]:
+    return list(backend.tokenizer.encode(text))
+
+
+def greedy(backend: HFBackend, text: str, max_tokens: int = 12, **kw: Any) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=ids(backend, text), max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def sampled(backend: HFBackend, text: str, seed: int | None, max_tokens: int = 30, **kw: Any) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=ids(backend, text), max_tokens=max_tokens, temperature=1.0, seed=seed, **kw)
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+async def a_sample_without_eos(backend: HFBackend, text: str, min_len: int = 20) -> tuple[GenerationRequest, list[int]]:
+    """A seeded sampled continuation that runs to max_tokens (no eos), to pick real stops from."""
+    for seed in range(50):
+        request = sampled(backend, text, seed=seed)
+        out = await backend.generate(request)
+        if out.finish_reason == "length" and len(out.token_ids) >= min_len:
+            return request, out.token_ids
+    raise AssertionError("every seed hit eos early")
+
+
+# --------------------------------------------------------------------------------------------------- basics
+
+
+async def test_generates_tokens_and_a_finish_reason(backend: HFBackend) -> None:
+    out = await backend.generate(greedy(backend, PROMPTS[0], max_tokens=8))
+    assert 1 <= len(out.token_ids) <= 8
+    assert out.finish_reason in ("stop", "length")
+    assert all(0 <= t < len(backend.tokenizer) for t in out.token_ids)
+    assert (out.policy_version, out.num_preempted) == (0, 0)
+    assert isinstance(backend.tokenizer.decode(out.token_ids), str)
+    assert backend.name == "hf" and backend.max_model_len == 512 and backend.running == 0
+
+
+async def test_max_tokens_is_respected(backend: HFBackend) -> None:
+    for n in (1, 5, 17):
+        out = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=n))
+        assert len(out.token_ids) == n
+        assert out.finish_reason == "length"
+
+
+async def test_greedy_is_deterministic_alone_and_batched(backend: HFBackend) -> None:
+    requests = [greedy(backend, p, max_tokens=16) for p in PROMPTS]
+    alone = [await backend.generate(r) for r in requests]
+    again = [await backend.generate(r) for r in requests]
+    together = await asyncio.gather(*(backend.generate(r) for r in requests))
+    assert [o.token_ids for o in alone] == [o.token_ids for o in again] == [o.token_ids for o in together]
+    # the batch really reused the model with left padding (prompts have different lengths)
+    assert backend.batch_sizes[-1] == len(PROMPTS)
+    assert len({len(r.prompt_ids) for r in requests}) > 1
+
+
+async def test_same_seed_same_tokens_alone_or_batched(backend: HFBackend) -> None:
+    requests = [
+        sampled(backend, PROMPTS[0], seed=11),
+        sampled(backend, PROMPTS[1], seed=12, top_k=20),
+        sampled(backend, PROMPTS[2], seed=13, top_p=0.8),
+        sampled(backend, PROMPTS[3], seed=14, top_k=50, top_p=0.9),
+        GenerationRequest(ids(backend, PROMPTS[4]), max_tokens=30, temperature=0.7, seed=15),
+    ]
+    alone = [await backend.generate(r) for r in requests]
+    # batched with each other, and with unseeded strangers in the same micro-batch
+    strangers = [sampled(backend, PROMPTS[i], seed=None) for i in range(3)]
+    together = await asyncio.gather(*(backend.generate(r) for r in [*strangers, *requests]))
+    assert backend.batch_sizes[-1] == len(strangers) + len(requests)
+    assert [o.token_ids for o in alone] == [o.token_ids for o in together[len(strangers) :]]
+    # and the seed matters
+    other = await backend.generate(sampled(backend, PROMPTS[0], seed=99))
+    assert other.token_ids != alone[0].token_ids
+
+
+def test_sampler_filters() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    argmax = logits.argmax(-1)
+    temps = torch.ones(4)
+    u = torch.rand(4)
+    top1 = sample(logits, temps, torch.ones(4, dtype=torch.long), torch.ones(4), u)
+    assert torch.equal(top1, argmax)
+    tiny_p = sample(logits, temps, torch.zeros(4, dtype=torch.long), torch.full((4,), 1e-6), u)
+    assert torch.equal(tiny_p, argmax)
+    zero_t = sample(logits, torch.zeros(4), torch.zeros(4, dtype=torch.long), torch.ones(4), u)
+    assert torch.equal(zero_t, argmax)
+    top5 = sample(logits, temps, torch.full((4,), 5, dtype=torch.long), torch.ones(4), u)
+    allowed = logits.topk(5, dim=-1).indices
+    assert all(int(t) in allowed[i].tolist() for i, t in enumerate(top5))
+    # an unfiltered row draws the same token whatever its neighbours filter
+    for _ in range(50):
+        u = torch.rand(4)
+        mixed = sample(logits, temps, torch.tensor([0, 5, 0, 2]), torch.tensor([1.0, 1.0, 0.3, 0.9]), u)
+        plain = sample(logits[:1], temps[:1], torch.zeros(1, dtype=torch.long), torch.ones(1), u[:1])
+        assert mixed[0] == plain[0]
+        assert int(mixed[1]) in allowed[1].tolist()
+
+
+# ----------------------------------------------------------------------------------------------- batching
+
+
+async def test_concurrent_requests_share_micro_batches(tiny_models: TinyModelPaths) -> None:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_batch_size=3)
+    try:
+        outs = await asyncio.gather(*(b.generate(greedy(b, p, max_tokens=4)) for p in [*PROMPTS, *PROMPTS]))
+        assert all(len(o.token_ids) == 4 for o in outs)
+        assert max(b.batch_sizes) == 3  # several requests per forward pass, never more than the cap
+        assert sum(b.batch_sizes) == 2 * len(PROMPTS)
+        assert b.num_batches == 4
+    finally:
+        await b.close()
+
+
+async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBackend) -> None:
+    done_at: dict[str, float] = {}
+
+    async def timed(tag: str, request: GenerationRequest) -> GenerationOutput:
+        out = await backend.generate(request)
+        done_at[tag] = time.perf_counter()
+        return out
+
+    long_task = asyncio.create_task(timed("long", greedy(backend, PROMPTS[3], max_tokens=300)))
+    short_task = asyncio.create_task(timed("short", greedy(backend, PROMPTS[0], max_tokens=2)))
+    t0 = time.perf_counter()
+    done, _ = await asyncio.wait({long_task, short_task}, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {short_task}
+    assert not long_task.done()
+    assert backend.running == 1  # the delivered row no longer counts
+    short, long = short_task.result(), await long_task
+    assert backend.batch_sizes[-1] == 2  # they really shared one micro-batch
+    assert len(short.token_ids) == 2 and len(long.token_ids) == 300
+    assert done_at["short"] - t0 < (done_at["long"] - t0) / 5
+
+
+async def test_requests_arriving_mid_batch_wait_for_the_next(backend: HFBackend) -> None:
+    first = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=100)))
+    await wait_for(lambda: backend.num_batches == 1)
+    second = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=3))
+    assert first.done()  # the late request only ran after the first batch ended
+    assert len(second.token_ids) == 3
+    await first
+    assert list(backend.batch_sizes) == [1, 1]
+
+
+# ------------------------------------------------------------------------------------------------- stops
+
+
+async def test_stop_token_ids_are_honoured(backend: HFBackend) -> None:
+    request, tokens = await a_sample_without_eos(backend, PROMPTS[1])
+    k = next(i for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
+    request.stop_token_ids = [tokens[k]]
+    out = await backend.generate(request)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tokens[: k + 1]  # the stop token itself is returned, like eos
+
+
+async def test_stop_strings_are_honoured_and_not_returned(backend: HFBackend) -> None:
+    request, tokens = await a_sample_without_eos(backend, PROMPTS[2])
+    tok = backend.tokenizer
+    text = tok.decode(tokens, skip_special_tokens=True)
+    start = len(tok.decode(tokens[:4], skip_special_tokens=True))
+    # a 2-character ASCII piece of what the model really writes, first seen after its fourth token
+    pos, stop = next(
+        (p, text[p : p + 2])
+        for p in range(start, len(text) - 2)
+        if text[p : p + 2].isascii() and text[p : p + 2].isprintable() and text[p : p + 2] not in text[: p + 1]
+    )
+    request.stop = ["never-produced-stop", stop]
+    out = await backend.generate(request)
+    assert out.finish_reason == "stop"
+    kept = tok.decode(out.token_ids, skip_special_tokens=True)
+    assert stop not in kept
+    assert text.startswith(kept) and len(kept) <= pos
+    assert out.token_ids == tokens[: len(out.token_ids)]
+    # whole tokens only: one more token would run into the stop string
+    assert len(tok.decode(tokens[: len(out.token_ids) + 1], skip_special_tokens=True)) > pos
+    assert trim_at_stop(tok, tokens, [stop]) == out.token_ids
+
+    request.stop = ["never-produced-stop"]
+    assert (await backend.generate(request)).token_ids == tokens
+
+
+# ---------------------------------------------------------------------------------------------- cancelling
+
+
+async def test_cancelling_aborts_the_row_and_stops_the_batch(backend: HFBackend) -> None:
+    task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=400)))
+    await wait_for(lambda: backend.num_batches == 1)
+    await asyncio.sleep(0.02)
+    assert backend.running == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert backend.running == 0
+    await wait_for(lambda: len(backend.batch_steps) == 1)
+    assert backend.batch_steps[0] < 400  # the batch ended early instead of decoding a row nobody awaits
+
+
+async def test_cancelling_one_row_leaves_its_neighbours_intact(backend: HFBackend) -> None:
+    keep_request = sampled(backend, PROMPTS[1], seed=5, max_tokens=60)
+    expected = await backend.generate(keep_request)
+    victim = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[3], max_tokens=400)))
+    keeper = asyncio.create_task(backend.generate(keep_request))
+    await wait_for(lambda: backend.num_batches == 2)
+    victim.cancel()
+    out = await keeper
+    assert out.token_ids == expected.token_ids
+    assert victim.cancelled()
+    assert backend.running == 0
+
+
+async def test_cancelling_a_queued_request_never_runs_it(tiny_models: TinyModelPaths) -> None:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=300)
+    await b.start()
+    try:
+        task = asyncio.create_task(b.generate(greedy(b, PROMPTS[0])))
+        await wait_for(lambda: b.running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert b.running == 0
+        await asyncio.sleep(0.4)
+        assert b.num_batches == 0
+    finally:
+        await b.close()
+
+
+async def test_close_fails_pending_requests(tiny_models: TinyModelPaths) -> None:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
+    await b.start()
+    running = asyncio.create_task(b.generate(greedy(b, PROMPTS[0], max_tokens=400)))
+    await wait_for(lambda: b.num_batches == 1)
+    queued = asyncio.create_task(b.generate(greedy(b, PROMPTS[1], max_tokens=400)))
+    await wait_for(lambda: b.running == 2)
+    await b.close()
+    for task in (running, queued):
+        with pytest.raises(RuntimeError, match="closed"):
+            await task
+    with pytest.raises(RuntimeError, match="closed"):
+        await b.generate(greedy(b, PROMPTS[0]))
+
+
+# ------------------------------------------------------------------------------------------------ limits
+
+
+async def test_prompt_plus_max_tokens_beyond_max_model_len_is_rejected(
+    backend: HFBackend, tiny_models: TinyModelPaths
+) -> None:
+    prompt = ids(backend, PROMPTS[3])
+    ok = await backend.generate(GenerationRequest(prompt, max_tokens=512 - len(prompt), temperature=0.0))
+    assert len(ok.token_ids) == 512 - len(prompt)
+    with pytest.raises(ValueError, match="max_tokens") as info:
+        await backend.generate(GenerationRequest(prompt, max_tokens=513 - len(prompt)))
+    assert "512" in str(info.value)
+    assert backend.running == 0
+
+    small = HFBackend(str(tiny_models.policy), num_threads=1, max_model_len=16)
+    try:
+        assert small.max_model_len == 16
+        with pytest.raises(ValueError, match=r"max_tokens.*16"):
+            await small.generate(GenerationRequest(prompt, max_tokens=16))
+    finally:
+        await small.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prompt_ids": []}, "empty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"prompt_ids": [1, 100000]}, "vocabulary"),
+    ],
+)
+async def test_invalid_requests_are_rejected_up_front(backend: HFBackend, change: dict[str, Any], message: str) -> None:
+    request = greedy(backend, PROMPTS[0])
+    for key, value in change.items():
+        setattr(request, key, value)
+    with pytest.raises(ValueError, match=message):
+        await backend.generate(request)
+    assert backend.num_batches == 0
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def perturbed_state(tiny_models: TinyModelPaths, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
+    gen = torch.Generator().manual_seed(1)
+    return {
+        name: (t + scale * torch.randn(t.shape, generator=gen)).to(torch.bfloat16 if "mlp" in name else t.dtype)
+        for name, t in model.state_dict().items()
+    }
+
+
+def original_state(tiny_models: TinyModelPaths) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+async def test_weight_specs_come_from_the_state_dict(backend: HFBackend, tiny_models: TinyModelPaths) -> None:
+    specs = backend.weight_specs()
+    state = original_state(tiny_models)
+    assert set(specs) == set(state)
+    assert all(specs[n] == (tuple(t.shape), torch.float32) for n, t in state.items())
+
+
+async def test_update_weights_changes_output_and_version(backend: HFBackend, tiny_models: TinyModelPaths) -> None:
+    requests = [greedy(backend, p, max_tokens=12) for p in PROMPTS]
+    before = [o.token_ids for o in await asyncio.gather(*(backend.generate(r) for r in requests))]
+
+    await backend.update_weights(perturbed_state(tiny_models), version=7)
+    assert backend.policy_version == 7
+    after = await asyncio.gather(*(backend.generate(r) for r in requests))
+    assert all(o.policy_version == 7 for o in after)
+    assert [o.token_ids for o in after] != before
+
+    await backend.update_weights(original_state(tiny_models), version=8)
+    restored = await asyncio.gather(*(backend.generate(r) for r in requests))
+    assert [o.token_ids for o in restored] == before
+    assert all(o.policy_version == 8 for o in restored)
+
+
+async def test_update_weights_waits_for_the_running_batch(backend: HFBackend, tiny_models: TinyModelPaths) -> None:
+    request = greedy(backend, PROMPTS[3], max_tokens=200)
+    baseline = await backend.generate(request)
+    in_flight = asyncio.create_task(backend.generate(request))
+    await wait_for(lambda: backend.num_batches == 2)
+    await backend.update_weights(perturbed_state(tiny_models), version=1)
+    assert in_flight.done()  # the swap waited for the micro-batch to end
+    old = await in_flight
+    assert old.policy_version == 0 and old.token_ids == baseline.token_ids  # never mixed weights mid-batch
+    new = await backend.generate(request)
+    assert new.policy_version == 1 and new.token_ids != baseline.token_ids
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"model.no_such_layer.weight": torch.zeros(3)}, r"model\.no_such_layer\.weight"),
+        ({"model.norm.weight": torch.zeros(65)}, r"model\.norm\.weight.*shape \(65,\).*\(64,\)"),
+        ({"model.norm.weight": torch.zeros(64, dtype=torch.int64)}, r"model\.norm\.weight.*dtype"),
+        ({"model.norm.weight": torch.zeros(64, dtype=torch.float64)}, r"model\.norm\.weight.*dtype"),
+    ],
+)
+async def test_bad_weights_are_rejected_and_nothing_is_applied(
+    backend: HFBackend, tiny_models: TinyModelPaths, bad: dict[str, torch.Tensor], message: str
+) -> None:
+    request = greedy(backend, PROMPTS[0], max_tokens=12)
+    before = await backend.generate(request)
+    tensors = perturbed_state(tiny_models)  # every good tensor comes first: none of them may land
+    tensors.update(bad)
+    with pytest.raises(WeightsError, match=message):
+        await backend.update_weights(tensors, version=3)
+    assert backend.policy_version == 0
+    after = await backend.generate(request)
+    assert after.token_ids == before.token_ids and after.policy_version == 0
+
+
+# ------------------------------------------------------------------------------------------------ factory
+
+
+async def test_make_backend(tiny_models: TinyModelPaths) -> None:
+    threads = torch.get_num_threads()
+    b = make_backend("hf", str(tiny_models.policy), batch_wait_ms=1.0, max_batch_size=4, num_threads=1)
+    assert isinstance(b, HFBackend) and b.max_batch_size == 4
+    out = await b.generate(greedy(b, PROMPTS[0], max_tokens=3))  # starts on demand
+    assert len(out.token_ids) == 3
+    assert torch.get_num_threads() == threads  # the cap stayed on the decode thread
+    await b.close()
+    with pytest.raises(ValueError, match=r"'hf'.*'vllm'"):
+        make_backend("sglang", str(tiny_models.policy))
