@@ -49,7 +49,7 @@ async def local_mesh(policy: str, servers: int, max_batch_size: int) -> AsyncIte
     rollouts = []
     try:
         for _ in range(servers):
-            backend = HFBackend(policy, device="cpu", max_batch_size=max_batch_size)
+            backend = HFBackend(policy, device="cpu", max_batch_size=max_batch_size, num_threads=1)
             server = RolloutServer(backend, [reward.address], ServerOptions(host="127.0.0.1", port=0, grace_s=2))
             await server.start()
             rollouts.append(server)
