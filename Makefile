@@ -41,8 +41,20 @@ protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos \
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc --mypy_grpc_out=protos $(PROTO_SRC)
 
+# Each prints a table of ratios measured side by side in one run (minutes each; not part of `make test`).
 bench: $(STAMP)
 	$(BIN)/python -m bench.reward_batching
+	$(BIN)/python -m bench.reward_overlap
+	$(BIN)/python -m bench.pipeline
+	$(BIN)/python -m bench.tracing_overhead
+	$(BIN)/python -m bench.demo_learning
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# Render every kustomization under k8s/ (kubectl kustomize) and validate each object against the Kubernetes
+# OpenAPI schemas offline, in strict mode (kubernetes-validate ships the schemas).
+.PHONY: k8s-check
+k8s-check: $(STAMP)
+	$(BIN)/python -c 'import kubernetes_validate' 2>/dev/null || $(BIN)/python -m pip install -q 'kubernetes-validate==1.37.0'
+	$(BIN)/python k8s/check.py

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--metrics-out", dest="metrics_out", type=Path, help="write per-step metrics as JSON")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--trace-out", dest="trace_out", type=Path,
-                      help="write every span as OTLP JSON lines here and print the slowest sample's span tree")  # fmt: skip
+                      help="write spans as OTLP JSON lines; print the slowest sample's span tree")  # fmt: skip
 
     rdemo = sub.add_parser("reward-demo", help="score GSM8K-style samples through a real reward server and client")
     rdemo.add_argument("--samples", type=int, default=400, help="samples to score (default %(default)s)")

@@ -45,14 +45,7 @@ def test_serve_reward_process_scores_and_drains_on_sigterm(tmp_path: Path) -> No
     proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1", "--config", str(cfg)],
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        port = None
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if m := re.search(r"listening on [\d.]+:(\d+)", line):
-                port = int(m.group(1))
-        assert port, "server never reported its port"
+        port = _wait_for_port(proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             pending = stub.ScoreBatch.future(
@@ -68,3 +61,37 @@ def test_serve_reward_process_scores_and_drains_on_sigterm(tmp_path: Path) -> No
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.timeout(90)
+def test_prometheus_endpoint_serves_reward_metrics(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        prom_port = s.getsockname()[1]
+    proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
+                             "--prometheus-port", str(prom_port)], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = _wait_for_port(proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("a"), sample("b")]))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/metrics", timeout=10).read().decode()
+        scored = [line for line in body.splitlines() if line.startswith("rewardmesh_reward_scored")]
+        assert scored and float(scored[0].split()[-1]) == 2.0, body[:2000]
+        assert "rewardmesh_reward_latency" in body and 'pipeline="gsm8k"' in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _wait_for_port(proc: subprocess.Popen[str]) -> int:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if m := re.search(r"listening on [\d.]+:(\d+)", line):
+            return int(m.group(1))
+    raise AssertionError("server never reported its port")

@@ -116,9 +116,8 @@ async def test_one_trace_per_step_across_three_services(telemetry: Telemetry, ti
 
 
 async def test_failures_are_counted_by_kind(telemetry: Telemetry) -> None:
-    from tests.servers import reward_stub, sample
-
     from rewardmesh.v1 import reward_pb2
+    from tests.servers import reward_stub, sample
 
     async with reward_server() as rs, reward_stub(rs.address) as stub:
         bad = sample("bad")
