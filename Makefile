@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install demo test lint typecheck pytest protos bench clean
+.PHONY: install demo test lint typecheck pytest protos bench clean k8s-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,7 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest -q
 
-test: lint typecheck pytest
+test: lint typecheck k8s-check pytest
 
 # Regenerate the committed stubs; tests/test_protos.py fails when they are stale.
 protos: $(STAMP)
