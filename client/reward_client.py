@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc import aio
 
-from client.targets import expand_targets
+from client.targets import Resolver
 from client.telemetry import client_interceptors
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -117,14 +117,30 @@ class RewardClient:
         max_attempts: int = 5,
         retry_backoff_s: float = 0.2,
         max_message_mb: int = 64,
+        resolver: Resolver | None = None,
     ) -> None:
-        addresses = expand_targets(targets)
-        if not addresses:
+        self.resolver = resolver or Resolver(targets)
+        if not self.resolver.addresses:
             raise ValueError("RewardClient needs at least one target HOST:PORT")
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
-        self.streams = [_TargetStream(self, a, max_message_mb) for a in addresses]
+        self.max_message_mb = max_message_mb
+        self.streams = [_TargetStream(self, a, max_message_mb) for a in self.resolver.addresses]
         self.rerouted = 0
+        self._retired: list[_TargetStream] = []
+
+    def _reconcile(self, addresses: list[str] | None) -> None:
+        """Open streams to new addresses; retire streams to vanished ones once they have nothing pending."""
+        if addresses is None:
+            return
+        known = {s.address: s for s in self.streams}
+        self.streams = [known.get(a) or _TargetStream(self, a, self.max_message_mb) for a in addresses]
+        for gone in set(known) - set(addresses):
+            stream = known[gone]
+            self._retired.append(stream)
+            self._reroute(list(stream.pending.values()), stream, "its address no longer resolves")
+            stream.pending.clear()
+            asyncio.get_running_loop().create_task(stream.close())
 
     @property
     def outstanding(self) -> int:
@@ -138,6 +154,8 @@ class RewardClient:
 
     async def close(self) -> None:
         for s in self.streams:
+            await s.close()
+        for s in self._retired:
             await s.close()
 
     # -- streaming ----------------------------------------------------------------------------
@@ -173,6 +191,7 @@ class RewardClient:
     def _dispatch(self, p: _Pending, avoid: _TargetStream | None) -> None:
         if p.future.done():
             return
+        self._reconcile(self.resolver.maybe_refresh())
         now = time.monotonic()
         usable = [s for s in self.streams if s.usable(now)]
         preferred = [s for s in usable if s is not avoid] or usable
@@ -193,6 +212,8 @@ class RewardClient:
             p.future.set_result(result)
 
     def _reroute(self, orphans: list[_Pending], failed: _TargetStream, reason: str) -> None:
+        if orphans and failed in self.streams:
+            self._reconcile(self.resolver.refresh())  # the pod may have been replaced
         for p in orphans:
             if p.future.done():
                 continue

@@ -7,8 +7,12 @@ stream per pod, and broadcast weights to every rollout pod.
 
 from __future__ import annotations
 
+import logging
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def split_targets(targets: Sequence[str] | str) -> list[str]:
@@ -35,3 +39,47 @@ def expand_targets(targets: Sequence[str] | str) -> list[str]:
             ip = str(info[4][0])
             out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
     return list(dict.fromkeys(out))
+
+
+class Resolver:
+    """Re-resolves a target list when asked and at most every `interval_s` on its own.
+
+    Pods behind a headless Service come and go (autoscaling, rolling updates): clients call
+    `refresh()` after a failure and `maybe_refresh()` on their hot path, then reconcile their
+    per-address connections with the list it returns.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str] | str,
+        *,
+        interval_s: float = 30.0,
+        resolve: Callable[[list[str]], list[str]] | None = None,
+    ) -> None:
+        self.specs = split_targets(targets)
+        self.dynamic = any(t.startswith("dns:") for t in self.specs)
+        self.interval_s = interval_s
+        self._resolve = resolve or expand_targets
+        self._last = time.monotonic()
+        self.addresses = self._resolve(self.specs)
+
+    def refresh(self) -> list[str] | None:
+        """The new address list, or None when nothing changed or the name cannot be resolved right now."""
+        if not self.dynamic:
+            return None
+        self._last = time.monotonic()
+        try:
+            addresses = self._resolve(self.specs)
+        except ValueError as exc:
+            log.warning("keeping %d known addresses: %s", len(self.addresses), exc)
+            return None
+        if not addresses or addresses == self.addresses:
+            return None
+        log.info("targets %s now resolve to %s (were %s)", self.specs, addresses, self.addresses)
+        self.addresses = addresses
+        return addresses
+
+    def maybe_refresh(self) -> list[str] | None:
+        if self.dynamic and time.monotonic() - self._last >= self.interval_s:
+            return self.refresh()
+        return None

@@ -34,7 +34,7 @@ from client.batch import (
     slowest_sample,
 )
 from client.reward_client import channel_options
-from client.targets import expand_targets
+from client.targets import Resolver
 from client.telemetry import client_interceptors, tracer
 from client.tensors import ids_tensor
 from client.weights import iter_chunks
@@ -121,14 +121,13 @@ class TrainerClient:
         normalize_adv_std: bool = True,
         max_attempts: int = 4,
         retry_backoff_s: float = 0.2,
+        resolver: Resolver | None = None,
     ) -> None:
-        addresses = expand_targets(targets)
-        if not addresses:
+        self.resolver = resolver or Resolver(targets)
+        if not self.resolver.addresses:
             raise ValueError("TrainerClient needs at least one rollout server HOST:PORT")
-        self.targets = []
-        for a in addresses:
-            channel = aio.insecure_channel(a, options=channel_options(), interceptors=client_interceptors())
-            self.targets.append(_Target(a, channel, rollout_pb2_grpc.RolloutServiceStub(channel)))
+        self.targets = [self._connect(a) for a in self.resolver.addresses]
+        self._retired: list[_Target] = []
         self.reward = reward
         self.sampling = sampling or Sampling()
         self.agent = agent or rollout_pb2.AgentLoopConfig()
@@ -150,12 +149,26 @@ class TrainerClient:
         await self.close()
 
     async def close(self) -> None:
-        for t in self.targets:
+        for t in [*self.targets, *self._retired]:
             await t.channel.close(grace=None)
+
+    @staticmethod
+    def _connect(address: str) -> _Target:
+        channel = aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+        return _Target(address, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+
+    def _reconcile(self, addresses: list[str] | None) -> None:
+        """Pods behind a dns:/// target changed: add the new ones; calls in flight on vanished ones finish or fail."""
+        if addresses is None:
+            return
+        known = {t.address: t for t in self.targets}
+        self.targets = [known.get(a) or self._connect(a) for a in addresses]
+        self._retired += [t for a, t in known.items() if a not in addresses]
 
     # -- rollouts -----------------------------------------------------------------------------
 
     def _pick(self, avoid: _Target | None) -> _Target | None:
+        self._reconcile(self.resolver.maybe_refresh())
         now = time.monotonic()
         usable = [t for t in self.targets if t.down_until <= now]
         preferred = [t for t in usable if t is not avoid] or usable
@@ -209,6 +222,7 @@ class TrainerClient:
                     return
                 errors.append(f"{target.address}: {exc.code().name}: {exc.details()}")
                 target.down_until = time.monotonic() + self.retry_backoff_s
+                self._reconcile(self.resolver.refresh())  # the pod may have been replaced
                 log.warning("rollout server %s failed (%s); re-sending %d samples of group %s elsewhere",
                             target.address, exc.code().name, len(remaining), group_id)  # fmt: skip
             finally:
