@@ -18,23 +18,13 @@ from dataclasses import dataclass, field
 import grpc
 from grpc import aio
 
+from client.channels import open_channel
 from client.targets import Resolver
-from client.telemetry import client_interceptors
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-
-
-def channel_options(max_message_mb: int = 64) -> list[tuple[str, object]]:
-    size = max_message_mb * 1024 * 1024
-    return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
 
 
 @dataclass(eq=False)
@@ -51,9 +41,7 @@ class _TargetStream:
     def __init__(self, owner: RewardClient, address: str, max_message_mb: int) -> None:
         self.owner = owner
         self.address = address
-        self.channel = aio.insecure_channel(
-            address, options=channel_options(max_message_mb), interceptors=client_interceptors()
-        )
+        self.channel = open_channel(address, server_name=owner.resolver.server_name, max_message_mb=max_message_mb)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
         self.down_until = 0.0

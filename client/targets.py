@@ -62,6 +62,9 @@ class Resolver:
         self._resolve = resolve or expand_targets
         self._last = time.monotonic()
         self.addresses = self._resolve(self.specs)
+        # The name a TLS certificate is checked against when we dial pod addresses.
+        dns = [t.split("dns:", 1)[1].lstrip("/").rpartition(":")[0] for t in self.specs if t.startswith("dns:")]
+        self.server_name = dns[0] if dns else ""
 
     def refresh(self) -> list[str] | None:
         """The new address list, or None when nothing changed or the name cannot be resolved right now."""

@@ -33,9 +33,9 @@ from client.batch import (
     set_group_advantages,
     slowest_sample,
 )
-from client.reward_client import channel_options
+from client.channels import open_channel
 from client.targets import Resolver
-from client.telemetry import client_interceptors, tracer
+from client.telemetry import tracer
 from client.tensors import ids_tensor
 from client.weights import iter_chunks
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -152,9 +152,8 @@ class TrainerClient:
         for t in [*self.targets, *self._retired]:
             await t.channel.close(grace=None)
 
-    @staticmethod
-    def _connect(address: str) -> _Target:
-        channel = aio.insecure_channel(address, options=channel_options(), interceptors=client_interceptors())
+    def _connect(self, address: str) -> _Target:
+        channel = open_channel(address, server_name=self.resolver.server_name)
         return _Target(address, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
 
     def _reconcile(self, addresses: list[str] | None) -> None:

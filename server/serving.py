@@ -7,8 +7,10 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +34,26 @@ class ServerOptions:
     # Closing connections after this age makes clients re-resolve DNS as pods come and go; 0: never.
     max_connection_age_s: float = 0.0
     grace_s: float = 30.0
+    # TLS from PEM files; with a CA, clients must present a certificate it signed (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    # A plaintext port serving only grpc.health.v1, for Kubernetes' gRPC probes (they cannot speak TLS); 0: none.
+    health_port: int = 0
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not (self.tls_cert or self.tls_key):
+            if self.tls_ca:
+                raise ValueError("tls_ca is set but tls_cert/tls_key are not: a TLS server needs its own certificate")
+            return None
+        if not (self.tls_cert and self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        try:
+            pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
+            ca = Path(self.tls_ca).read_bytes() if self.tls_ca else None
+        except OSError as exc:
+            raise ValueError(f"cannot read a TLS file: {exc}") from None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
     def channel_args(self) -> list[tuple[str, Any]]:
         size = self.max_message_mb * 1024 * 1024
@@ -73,13 +95,22 @@ class GrpcServer:
         self._names = names
         self._on_drain = on_drain
         self.port = 0
+        self.health_server: aio.Server | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        creds = self.options.credentials()
+        self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
         if self.port == 0:
-            raise RuntimeError(f"could not bind {self.options.host}:{self.options.port}; is the port taken?")
+            raise RuntimeError(f"could not bind {address}; is the port taken?")
         await self.server.start()
+        if self.options.health_port:
+            self.health_server = aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            if not self.health_server.add_insecure_port(f"{self.options.host}:{self.options.health_port}"):
+                raise RuntimeError(f"could not bind health port {self.options.health_port}")
+            await self.health_server.start()
         for name in ["", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
@@ -96,6 +127,8 @@ class GrpcServer:
             except TimeoutError:
                 log.warning("drain did not finish within %.1fs; stopping anyway", grace)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         self._stopped.set()
 
     def stop_on_signals(self) -> None:

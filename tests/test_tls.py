@@ -1,0 +1,88 @@
+"""Mutual TLS from PEM files, with certificates made by openssl for the test; the health port stays plaintext."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.reward_client import RewardClient
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from server.reward_server import RewardServer, build_engine
+from server.serving import ServerOptions
+from tests.servers import sample
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=DNS:reward.rewardmesh.svc.cluster.local,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                 "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "1", "-extfile", "san.ext", "-out", f"{name}.crt", cwd=d)  # fmt: skip
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_mutual_tls_scores_and_refuses_clients_without_a_certificate(
+    pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    health_port = _free_port()
+    options = ServerOptions(host="127.0.0.1", port=0, tls_cert=str(pki / "server.crt"),
+                            tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.crt"), health_port=health_port)  # fmt: skip
+    server = RewardServer(build_engine(None), options)
+    await server.start()
+    try:
+        monkeypatch.setenv("REWARDMESH_TLS_CA", str(pki / "ca.crt"))
+        monkeypatch.setenv("REWARDMESH_TLS_CERT", str(pki / "client.crt"))
+        monkeypatch.setenv("REWARDMESH_TLS_KEY", str(pki / "client.key"))
+        monkeypatch.setenv("REWARDMESH_TLS_SERVER_NAME", "reward.rewardmesh.svc.cluster.local")
+        async with RewardClient([server.address]) as client:
+            (result,) = await client.score_batch([sample("tls", "#### 4")], "gsm8k")
+        assert result.score == 1.0
+        # No client certificate: the handshake is refused.
+        creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.crt").read_bytes())
+        opts = [("grpc.ssl_target_name_override", "localhost")]
+        async with aio.secure_channel(server.address, creds, options=opts) as ch:
+            with pytest.raises(aio.AioRpcError) as info:
+                await reward_pb2_grpc.RewardServiceStub(ch).ListRewards(reward_pb2.ListRewardsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Plaintext to the TLS port: refused; plaintext to the health port: answered (for kubelet probes).
+        async with aio.insecure_channel(server.address) as ch:
+            with pytest.raises(aio.AioRpcError):
+                await reward_pb2_grpc.RewardServiceStub(ch).ListRewards(reward_pb2.ListRewardsRequest(), timeout=5)
+        async with aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+            status = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="rewardmesh.v1.RewardService"), timeout=5
+            )
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(grace=0.5)
+
+
+def test_half_configured_tls_is_a_clear_error(pki: Path) -> None:
+    with pytest.raises(ValueError, match="both tls_cert and tls_key"):
+        ServerOptions(tls_cert=str(pki / "server.crt")).credentials()
+    with pytest.raises(ValueError, match="tls_ca is set"):
+        ServerOptions(tls_ca=str(pki / "ca.crt")).credentials()
