@@ -43,7 +43,6 @@ def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--health-port", dest="health_port", type=int,
                    help="plaintext grpc.health.v1-only port for Kubernetes probes (default 0: none)")  # fmt: skip
     p.add_argument("--prometheus-port", dest="prometheus_port", type=int,
-                   default=int(os.environ.get("REWARDMESH_PROMETHEUS_PORT", "0")),
                    help="serve OpenTelemetry metrics for Prometheus on this port (default: off)")  # fmt: skip
     p.add_argument("--log-level", default=os.environ.get("REWARDMESH_LOG_LEVEL", "INFO"))
 
@@ -137,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         from server.reward_server import RewardServerConfig, serve_reward
 
         _setup_logging(args.log_level)
-        setup_telemetry("reward", prometheus_port=args.prometheus_port)
         file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
         cfg = resolve(RewardServerConfig, args, file_cfg.get("server") or {})
+        setup_telemetry("reward", prometheus_port=cfg.prometheus_port)
         try:
             asyncio.run(serve_reward(cfg, file_cfg.get("pipelines")))
         except ValueError as exc:  # a config mistake: say what to fix, not a traceback
@@ -150,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         from server.rollout_server import RolloutServerConfig, serve_rollout
 
         _setup_logging(args.log_level)
-        setup_telemetry("rollout", prometheus_port=args.prometheus_port)
         file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
         rcfg = resolve(RolloutServerConfig, args, file_cfg.get("server") or {})
+        setup_telemetry("rollout", prometheus_port=rcfg.prometheus_port)
         try:
             asyncio.run(serve_rollout(rcfg))
         except ValueError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ class ServerOptions:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Serve OpenTelemetry metrics for Prometheus scraping on this port; 0: off.
+    prometheus_port: int = 0
     # A plaintext port serving only grpc.health.v1, for Kubernetes' gRPC probes (they cannot speak TLS); 0: none.
     health_port: int = 0
 
@@ -120,13 +123,14 @@ class GrpcServer:
         if self._stopped.is_set():
             return
         grace = self.options.grace_s if grace is None else grace
+        deadline = time.monotonic() + grace  # one budget for the drain and the close of open streams
         await self.health.enter_graceful_shutdown()
         if self._on_drain is not None:
             try:
                 await asyncio.wait_for(self._on_drain(), grace)
             except TimeoutError:
                 log.warning("drain did not finish within %.1fs; stopping anyway", grace)
-        await self.server.stop(grace)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.health_server is not None:
             await self.health_server.stop(0)
         self._stopped.set()
