@@ -49,8 +49,14 @@ async def test_mutual_tls_scores_and_refuses_clients_without_a_certificate(
     pki: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     health_port = _free_port()
-    options = ServerOptions(host="127.0.0.1", port=0, tls_cert=str(pki / "server.crt"),
-                            tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.crt"), health_port=health_port)  # fmt: skip
+    options = ServerOptions(
+        host="127.0.0.1",
+        port=0,
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_ca=str(pki / "ca.crt"),
+        health_port=health_port,
+    )
     server = RewardServer(build_engine(None), options)
     await server.start()
     try:
