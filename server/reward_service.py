@@ -155,8 +155,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         reader_done = False
         try:
             while True:
-                idle = not pending and out.empty()
-                if idle and (reader_done or self._draining.is_set()):
+                while not out.empty():  # under load results queue up: send them without the wait machinery
+                    item = out.get_nowait()
+                    if item is None:
+                        reader_done = True
+                        continue
+                    self.results_sent += 1
+                    yield reward_pb2.ScoreResponse(result=item)
+                if not pending and (reader_done or self._draining.is_set()):
                     break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
                 getter = asyncio.create_task(out.get())
                 waiters: set[asyncio.Task[Any]] = {getter}
