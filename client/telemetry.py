@@ -158,12 +158,18 @@ def tracing_enabled() -> bool:
     return _installed is not None and _installed.tracing
 
 
+# Fetched once: get_tracer() builds a new Tracer on every call. Before setup these are proxies that
+# follow the providers installed later.
+_TRACER = trace.get_tracer(TRACER_NAME)
+_METER = metrics.get_meter(TRACER_NAME)
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    return _TRACER
 
 
 def meter() -> metrics.Meter:
-    return metrics.get_meter(TRACER_NAME)
+    return _METER
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
@@ -191,13 +197,21 @@ def traceparent(span: trace.Span) -> dict[str, str]:
     return inject(trace.set_span_in_context(span))
 
 
+def _not_score() -> Any:
+    """RPC spans for every method but the long-lived Score stream: one span lasting hours says nothing, its
+    per-message bookkeeping costs every sample, and each sample's own context travels in its message."""
+    from opentelemetry.instrumentation.grpc import filters
+
+    return filters.negate(filters.method_name("Score"))
+
+
 def client_interceptors() -> list[Any]:
     """OpenTelemetry's gRPC client interceptors (RPC semantic conventions), when tracing is on."""
     if not tracing_enabled():
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return list(aio_client_interceptors())
+    return list(aio_client_interceptors(filter_=_not_score()))
 
 
 def server_interceptors() -> list[Any]:
@@ -205,7 +219,7 @@ def server_interceptors() -> list[Any]:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor()]
+    return [aio_server_interceptor(filter_=_not_score())]
 
 
 # -- OTLP JSON lines ----------------------------------------------------------------------------
