@@ -157,7 +157,9 @@ class RewardClient:
         trace_context: dict[str, str] | None = None,
     ) -> asyncio.Future[reward_pb2.RewardResult]:
         """Send one sample now; the future resolves with its result (errors are in `result.error`)."""
-        request = reward_pb2.ScoreRequest(sample=sample, reward=reward, trace_context=trace_context or {})
+        request = reward_pb2.ScoreRequest(sample=sample, reward=reward)
+        if trace_context:  # even an empty dict costs a Python-level map update per sample
+            request.trace_context.update(trace_context)
         if timeout is not None:
             request.timeout.FromNanoseconds(int(timeout * 1e9))
         p = _Pending(request, asyncio.get_running_loop().create_future())
@@ -181,6 +183,9 @@ class RewardClient:
             return
         self._reconcile(self.resolver.maybe_refresh())
         now = time.monotonic()
+        if len(self.streams) == 1 and self.streams[0].usable(now):  # the common case: one target, up
+            self.streams[0].send(p)
+            return
         usable = [s for s in self.streams if s.usable(now)]
         preferred = [s for s in usable if s is not avoid] or usable
         if not preferred:

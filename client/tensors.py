@@ -7,6 +7,7 @@ travels as its 16-bit pattern and numpy sees it as uint16.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,7 @@ def tensor_to_numpy(
     if any(d < 0 for d in shape):
         raise ValueError(f"{field}.shape has a negative dimension: {list(shape)}")
     np_dtype = _NUMPY[t.dtype]
-    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expected = math.prod(shape) * np_dtype.itemsize
     if len(t.raw_data) != expected:
         raise ValueError(
             f"{field}.raw_data has {len(t.raw_data)} bytes, but shape {list(shape)} of "

@@ -48,7 +48,10 @@ class RewardPipeline:
         return await self.batcher.submit(inp, deadline=deadline, context=context)
 
     async def compute(self, batch: list[RewardInput]) -> BatchResult:
-        per_source = await asyncio.gather(*(ws.source.score_batch(batch) for ws in self.sources))
+        if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
+            per_source = [await self.sources[0].source.score_batch(batch)]
+        else:
+            per_source = await asyncio.gather(*(ws.source.score_batch(batch) for ws in self.sources))
         single = len(self.sources) == 1
         combined: BatchResult = []
         for i in range(len(batch)):

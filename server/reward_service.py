@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 from grpc import aio
 
+from client.telemetry import span_context_of
 from client.tensors import ids_from
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import InvalidInput, RewardError, Unavailable, UnknownReward
@@ -111,7 +112,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             deadline = arrived + timeout_s if timeout_s is not None else None
             self._in_flight.add(sid)
             added = True
-            scored = await pipeline.score(inp, deadline=deadline, context=trace_context)
+            # The batch span links to this: parse the sample's context once, here.
+            link = span_context_of(trace_context) if trace_context else None
+            scored = await pipeline.score(inp, deadline=deadline, context=link)
             result.score = scored.output.score
             result.extras.update(scored.output.extras)
             result.batch_size = scored.batch_size

@@ -8,7 +8,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from client.telemetry import extract, meter, span_context_of, tracer
+from client.telemetry import extract, meter, tracer
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2
@@ -84,7 +84,7 @@ class RewardTelemetry:
 
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
         self.batch_size.record(info.size, {"pipeline": pipeline})
-        links = [Link(ctx) for ctx in (span_context_of(c) for c in info.contexts if isinstance(c, dict) and c) if ctx]
+        links = [Link(ctx) for ctx in info.contexts if isinstance(ctx, trace.SpanContext)]
         span = tracer().start_span(
             "reward.batch",
             context=trace.set_span_in_context(trace.INVALID_SPAN),  # its own trace: it serves many samples
