@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # CPU build of torch, installed before the project so pip never pulls a multi-GB CUDA build.
-# GPU users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" (or install torch first).
+# GPU users: install the CUDA build of torch 2.13 into .venv first; `pip install torch==2.13.0` then keeps it.
 TORCH_SPEC ?= torch==2.13.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
