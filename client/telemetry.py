@@ -188,9 +188,12 @@ def extract(carrier: Any) -> otel_context.Context:
     return propagate.extract(carrier)
 
 
-def span_context_of(carrier: dict[str, str]) -> trace.SpanContext | None:
-    ctx = trace.get_current_span(extract(carrier)).get_span_context()
-    return ctx if ctx.is_valid else None
+def span_context_in(ctx: otel_context.Context | None) -> trace.SpanContext | None:
+    """The valid span context a context carries, if any (what a span link points at)."""
+    if ctx is None:
+        return None
+    span_ctx = trace.get_current_span(ctx).get_span_context()
+    return span_ctx if span_ctx.is_valid else None
 
 
 def traceparent(span: trace.Span) -> dict[str, str]:

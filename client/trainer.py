@@ -296,7 +296,7 @@ class TrainerClient:
         try:
             samples = [s async for group in self._groups(launched, n) for s in group]
             batch = self._batch(samples, time.perf_counter() - launched.started)
-            _close_step_span(launched.span, batch)
+            _close_step_span(launched.span, batch.samples, batch.metrics)
             return batch
         finally:
             launched.span.end()
@@ -329,14 +329,12 @@ class TrainerClient:
             if ready:
                 yield self._batch(ready, time.perf_counter() - launched.started)
             if seen:
-                _close_step_span(launched.span, self._batch(seen, time.perf_counter() - launched.started))
+                _close_step_span(launched.span, seen, _metrics(seen, time.perf_counter() - launched.started))
         finally:
             launched.span.end()
 
     def _batch(self, samples: list[ScoredSample], gen_seconds: float) -> RolloutBatch:
-        metrics = compute_metrics(samples, gen_seconds)
-        metrics.update(reward_overlap(samples, gen_seconds))
-        return assemble_batch(samples, pad_token_id=self.pad_token_id, metrics=metrics)
+        return assemble_batch(samples, pad_token_id=self.pad_token_id, metrics=_metrics(samples, gen_seconds))
 
     async def batches(
         self,
@@ -421,12 +419,16 @@ class TrainerClient:
         return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in self.targets)))
 
 
-def _close_step_span(span: trace.Span, batch: RolloutBatch) -> None:
+def _metrics(samples: Sequence[ScoredSample], gen_seconds: float) -> dict[str, float]:
+    return {**compute_metrics(samples, gen_seconds), **reward_overlap(samples, gen_seconds)}
+
+
+def _close_step_span(span: trace.Span, samples: Sequence[ScoredSample], metrics: Mapping[str, float]) -> None:
     """The slowest-sample breakdown as attributes (the metrics' own names) and an event naming its trace."""
-    if not span.is_recording() or not batch.samples:
+    if not span.is_recording() or not samples:
         return
-    span.set_attributes({k: v for k, v in batch.metrics.items() if k.startswith("timing_s/")})
-    slow = slowest_sample(batch.samples)
+    span.set_attributes({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+    slow = slowest_sample(samples)
     parts = slow.trace_context.get("traceparent", "").split("-")
     event: dict[str, AttributeValue] = {"rewardmesh.sample_id": slow.sample_id, "rewardmesh.total_s": slow.total_time}
     if len(parts) == 4:

@@ -94,6 +94,10 @@ class RewardEngine:
             listener(pipeline, info)
 
     def get(self, name: str) -> RewardPipeline:
+        if not name:
+            raise UnknownReward(
+                f"reward: empty; name a pipeline (this server offers: {', '.join(sorted(self.pipelines))})"
+            )
         try:
             return self.pipelines[name]
         except KeyError:

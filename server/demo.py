@@ -60,7 +60,7 @@ async def local_mesh(policy: str, servers: int, max_batch_size: int) -> AsyncIte
         await reward.stop(grace=1)
 
 
-def row(step: int, batch: RolloutBatch, step_s: float, version: int) -> dict[str, float]:
+def row(step: int, batch: RolloutBatch, step_s: float) -> dict[str, float]:
     m = batch.metrics
     return {
         "step": step,
@@ -127,7 +127,7 @@ async def run_demo(args: argparse.Namespace) -> int:
                 stats = await asyncio.to_thread(learner.step, batch)  # servers keep generating meanwhile
                 await client.update_weights(learner.state_dict())
                 now = time.perf_counter()
-                r = row(step, batch, now - last, client.policy_version)
+                r = row(step, batch, now - last)
                 last = now
                 history.append({**r, **stats})
                 bar.update(1)

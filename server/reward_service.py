@@ -12,10 +12,10 @@ from typing import Any
 from google.protobuf import json_format
 from grpc import aio
 
-from client.telemetry import span_context_of
+from client.telemetry import extract, span_context_in
 from client.tensors import ids_from
 from reward_engine.engine import RewardEngine
-from reward_engine.errors import InvalidInput, RewardError, Unavailable, UnknownReward
+from reward_engine.errors import InvalidInput, RewardError, Unavailable
 from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from server.reward_telemetry import RewardTelemetry
@@ -93,6 +93,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.RewardResult:
         arrived = time.monotonic()
         arrival_ns = time.time_ns()
+        # Parsed once: the parent of this sample's queue/compute spans and the target of its batch span's link.
+        parent = extract(trace_context) if trace_context else None
         sid = sample.sample_id
         result = reward_pb2.RewardResult(sample_id=sid, reward=reward)
         added = False
@@ -103,18 +105,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this server; ids must be unique")
             if self._draining.is_set():
                 raise Unavailable("reward server is draining; send the sample to another reward target")
-            if not reward:
-                raise UnknownReward(
-                    f"reward: empty; name a pipeline (this server offers: {', '.join(sorted(self.engine.pipelines))})"
-                )
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer)
             deadline = arrived + timeout_s if timeout_s is not None else None
             self._in_flight.add(sid)
             added = True
-            # The batch span links to this: parse the sample's context once, here.
-            link = span_context_of(trace_context) if trace_context else None
-            scored = await pipeline.score(inp, deadline=deadline, context=link)
+            scored = await pipeline.score(inp, deadline=deadline, context=span_context_in(parent))
             result.score = scored.output.score
             result.extras.update(scored.output.extras)
             result.batch_size = scored.batch_size
@@ -126,7 +122,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             if added:
                 self._in_flight.discard(sid)
         result.timing.total = time.monotonic() - arrived
-        self.telemetry.on_result(result, trace_context or {}, arrival_ns)
+        self.telemetry.on_result(result, parent, arrival_ns)
         return result
 
     @staticmethod
@@ -158,27 +154,23 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         reader_done = False
         try:
             while True:
-                while not out.empty():  # under load results queue up: send them without the wait machinery
+                if not out.empty():  # under load results queue up: take them without the wait machinery
                     item = out.get_nowait()
-                    if item is None:
-                        reader_done = True
+                else:
+                    if not pending and (reader_done or self._draining.is_set()):
+                        break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
+                    getter = asyncio.create_task(out.get())
+                    waiters: set[asyncio.Task[Any]] = {getter}
+                    waiters |= {t for t in (reader, drained) if not t.done()}
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                        raise reader.exception()  # type: ignore[misc]
+                    if not getter.done():
+                        getter.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await getter
                         continue
-                    self.results_sent += 1
-                    yield reward_pb2.ScoreResponse(result=item)
-                if not pending and (reader_done or self._draining.is_set()):
-                    break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
-                getter = asyncio.create_task(out.get())
-                waiters: set[asyncio.Task[Any]] = {getter}
-                waiters |= {t for t in (reader, drained) if not t.done()}
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                    raise reader.exception()  # type: ignore[misc]
-                if not getter.done():
-                    getter.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await getter
-                    continue
-                item = getter.result()
+                    item = getter.result()
                 if item is None:
                     reader_done = True
                     continue

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from client.telemetry import extract, meter, tracer
+from client.telemetry import meter, tracer
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2
@@ -47,7 +48,7 @@ class RewardTelemetry:
     def _queue_depth(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(p.batcher.queue_depth, {"pipeline": name}) for name, p in self.engine.pipelines.items()]
 
-    def on_result(self, result: reward_pb2.RewardResult, carrier: dict[str, str], arrival_ns: int) -> None:
+    def on_result(self, result: reward_pb2.RewardResult, parent: Context | None, arrival_ns: int) -> None:
         """Record the sample's counters and histograms, and its queue/compute spans under its own context."""
         attrs = {"pipeline": result.reward}
         if result.HasField("error"):
@@ -59,9 +60,8 @@ class RewardTelemetry:
             self.latency.record(result.timing.total, attrs)
             self.queue_time.record(result.timing.queue, attrs)
             self.compute_time.record(result.timing.compute, attrs)
-        if not carrier:
+        if parent is None:
             return
-        parent = extract(carrier)
         span_attrs: dict[str, AttributeValue] = {
             "rewardmesh.sample_id": result.sample_id,
             "rewardmesh.pipeline": result.reward,
