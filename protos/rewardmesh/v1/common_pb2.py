@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arewardmesh/v1/common.proto\x12\rrewardmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\"N\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.rewardmesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd6\x01\n\x0cSampleTiming\x12\x1a\n\x12generate_sequences\x18\x01 \x01(\x01\x12\x12\n\ntool_calls\x18\x02 \x01(\x01\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x14\n\x0creward_queue\x18\x04 \x01(\x01\x12\x16\n\x0ereward_compute\x18\x05 \x01(\x01\x12\x15\n\rnum_preempted\x18\x06 \x01(\x05\x12\x11\n\tnum_turns\x18\x07 \x01(\x05\x12\x15\n\rprompt_length\x18\x08 \x01(\x05\x12\x17\n\x0fresponse_length\x18\t \x01(\x05\"\xb0\x03\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12)\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12+\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12,\n\rresponse_mask\x18\x05 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x15\n\rresponse_text\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x08 \x01(\t\x12\x14\n\x0cground_truth\x18\t \x01(\t\x12+\n\nextra_info\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x03\x12\x32\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1b.rewardmesh.v1.FinishReason\x12+\n\x06timing\x18\r \x01(\x0b\x32\x1b.rewardmesh.v1.SampleTiming*\x8b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_MAX_TURNS\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arewardmesh/v1/common.proto\x12\rrewardmesh.v1\x1a\x1cgoogle/protobuf/struct.proto\"N\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.rewardmesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x10\n\x08raw_data\x18\x03 \x01(\x0c\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd6\x01\n\x0cSampleTiming\x12\x1a\n\x12generate_sequences\x18\x01 \x01(\x01\x12\x12\n\ntool_calls\x18\x02 \x01(\x01\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x14\n\x0creward_queue\x18\x04 \x01(\x01\x12\x16\n\x0ereward_compute\x18\x05 \x01(\x01\x12\x15\n\rnum_preempted\x18\x06 \x01(\x05\x12\x11\n\tnum_turns\x18\x07 \x01(\x05\x12\x15\n\rprompt_length\x18\x08 \x01(\x05\x12\x17\n\x0fresponse_length\x18\t \x01(\x05\"\x9b\x04\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12)\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12+\n\x0cresponse_ids\x18\x04 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12,\n\rresponse_mask\x18\x05 \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x15\n\rresponse_text\x18\x07 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x08 \x01(\t\x12\x14\n\x0cground_truth\x18\t \x01(\t\x12+\n\nextra_info\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x03\x12\x32\n\rfinish_reason\x18\x0c \x01(\x0e\x32\x1b.rewardmesh.v1.FinishReason\x12+\n\x06timing\x18\r \x01(\x0b\x32\x1b.rewardmesh.v1.SampleTiming\x12\x30\n\x11response_logprobs\x18\x0e \x01(\x0b\x32\x15.rewardmesh.v1.Tensor\x12\x37\n\x18response_policy_versions\x18\x0f \x01(\x0b\x32\x15.rewardmesh.v1.Tensor*\x8b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1b\n\x17\x46INISH_REASON_MAX_TURNS\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rewardmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=849
-  _globals['_DTYPE']._serialized_end=988
-  _globals['_FINISHREASON']._serialized_start=991
-  _globals['_FINISHREASON']._serialized_end=1140
+  _globals['_DTYPE']._serialized_start=956
+  _globals['_DTYPE']._serialized_end=1095
+  _globals['_FINISHREASON']._serialized_start=1098
+  _globals['_FINISHREASON']._serialized_end=1247
   _globals['_TENSOR']._serialized_start=75
   _globals['_TENSOR']._serialized_end=153
   _globals['_STATUS']._serialized_start=155
@@ -43,5 +43,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLETIMING']._serialized_start=197
   _globals['_SAMPLETIMING']._serialized_end=411
   _globals['_SAMPLE']._serialized_start=414
-  _globals['_SAMPLE']._serialized_end=846
+  _globals['_SAMPLE']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

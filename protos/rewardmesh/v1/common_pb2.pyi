@@ -79,7 +79,7 @@ class SampleTiming(_message.Message):
     def __init__(self, generate_sequences: _Optional[float] = ..., tool_calls: _Optional[float] = ..., reward: _Optional[float] = ..., reward_queue: _Optional[float] = ..., reward_compute: _Optional[float] = ..., num_preempted: _Optional[int] = ..., num_turns: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "group_id", "prompt_ids", "response_ids", "response_mask", "prompt_text", "response_text", "data_source", "ground_truth", "extra_info", "policy_version", "finish_reason", "timing")
+    __slots__ = ("sample_id", "group_id", "prompt_ids", "response_ids", "response_mask", "prompt_text", "response_text", "data_source", "ground_truth", "extra_info", "policy_version", "finish_reason", "timing", "response_logprobs", "response_policy_versions")
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class Sample(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     prompt_ids: Tensor
@@ -106,4 +108,6 @@ class Sample(_message.Message):
     policy_version: int
     finish_reason: FinishReason
     timing: SampleTiming
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., data_source: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ...) -> None: ...
+    response_logprobs: Tensor
+    response_policy_versions: Tensor
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., data_source: _Optional[str] = ..., ground_truth: _Optional[str] = ..., extra_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timing: _Optional[_Union[SampleTiming, _Mapping]] = ..., response_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., response_policy_versions: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

@@ -25,7 +25,7 @@ REWARD_SOURCE_KIND_MODEL: RewardSourceKind
 REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample", "reward", "timeout", "trace_context")
+    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,17 +37,25 @@ class ScoreRequest(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     reward: str
     timeout: _duration_pb2.Duration
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
+    cancel_sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_results_per_message: int
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("result", "results")
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     result: RewardResult
-    def __init__(self, result: _Optional[_Union[RewardResult, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[RewardResult]
+    def __init__(self, result: _Optional[_Union[RewardResult, _Mapping]] = ..., results: _Optional[_Iterable[_Union[RewardResult, _Mapping]]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("reward", "samples", "timeout")

@@ -28,7 +28,7 @@ from rewardmesh.v1 import common_pb2 as rewardmesh_dot_v1_dot_common__pb2
 from rewardmesh.v1 import reward_pb2 as rewardmesh_dot_v1_dot_reward__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brewardmesh/v1/rollout.proto\x12\rrewardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1arewardmesh/v1/common.proto\x1a\x1arewardmesh/v1/reward.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.rewardmesh.v1.ChatMessage\"\xe6\x01\n\x06Prompt\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.rewardmesh.v1.TensorH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.rewardmesh.v1.ChatPromptH\x00\x12\x12\n\nsample_ids\x18\x04 \x03(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x05 \x01(\t\x12\x14\n\x0cground_truth\x18\x06 \x01(\t\x12+\n\nextra_info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.StructB\x07\n\x05input\"\xe0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"P\n\x0f\x41gentLoopConfig\x12\x11\n\tmax_turns\x18\x01 \x01(\x05\x12\x1b\n\x13max_response_tokens\x18\x02 \x01(\x05\x12\r\n\x05tools\x18\x03 \x03(\t\"\xe7\x01\n\x0fGenerateRequest\x12&\n\x07prompts\x18\x01 \x03(\x0b\x32\x15.rewardmesh.v1.Prompt\x12\t\n\x01n\x18\x02 \x01(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.rewardmesh.v1.SamplingParams\x12\x0e\n\x06reward\x18\x04 \x01(\t\x12-\n\x05\x61gent\x18\x05 \x01(\x0b\x32\x1e.rewardmesh.v1.AgentLoopConfig\x12\x31\n\x0ereward_timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe5\x01\n\x10GenerateResponse\x12%\n\x06sample\x18\x01 \x01(\x0b\x32\x15.rewardmesh.v1.Sample\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardResult\x12H\n\rtrace_context\x18\x03 \x03(\x0b\x32\x31.rewardmesh.v1.GenerateResponse.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.rewardmesh.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"Y\n\x14UpdateWeightsRequest\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.rewardmesh.v1.TensorChunk\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"n\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\"\x10\n\x0eGetInfoRequest\"X\n\x0bRolloutLoad\x12\x17\n\x0frunning_samples\x18\x01 \x01(\x05\x12\x17\n\x0fpending_rewards\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\"\xb1\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12(\n\x04load\x18\x04 \x01(\x0b\x32\x1a.rewardmesh.v1.RolloutLoad\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05tools\x18\x06 \x03(\t\x12\x16\n\x0ereward_targets\x18\x07 \x03(\t2\x87\x02\n\x0eRolloutService\x12M\n\x08Generate\x12\x1e.rewardmesh.v1.GenerateRequest\x1a\x1f.rewardmesh.v1.GenerateResponse0\x01\x12\\\n\rUpdateWeights\x12#.rewardmesh.v1.UpdateWeightsRequest\x1a$.rewardmesh.v1.UpdateWeightsResponse(\x01\x12H\n\x07GetInfo\x12\x1d.rewardmesh.v1.GetInfoRequest\x1a\x1e.rewardmesh.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brewardmesh/v1/rollout.proto\x12\rrewardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1arewardmesh/v1/common.proto\x1a\x1arewardmesh/v1/reward.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\nChatPrompt\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.rewardmesh.v1.ChatMessage\"\xe6\x01\n\x06Prompt\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.rewardmesh.v1.TensorH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.rewardmesh.v1.ChatPromptH\x00\x12\x12\n\nsample_ids\x18\x04 \x03(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x05 \x01(\t\x12\x14\n\x0cground_truth\x18\x06 \x01(\t\x12+\n\nextra_info\x18\x07 \x01(\x0b\x32\x17.google.protobuf.StructB\x07\n\x05input\"\xf2\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"P\n\x0f\x41gentLoopConfig\x12\x11\n\tmax_turns\x18\x01 \x01(\x05\x12\x1b\n\x13max_response_tokens\x18\x02 \x01(\x05\x12\r\n\x05tools\x18\x03 \x03(\t\"\x88\x02\n\x0fGenerateRequest\x12&\n\x07prompts\x18\x01 \x03(\x0b\x32\x15.rewardmesh.v1.Prompt\x12\t\n\x01n\x18\x02 \x01(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.rewardmesh.v1.SamplingParams\x12\x0e\n\x06reward\x18\x04 \x01(\t\x12-\n\x05\x61gent\x18\x05 \x01(\x0b\x32\x1e.rewardmesh.v1.AgentLoopConfig\x12\x31\n\x0ereward_timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1f\n\x17max_samples_per_message\x18\x07 \x01(\x05\"\x95\x02\n\x10GenerateResponse\x12%\n\x06sample\x18\x01 \x01(\x0b\x32\x15.rewardmesh.v1.Sample\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardResult\x12H\n\rtrace_context\x18\x03 \x03(\x0b\x32\x31.rewardmesh.v1.GenerateResponse.TraceContextEntry\x12.\n\x05items\x18\x04 \x03(\x0b\x32\x1f.rewardmesh.v1.GenerateResponse\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.rewardmesh.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"Y\n\x14UpdateWeightsRequest\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.rewardmesh.v1.TensorChunk\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"n\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\"\x10\n\x0eGetInfoRequest\"X\n\x0bRolloutLoad\x12\x17\n\x0frunning_samples\x18\x01 \x01(\x05\x12\x17\n\x0fpending_rewards\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\"\xb1\x01\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12(\n\x04load\x18\x04 \x01(\x0b\x32\x1a.rewardmesh.v1.RolloutLoad\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\r\n\x05tools\x18\x06 \x03(\t\x12\x16\n\x0ereward_targets\x18\x07 \x03(\t2\x87\x02\n\x0eRolloutService\x12M\n\x08Generate\x12\x1e.rewardmesh.v1.GenerateRequest\x1a\x1f.rewardmesh.v1.GenerateResponse0\x01\x12\\\n\rUpdateWeights\x12#.rewardmesh.v1.UpdateWeightsRequest\x1a$.rewardmesh.v1.UpdateWeightsResponse(\x01\x12H\n\x07GetInfo\x12\x1d.rewardmesh.v1.GetInfoRequest\x1a\x1e.rewardmesh.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,27 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=271
   _globals['_PROMPT']._serialized_end=501
   _globals['_SAMPLINGPARAMS']._serialized_start=504
-  _globals['_SAMPLINGPARAMS']._serialized_end=728
-  _globals['_AGENTLOOPCONFIG']._serialized_start=730
-  _globals['_AGENTLOOPCONFIG']._serialized_end=810
-  _globals['_GENERATEREQUEST']._serialized_start=813
-  _globals['_GENERATEREQUEST']._serialized_end=1044
-  _globals['_GENERATERESPONSE']._serialized_start=1047
-  _globals['_GENERATERESPONSE']._serialized_end=1276
-  _globals['_GENERATERESPONSE_TRACECONTEXTENTRY']._serialized_start=1225
-  _globals['_GENERATERESPONSE_TRACECONTEXTENTRY']._serialized_end=1276
-  _globals['_TENSORCHUNK']._serialized_start=1278
-  _globals['_TENSORCHUNK']._serialized_end=1387
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1389
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1478
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1480
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1590
-  _globals['_GETINFOREQUEST']._serialized_start=1592
-  _globals['_GETINFOREQUEST']._serialized_end=1608
-  _globals['_ROLLOUTLOAD']._serialized_start=1610
-  _globals['_ROLLOUTLOAD']._serialized_end=1698
-  _globals['_GETINFORESPONSE']._serialized_start=1701
-  _globals['_GETINFORESPONSE']._serialized_end=1878
-  _globals['_ROLLOUTSERVICE']._serialized_start=1881
-  _globals['_ROLLOUTSERVICE']._serialized_end=2144
+  _globals['_SAMPLINGPARAMS']._serialized_end=746
+  _globals['_AGENTLOOPCONFIG']._serialized_start=748
+  _globals['_AGENTLOOPCONFIG']._serialized_end=828
+  _globals['_GENERATEREQUEST']._serialized_start=831
+  _globals['_GENERATEREQUEST']._serialized_end=1095
+  _globals['_GENERATERESPONSE']._serialized_start=1098
+  _globals['_GENERATERESPONSE']._serialized_end=1375
+  _globals['_GENERATERESPONSE_TRACECONTEXTENTRY']._serialized_start=1324
+  _globals['_GENERATERESPONSE_TRACECONTEXTENTRY']._serialized_end=1375
+  _globals['_TENSORCHUNK']._serialized_start=1377
+  _globals['_TENSORCHUNK']._serialized_end=1486
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1488
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1577
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1579
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1689
+  _globals['_GETINFOREQUEST']._serialized_start=1691
+  _globals['_GETINFOREQUEST']._serialized_end=1707
+  _globals['_ROLLOUTLOAD']._serialized_start=1709
+  _globals['_ROLLOUTLOAD']._serialized_end=1797
+  _globals['_GETINFORESPONSE']._serialized_start=1800
+  _globals['_GETINFORESPONSE']._serialized_end=1977
+  _globals['_ROLLOUTSERVICE']._serialized_start=1980
+  _globals['_ROLLOUTSERVICE']._serialized_end=2243
 # @@protoc_insertion_point(module_scope)
