@@ -51,11 +51,11 @@ from client.grpo import GRPOLearner
 from client.reward_client import RewardClient
 from client.tensors import ids_tensor
 from client.trainer import PromptSpec, Sampling, TrainerClient
+from demo.rl_demo import addition_prompts
+from demo.tiny_models import build_tiny_models
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.cli import default_models_dir
-from server.demo import addition_prompts
 from server.reward_server import load_tokenizer
-from server.tiny_models import build_tiny_models
 
 PIPELINE = "sim_judge"
 MODES = {

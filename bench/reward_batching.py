@@ -135,7 +135,7 @@ def ensure_model(args: argparse.Namespace) -> Path:
         if not (args.model / "config.json").is_file():
             raise SystemExit(f"--model {args.model}: no config.json there; pass a local reward model directory")
         return Path(args.model)
-    from server.tiny_models import BUILD_VERSION, build_reward_model, build_tokenizer
+    from demo.tiny_models import BUILD_VERSION, build_reward_model, build_tokenizer
 
     heads = max(1, args.hidden // 64)
     out = args.cache_dir / f"reward_model-l{args.layers}-h{args.hidden}-a{heads}-s{MODEL_SEED}-v{BUILD_VERSION}"

@@ -60,10 +60,10 @@ from bench.mesh import (
     write_judge,
 )
 from client.reward_client import RewardClient
+from demo.rl_demo import addition_prompts
+from demo.tiny_models import build_tiny_models
 from server.cli import default_models_dir
-from server.demo import addition_prompts
 from server.reward_server import load_tokenizer
-from server.tiny_models import build_tiny_models
 
 PIPELINE = "sim_judge"
 RM_PIPELINE = "tiny_rm"

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "tiny-models":
-        from server.tiny_models import build_tiny_models
+        from demo.tiny_models import build_tiny_models
 
         _setup_logging("INFO")
         paths = build_tiny_models(args.out, seed=args.seed)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {path}")
         return 0
     if args.command == "demo":
-        from server.demo import run_demo
+        from demo.rl_demo import run_demo
 
         _setup_logging("WARNING")
         if args.trace_out:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             telemetry.shutdown()
     if args.command == "reward-demo":
-        from server.reward_demo import run_reward_demo
+        from demo.reward_demo import run_reward_demo
 
         _setup_logging("WARNING")
         return asyncio.run(run_reward_demo(args))

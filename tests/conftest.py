@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server.tiny_models import TinyModelPaths, build_tiny_models
+from demo.tiny_models import TinyModelPaths, build_tiny_models
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
+from demo.tiny_models import TinyModelPaths
 from server.agent_loop import AgentSettings, run_agent_loop
 from server.backends.base import GenerationRequest
 from server.reward_server import load_tokenizer
-from server.tiny_models import TinyModelPaths
 from server.tools import calculator, parse_tool_calls, run_tool_call
-from tests.scripted_backend import ScriptedBackend
+from tests.support.scripted_backend import ScriptedBackend
 
 
 @pytest.fixture(scope="module")

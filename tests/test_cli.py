@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
-from tests.servers import FNS, sample
+from tests.support.servers import FNS, sample
 
 CLI = [sys.executable, "-m", "server.cli"]
 

@@ -17,8 +17,8 @@ from reward_engine.errors import DeadlineExceeded, SourceFailed, Unavailable
 from reward_engine.sources.custom import FunctionSource
 from reward_engine.types import RewardInput, RewardOutput
 
-FILE = "tests/reward_fns.py"
-MODULE = "tests.reward_fns"
+FILE = "tests/support/reward_fns.py"
+MODULE = "tests.support.reward_fns"
 
 
 def sample(response: str, truth: str = "", sid: str = "s", **extra: Any) -> RewardInput:
@@ -54,14 +54,14 @@ def _run_from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("tests/reward_fns.py", "module:function"),  # no colon
+        ("tests/support/reward_fns.py", "module:function"),  # no colon
         ("tests/no_such_file.py:exact", "does not exist"),
-        ("tests/reward_fns.py:no_such_fn", "no attribute 'no_such_fn'"),
-        ("tests.reward_fns:no_such_fn", "no attribute 'no_such_fn'"),
+        ("tests/support/reward_fns.py:no_such_fn", "no attribute 'no_such_fn'"),
+        ("tests.support.reward_fns:no_such_fn", "no attribute 'no_such_fn'"),
         ("tests.no_such_module:exact", "no module named 'tests.no_such_module'"),
-        ("tests/reward_fns.py:NOT_CALLABLE", "not a callable"),
+        ("tests/support/reward_fns.py:NOT_CALLABLE", "not a callable"),
         (":exact", "both parts"),
-        ("tests.reward_fns:", "both parts"),
+        ("tests.support.reward_fns:", "both parts"),
     ],
 )
 def test_bad_spec_is_a_clear_value_error(spec: str, message: str) -> None:

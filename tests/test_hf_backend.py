@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from demo.tiny_models import TinyModelPaths
 from server.backends import make_backend
 from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
 from server.backends.hf import HFBackend, sample, trim_at_stop
-from server.tiny_models import TinyModelPaths
 
 PROMPTS = [
     "What is 2 + 2?",

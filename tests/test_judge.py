@@ -13,7 +13,7 @@ import pytest
 from reward_engine.errors import DeadlineExceeded, InvalidInput, SourceFailed, Unavailable
 from reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
 from reward_engine.types import RewardInput, RewardOutput
-from tests.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
+from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
 
 
 def sample(response: str, sid: str = "s", **fields: Any) -> RewardInput:

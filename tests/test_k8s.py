@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from demo.tiny_models import TinyModelPaths
 from server import cli as rewardmesh_cli
 from server.cli import build_parser
 from server.config import ENV_PREFIX, resolve
@@ -37,7 +38,6 @@ from server.reward_server import RewardServerConfig, build_engine
 from server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
 from server.rollout_server import RolloutServerConfig
 from server.serving import ServerOptions
-from server.tiny_models import TinyModelPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"

@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import pytest
 
-from server.tiny_models import TinyModelPaths
+from demo.tiny_models import TinyModelPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # a /24 that exists only inside this test's namespaces

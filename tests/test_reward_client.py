@@ -8,7 +8,7 @@ from collections import Counter
 import grpc
 
 from client.reward_client import RewardClient
-from tests.servers import fn_pipeline, reward_server, sample
+from tests.support.servers import fn_pipeline, reward_server, sample
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from demo.tiny_models import TinyModelPaths
 from reward_engine.errors import InvalidInput, SourceFailed, Unavailable
 from reward_engine.sources.reward_model import ModelSource
 from reward_engine.types import RewardInput, RewardOutput
-from server.tiny_models import TinyModelPaths
 
 TOL = 1e-4
 PAIRS = [

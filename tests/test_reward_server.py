@@ -12,11 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.tensors import ids_tensor
+from demo.tiny_models import TinyModelPaths
 from reward_engine.sources.reward_model import ModelSource
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import load_tokenizer
-from server.tiny_models import TinyModelPaths
-from tests.servers import FNS, fn_pipeline, reward_server, reward_stub, sample
+from tests.support.servers import FNS, fn_pipeline, reward_server, reward_stub, sample
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 

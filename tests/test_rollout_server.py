@@ -14,11 +14,11 @@ from grpc import aio
 
 from client.tensors import ids_from, ids_tensor
 from client.weights import iter_chunks
+from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.reward_server import load_tokenizer
-from server.tiny_models import TinyModelPaths
-from tests.scripted_backend import ScriptedBackend
-from tests.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
+from tests.support.scripted_backend import ScriptedBackend
+from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from client.reward_client import RewardClient
 from client.targets import Resolver, expand_targets
-from tests.servers import fn_pipeline, reward_server, sample
+from tests.support.servers import fn_pipeline, reward_server, sample
 
 
 def test_expand_resolves_dns_names_and_passes_plain_targets() -> None:

@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from client.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
 from client.trainer import PromptSpec, Sampling, TrainerClient
+from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import rollout_pb2
 from server.reward_server import load_tokenizer
-from server.tiny_models import TinyModelPaths
-from tests.scripted_backend import ScriptedBackend
-from tests.servers import reward_server, rollout_server
+from tests.support.scripted_backend import ScriptedBackend
+from tests.support.servers import reward_server, rollout_server
 
 SPANS = InMemorySpanExporter()
 METRICS = InMemoryMetricReader()
@@ -117,7 +117,7 @@ async def test_one_trace_per_step_across_three_services(telemetry: Telemetry, ti
 
 async def test_failures_are_counted_by_kind(telemetry: Telemetry) -> None:
     from rewardmesh.v1 import reward_pb2
-    from tests.servers import reward_stub, sample
+    from tests.support.servers import reward_stub, sample
 
     async with reward_server() as rs, reward_stub(rs.address) as stub:
         bad = sample("bad")

@@ -16,7 +16,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from server.tiny_models import (
+from demo.tiny_models import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,

@@ -16,7 +16,7 @@ from client.reward_client import RewardClient
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from server.reward_server import RewardServer, build_engine
 from server.serving import ServerOptions
-from tests.servers import sample
+from tests.support.servers import sample
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

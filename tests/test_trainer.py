@@ -14,10 +14,10 @@ import torch
 
 from client.batch import ScoredSample, assemble_batch, compute_metrics, grpo_advantages
 from client.trainer import PromptSpec, Sampling, TrainerClient, reward_overlap
+from demo.tiny_models import TinyModelPaths
 from server.reward_server import load_tokenizer
-from server.tiny_models import TinyModelPaths
-from tests.scripted_backend import ScriptedBackend
-from tests.servers import reward_server, rollout_server
+from tests.support.scripted_backend import ScriptedBackend
+from tests.support.servers import reward_server, rollout_server
 
 
 def scored(sid: str, group: str, prompt: list[int], response: list[int], score: float, **timing: float) -> ScoredSample:
@@ -207,7 +207,7 @@ async def test_weight_sync_reaches_every_server(tok: Any) -> None:
 
 @pytest.mark.timeout(240)
 async def test_short_demo_run_trains_and_plots(tiny_models: TinyModelPaths, tmp_path: Path) -> None:
-    from server.demo import run_demo
+    from demo.rl_demo import run_demo
 
     args = argparse.Namespace(
         steps=3, prompts_per_step=8, n=4, lr=3e-3, off_policy_steps=1, rollout_servers=2, rollout_target=None,

@@ -20,6 +20,7 @@ import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
 from server.backends import make_backend
 from server.backends.base import GenerationRequest, WeightsError
 from server.backends.hf import trim_at_stop
@@ -29,7 +30,6 @@ from server.backends.vllm_backend import (
     checkpoint_specs,
     pack_chunks,
 )
-from server.tiny_models import TinyModelPaths, build_policy, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

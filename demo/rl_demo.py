@@ -23,9 +23,9 @@ from tqdm import tqdm
 from client.batch import RolloutBatch
 from client.grpo import GRPOLearner
 from client.trainer import PromptSpec, Sampling, TrainerClient
+from demo.tiny_models import build_tiny_models
 from server.reward_server import RewardServer, build_engine, load_tokenizer
 from server.serving import ServerOptions
-from server.tiny_models import build_tiny_models
 
 COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed", "slow_gen", "slow_rw", "stale")
 

@@ -19,11 +19,11 @@ from tqdm import tqdm
 
 from client.reward_client import RewardClient
 from client.tensors import ids_tensor
+from demo.tiny_models import build_tiny_models
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import RewardServer, load_tokenizer
 from server.serving import ServerOptions
-from server.tiny_models import build_tiny_models
 
 NAMES = ["Janet", "Tom", "Aisha", "Mateo", "Li", "Priya", "Olu", "Sven"]
 ITEMS = ["apples", "marbles", "books", "coins", "stamps", "shells"]

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (servers in-process, scripted backends, fake endpoints, reward functions)."""
