@@ -9,6 +9,7 @@ from client.reward_client import RewardClient
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends.base import Backend
 from server.rollout_service import RolloutServicer
+from server.rollout_worker import RolloutWorker
 from server.serving import GrpcServer, ServerOptions
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class RolloutServer:
         self.backend = backend
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         self.rewards = RewardClient(reward_targets) if reward_targets else None
-        self.servicer = RolloutServicer(backend, self.rewards, default_max_tokens=default_max_tokens)
+        self.worker = RolloutWorker(backend, self.rewards)
+        self.servicer = RolloutServicer(self.worker, default_max_tokens=default_max_tokens)
         self.grpc = GrpcServer(self.options, [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, self.servicer,
                                               SERVICE_NAME)])  # fmt: skip
 

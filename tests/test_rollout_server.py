@@ -119,6 +119,21 @@ async def test_no_reward_named_returns_unscored_samples(tok: Any) -> None:
     assert got[0].sample.timing.reward == 0
 
 
+async def test_token_id_prompt_passes_through_unchanged_and_chat_text_is_the_question(tok: Any) -> None:
+    """A token-id prompt's tensor comes back byte for byte; prompt_text is the untemplated prompt for both kinds."""
+    ids = common_pb2.Tensor(dtype=common_pb2.DTYPE_INT32, shape=[3], raw_data=np.array(tok.encode("hi there")[:3],
+                            dtype="<i4").tobytes())  # fmt: skip
+    chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="system", content="Be brief."),
+                                            rollout_pb2.ChatMessage(role="user", content="What is 2+2?")])  # fmt: skip
+    prompts = [rollout_pb2.Prompt(group_id="ids", token_ids=ids), rollout_pb2.Prompt(group_id="chat", chat=chat)]
+    async with rollout_server(ScriptedBackend(tok, timed_script)) as ro, rollout_stub(ro.address) as stub:
+        got = {r.sample.group_id: r.sample async for r in stub.Generate(gen_request(prompts))}
+    assert got["ids"].prompt_ids == ids
+    assert got["ids"].prompt_text == tok.decode(ids_from(ids, "p").tolist(), skip_special_tokens=True)
+    assert got["chat"].prompt_text == "What is 2+2?"
+    assert got["chat"].timing.prompt_length == len(ids_from(got["chat"].prompt_ids, "p")) > 3
+
+
 async def test_chat_prompt_and_tool_loop_through_the_server(tok: Any) -> None:
     def script(text: str, turn: int) -> tuple[str, float]:
         if turn == 0:

@@ -116,7 +116,7 @@ async def test_generate_batch_end_to_end_over_two_rollout_servers(tok: Any) -> N
     m = batch.metrics
     assert m["critic/score/mean"] == pytest.approx(0.5) and m["timing_s/gen"] > 0
     assert m["timing_s/agent_loop/reward/max"] == pytest.approx(max(s.timing["reward"] for s in batch.samples))
-    assert r1.servicer.running_samples == 0 and r1.backend.requests and r2.backend.requests  # both servers used
+    assert r1.worker.running_samples == 0 and r1.backend.requests and r2.backend.requests  # both servers used
 
 
 async def test_minibatches_hold_only_complete_groups_and_come_early(tok: Any) -> None:
