@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from server.backends.base import Backend, GenerationRequest
+from server.backends.base import Backend, GenerationOutput, GenerationRequest
 from server.tools import parse_tool_calls, run_tool_call
 
 
@@ -36,6 +36,11 @@ class Rollout:
     num_tool_calls: int = 0
     num_preempted: int = -1
     policy_version: int = 0
+    # Per response token: the sampled token's log-prob (tool tokens 0), when the request asked for them.
+    response_logprobs: list[float] | None = None
+    # Per response token: the weights version that produced it (a tool token: that of the turn before it);
+    # None when the backend could not tell for some turn.
+    response_versions: list[int] | None = None
 
 
 def tool_turn_ids(tokenizer: Any, outputs: list[str], last_token: int | None) -> list[int]:
@@ -62,7 +67,7 @@ async def run_agent_loop(
     end_ns)` is an optional hook for tracing each generate and tool call.
     """
     ids = list(prompt_ids)
-    out = Rollout([], [], "stop")
+    out = Rollout([], [], "stop", response_logprobs=[] if sampling.logprobs else None, response_versions=[])
     versions: list[int] = []
     max_turns = max(1, settings.max_turns)
     for turn in range(max_turns):
@@ -85,6 +90,7 @@ async def run_agent_loop(
             out.num_preempted = max(out.num_preempted, 0) + gen.num_preempted
         out.response_ids += gen.token_ids
         out.response_mask += [1] * len(gen.token_ids)
+        _extend(out, gen)
         ids += gen.token_ids
         out.finish_reason = gen.finish_reason
         if not settings.tools or gen.finish_reason != "stop":
@@ -109,7 +115,28 @@ async def run_agent_loop(
             observation = observation[: max(0, settings.max_response_tokens - len(out.response_ids))]
         out.response_ids += observation
         out.response_mask += [0] * len(observation)
+        if out.response_logprobs is not None:
+            out.response_logprobs += [0.0] * len(observation)
+        if out.response_versions is not None:
+            out.response_versions += [out.response_versions[-1] if out.response_versions else gen.policy_version] * len(
+                observation
+            )
         ids += observation
     # The oldest policy that contributed tokens: what bounded staleness must check.
     out.policy_version = min(versions) if versions else backend.policy_version
     return out
+
+
+def _extend(out: Rollout, gen: GenerationOutput) -> None:
+    """Append one turn's per-token log-probs and versions; a turn without them leaves that list unknown."""
+    n = len(gen.token_ids)
+    if out.response_logprobs is not None:
+        if gen.logprobs is not None and len(gen.logprobs) == n:
+            out.response_logprobs += gen.logprobs
+        else:
+            out.response_logprobs = None
+    if out.response_versions is not None:
+        if gen.token_versions is not None and len(gen.token_versions) == n:
+            out.response_versions += gen.token_versions
+        else:
+            out.response_versions = None

@@ -97,6 +97,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             top_k=sp.top_k if sp.HasField("top_k") else 0,
             stop_token_ids=list(sp.stop_token_ids),
             stop=list(sp.stop),
+            logprobs=sp.logprobs,
         )
         agent = AgentSettings(
             max_turns=max(1, request.agent.max_turns),

@@ -13,13 +13,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from client.reward_client import RewardClient
 from client.telemetry import inject, traceparent, tracer
-from client.tensors import ids_tensor
+from client.tensors import ids_tensor, numpy_to_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 from server.agent_loop import AgentSettings, Rollout, run_agent_loop
 from server.backends.base import Backend, GenerationRequest
@@ -177,3 +178,7 @@ class RolloutWorker:
         timing.response_length = len(resp)
         if prompt.prompt.HasField("extra_info"):
             sample.extra_info.CopyFrom(prompt.prompt.extra_info)
+        if rollout.response_logprobs is not None:
+            sample.response_logprobs.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_logprobs, np.float32)))
+        if rollout.response_versions is not None:
+            sample.response_policy_versions.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_versions, np.int64)))

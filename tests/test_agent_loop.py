@@ -104,3 +104,22 @@ async def test_calculator_is_safe_and_exact() -> None:
         assert (await calculator({"expression": bad})).startswith("error"), bad
     assert (await run_tool_call(parse_tool_calls('<tool_call>{"name": "calculator"}</tool_call>')[0], ["calculator"])
             ).startswith("error")  # fmt: skip
+
+
+async def test_logprobs_and_versions_concatenate_turns_with_tool_tokens_zero(tok: Any) -> None:
+    backend = ScriptedBackend(tok, calc_then_answer)
+    backend.policy_version = 3
+    settings = AgentSettings(max_turns=3, tools=["calculator"])
+    out = await run_agent_loop(
+        backend, tok.encode("What is 17 * 3?"), GenerationRequest([], 256, logprobs=True), settings
+    )
+    assert out.response_logprobs is not None and out.response_versions is not None
+    assert len(out.response_logprobs) == len(out.response_versions) == len(out.response_ids)
+    expected = [
+        0.0 if m == 0 else (-0.1 if i < out.response_mask.index(0) else -0.2) for i, m in enumerate(out.response_mask)
+    ]
+    assert out.response_logprobs == expected
+    assert set(out.response_versions) == {3}
+    # not asked: no log-probs, versions still known
+    plain = await run_agent_loop(backend, tok.encode("What is 17 * 3?"), GenerationRequest([], 256), settings)
+    assert plain.response_logprobs is None and plain.response_versions == [3] * len(plain.response_ids)

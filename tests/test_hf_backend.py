@@ -136,6 +136,47 @@ def test_sampler_filters() -> None:
         assert int(mixed[1]) in allowed[1].tolist()
 
 
+def reference_logprobs(
+    lm: Any, prompt: list[int], tokens: list[int], temperature: float, top_k: int = 0
+) -> torch.Tensor:
+    """What a learner computes: one forward pass over prompt + response, the logits scaled and filtered."""
+    with torch.inference_mode():
+        logits = lm(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    scaled = logits / (temperature if temperature > 0 else 1.0)
+    if top_k:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return scaled.log_softmax(-1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 20), (0.0, 0)])
+async def test_logprobs_match_a_separate_forward_pass(
+    backend: HFBackend, tiny_models: TinyModelPaths, temperature: float, top_k: int
+) -> None:
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_models.policy), dtype=torch.float32).eval()
+    requests = [
+        GenerationRequest(ids(backend, p), 24, temperature=temperature, top_k=top_k, seed=i, logprobs=True)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    # batched (left padding, rows finishing at different steps) with a neighbour that asks for none
+    outs = await asyncio.gather(*(backend.generate(r) for r in [*requests, sampled(backend, PROMPTS[3], seed=7)]))
+    assert outs[-1].logprobs is None
+    for request, out in zip(requests, outs, strict=False):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) > 0
+        assert out.token_versions == [0] * len(out.token_ids)
+        want = reference_logprobs(lm, request.prompt_ids, out.token_ids, temperature, top_k)
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=2e-4, rtol=1e-4)
+        assert all(lp <= 0 for lp in out.logprobs)
+
+
+async def test_logprobs_are_cut_with_a_stop_string(backend: HFBackend) -> None:
+    request, tokens = await a_sample_without_eos(backend, PROMPTS[1])
+    stop = backend.tokenizer.decode(tokens[10:12], skip_special_tokens=True).strip()
+    assert stop
+    out = await backend.generate(GenerationRequest(**{**vars(request), "stop": [stop], "logprobs": True}))
+    assert out.finish_reason == "stop" and out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+
+
 # ----------------------------------------------------------------------------------------------- batching
 
 

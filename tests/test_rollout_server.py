@@ -12,7 +12,7 @@ import pytest
 import torch
 from grpc import aio
 
-from client.tensors import ids_from, ids_tensor
+from client.tensors import ids_from, ids_tensor, tensor_to_numpy
 from client.weights import iter_chunks
 from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2
@@ -238,3 +238,19 @@ def test_partial_chunks_are_rejected() -> None:
     with pytest.raises(ValueError, match="got 12 of 16 bytes"):
         asm.finish()
     assert np.frombuffer(chunks[0].data, "<f4")[0] == 1.0
+
+
+async def test_logprobs_and_token_versions_travel_on_the_sample(tok: Any) -> None:
+    backend = ScriptedBackend(tok, timed_script)
+    backend.policy_version = 2
+    async with rollout_server(backend, []) as ro, rollout_stub(ro.address) as stub:
+        request = gen_request([prompt(tok, "hi")], n=2)
+        request.sampling.logprobs = True
+        asked = [r async for r in stub.Generate(request)]
+        plain = [r async for r in stub.Generate(gen_request([prompt(tok, "hi")]))]
+    for r in asked:
+        n = len(ids_from(r.sample.response_ids, "r"))
+        logprobs = tensor_to_numpy(r.sample.response_logprobs, "lp", dtype=common_pb2.DTYPE_FLOAT32, ndim=1)
+        versions = tensor_to_numpy(r.sample.response_policy_versions, "v", dtype=common_pb2.DTYPE_INT64, ndim=1)
+        assert logprobs.tolist() == pytest.approx([-0.1] * n) and versions.tolist() == [2] * n
+    assert not plain[0].sample.HasField("response_logprobs") and plain[0].sample.HasField("response_policy_versions")

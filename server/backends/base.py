@@ -20,6 +20,7 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)  # beside the model's eos
     stop: list[str] = field(default_factory=list)  # stop strings; the matched text is not returned
     seed: int | None = None
+    logprobs: bool = False  # return the log-prob of each sampled token (GenerationOutput.logprobs)
 
 
 @dataclass
@@ -27,7 +28,13 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
     num_preempted: int = -1  # -1: the backend cannot tell
-    policy_version: int = 0  # weights version that generated these tokens
+    policy_version: int = 0  # the oldest weights version that generated any of these tokens
+    # Per token, when the request asked: log-prob of the sampled token under the distribution the engine
+    # sampled from (after temperature, top-k and top-p; greedy rows at temperature 1), as vLLM's
+    # "processed_logprobs".
+    logprobs: list[float] | None = None
+    # Per token, where the engine knows it: the weights version that produced that token (None: unknown).
+    token_versions: list[int] | None = None
 
 
 class WeightsError(ValueError):

@@ -134,6 +134,7 @@ class _Row:
     stops: tuple[str, ...]
     tail_tokens: int  # how many trailing tokens to decode to be sure a new stop-string match is seen
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # when the request asked for them
     finish_reason: str | None = None
 
 
@@ -161,20 +162,39 @@ def sample(
     top_ps: torch.Tensor,
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-row temperature / top-k / top-p sampling by inverse CDF over token ids.
+    """Per-row temperature / top-k / top-p sampling (see :func:`sample_with_logprobs`)."""
+    return sample_with_logprobs(logits, temps, top_ks, top_ps, uniforms)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    want_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row temperature / top-k / top-p sampling by inverse CDF over token ids, and on request the log-prob
+    of each drawn token under the distribution it was drawn from.
 
     The CDF runs in token-id order (not sorted order), so the tiny logit differences between a row decoded
     alone and the same row decoded in a padded batch only move a boundary a hair: with the same uniform draw
     the same token comes out, which is what makes seeds reproducible across batch compositions.
+
+    Log-probs follow vLLM's ``processed_logprobs``: log-softmax of the logits divided by the temperature (1
+    for greedy rows) with the tokens top-k/top-p removed masked out, so they sum to one over what could be
+    drawn and match what a learner computes from the same logits.
     """
     logits = logits.float()
     greedy = temps <= 1e-5
     picked = logits.argmax(-1)
-    if bool(greedy.all()):
-        return picked
-    scaled = logits / temps.clamp(min=1e-5).unsqueeze(-1)
+    if bool(greedy.all()) and not want_logprobs:
+        return picked, None
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps.clamp(min=1e-5)).unsqueeze(-1)
     probs = scaled.softmax(-1)
     vocab = probs.shape[-1]
+    drop: torch.Tensor | None = None
     if bool((top_ks > 0).any()) or bool((top_ps < 1).any()):
         # Filters only ever zero entries of `probs`, so a row without filters keeps bit-identical
         # probabilities whether or not its neighbours in the batch use them.
@@ -192,7 +212,13 @@ def sample(
     cdf = probs.double().cumsum(-1)
     target = uniforms.to(cdf.device, torch.float64) * cdf[:, -1]
     drawn = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1).clamp(max=vocab - 1)
-    return torch.where(greedy, picked, drawn)
+    tokens = torch.where(greedy, picked, drawn)
+    if not want_logprobs:
+        return tokens, None
+    if drop is not None:
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    logprobs = scaled.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, logprobs
 
 
 # ------------------------------------------------------------------------------------------------- backend
@@ -416,6 +442,8 @@ class HFBackend:
                                 finish_reason=row.finish_reason,
                                 num_preempted=0,
                                 policy_version=batch.version,
+                                logprobs=row.logprobs,
+                                token_versions=[batch.version] * len(row.tokens),
                             )
                         )
                 if not alive:
@@ -447,6 +475,7 @@ class HFBackend:
             stop_ids=self._eos | frozenset(request.stop_token_ids),
             stops=stops,
             tail_tokens=max((len(s) for s in stops), default=0) + 8,
+            logprobs=[] if request.logprobs else None,
         )
 
     # ------------------------------------------------------------------------------ worker thread: decoding
@@ -477,10 +506,16 @@ class HFBackend:
             rows = [batch.rows[i] for i in batch.live]
             uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in rows])
             assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
-            tokens = sample(logits, batch.temps, batch.top_ks, batch.top_ps, uniforms)
+            want = any(row.logprobs is not None for row in rows)
+            tokens, logprobs = sample_with_logprobs(
+                logits, batch.temps, batch.top_ks, batch.top_ps, uniforms, want_logprobs=want
+            )
             batch.last = tokens
             finished: list[int] = []
-            for i, row, token in zip(batch.live, rows, tokens.tolist(), strict=True):
+            lps = logprobs.tolist() if logprobs is not None else [0.0] * len(rows)
+            for i, row, token, lp in zip(batch.live, rows, tokens.tolist(), lps, strict=True):
+                if row.logprobs is not None:
+                    row.logprobs.append(float(lp))
                 if self._append(row, int(token)):
                     finished.append(i)
             alive = any(row.finish_reason is None for row in rows)
@@ -557,6 +592,8 @@ class HFBackend:
                 kept = trim_at_stop(self._decode_tokenizer, row.tokens, row.stops)
                 if kept is not None:
                     row.tokens = kept
+                    if row.logprobs is not None:
+                        del row.logprobs[len(kept) :]
                     row.finish_reason = "stop"
                     return True
         if len(row.tokens) >= row.slot.request.max_tokens:

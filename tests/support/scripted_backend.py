@@ -52,9 +52,17 @@ class ScriptedBackend:
             self._running -= 1
         ids = list(self.tokenizer.encode(reply, add_special_tokens=False))
         ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        if len(ids) > request.max_tokens:
-            return GenerationOutput(ids[: request.max_tokens], "length", 0, self.policy_version)
-        return GenerationOutput(ids, "stop", 0, self.policy_version)
+        reason = "length" if len(ids) > request.max_tokens else "stop"
+        ids = ids[: request.max_tokens]
+        return GenerationOutput(
+            ids,
+            reason,
+            0,
+            self.policy_version,
+            # a made-up but recognisable log-prob per token: -(turn + 1) / 10
+            logprobs=[-(text.count("<tool_response>") + 1) / 10] * len(ids) if request.logprobs else None,
+            token_versions=[self.policy_version] * len(ids),
+        )
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.weights.items()}
