@@ -7,14 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
-from client.tensors import ids_from
-from rewardmesh.v1 import rollout_pb2
+from client.tensors import ids_from, tensor_to_numpy
+from rewardmesh.v1 import common_pb2, rollout_pb2
 
 TIMING_KEYS = ("generate_sequences", "tool_calls", "reward", "reward_queue", "reward_compute", "num_preempted")
 SLOWEST_KEYS = ("generate_sequences", "tool_calls", "reward", "num_preempted", "prompt_length", "response_length")
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
 @dataclass
@@ -31,8 +33,10 @@ class ScoredSample:
     timing: dict[str, float]
     policy_version: int
     response_text: str = ""
-    error: str = ""  # set when generation or reward failed; such samples score 0
+    error: str = ""  # set when generation or reward failed: never trained on (mask 0, advantage 0)
+    error_code: int = 0  # the failure's grpc.StatusCode value (0: none)
     advantage: float = 0.0
+    response_logprobs: np.ndarray | None = None  # float32 per response token, when the engine was asked for them
     arrived: float = 0.0  # seconds from the start of its rollout call until it reached the trainer
     trace_context: dict[str, str] = field(default_factory=dict)  # the rollout.sample span, when traced
 
@@ -42,7 +46,16 @@ class ScoredSample:
         response = ids_from(s.response_ids, "sample.response_ids")
         mask = ids_from(s.response_mask, "sample.response_mask") if s.HasField("response_mask") else None
         t = s.timing
-        error = r.result.error.message if r.HasField("result") and r.result.HasField("error") else ""
+        failed = r.HasField("result") and r.result.HasField("error")
+        code = (r.result.error.code or grpc.StatusCode.UNKNOWN.value[0]) if failed else 0
+        error = (r.result.error.message or _CODE_NAMES.get(code, str(code))) if failed else ""
+        logprobs = None
+        if s.HasField("response_logprobs"):
+            logprobs = tensor_to_numpy(s.response_logprobs, "sample.response_logprobs", dtype=common_pb2.DTYPE_FLOAT32,
+                                       ndim=1)  # fmt: skip
+            if logprobs.shape != response.shape:
+                raise ValueError(f"sample.response_logprobs has {logprobs.shape[0]} values for "
+                                 f"{response.shape[0]} response tokens")  # fmt: skip
         return cls(
             sample_id=s.sample_id,
             group_id=s.group_id,
@@ -65,8 +78,19 @@ class ScoredSample:
             policy_version=s.policy_version,
             response_text=s.response_text,
             error=error,
+            error_code=code,
             trace_context=dict(r.trace_context),
+            response_logprobs=logprobs,
         )
+
+    @property
+    def failed(self) -> bool:
+        """Generation or reward failed: the sample has no score to learn from."""
+        return bool(self.error) or self.error_code != 0
+
+    @property
+    def error_name(self) -> str:
+        return _CODE_NAMES.get(self.error_code, str(self.error_code)) if self.error_code else "UNKNOWN"
 
     @property
     def total_time(self) -> float:
@@ -86,7 +110,17 @@ def grpo_advantages(scores: Sequence[float], *, normalize_std: bool = True, eps:
 
 
 def set_group_advantages(group: list[ScoredSample], *, normalize_std: bool = True) -> None:
-    for sample, adv in zip(group, grpo_advantages([s.score for s in group], normalize_std=normalize_std), strict=True):
+    """GRPO over the group's scored samples only: a failed sample gets advantage 0 and moves no statistic.
+
+    A group that failures left with a single scored sample has no baseline, so it teaches nothing (0);
+    a group of one by design (n=1) keeps verl's rule (advantage = score).
+    """
+    ok = [s for s in group if not s.failed]
+    for s in group:
+        s.advantage = 0.0
+    if not ok or (len(ok) == 1 and len(group) > 1):
+        return
+    for sample, adv in zip(ok, grpo_advantages([s.score for s in ok], normalize_std=normalize_std), strict=True):
         sample.advantage = adv
 
 
@@ -104,15 +138,28 @@ def compute_metrics(samples: Sequence[ScoredSample], gen_seconds: float | None =
     slowest = max(samples, key=lambda s: s.total_time)
     for key in SLOWEST_KEYS:
         metrics[f"timing_s/agent_loop/slowest/{key}"] = slowest.timing[key]
-    metrics.update(_stats("critic/score", [s.score for s in samples]))
+    scored = [s for s in samples if not s.failed]  # a failed sample has no score: it would read as 0
+    if scored:
+        metrics.update(_stats("critic/score", [s.score for s in scored]))
     metrics.update(_stats("response_length", [float(s.response_ids.shape[0]) for s in samples]))
-    for name in sorted({k for s in samples for k in s.extras}):
-        values = [s.extras[name] for s in samples if name in s.extras]
+    for name in sorted({k for s in scored for k in s.extras}):
+        values = [s.extras[name] for s in scored if name in s.extras]
         metrics[f"reward_extra/{name}/mean"] = statistics.fmean(values)
+    metrics.update(failure_metrics(samples))
     if gen_seconds is not None:
         metrics["timing_s/gen"] = gen_seconds
     metrics["rollout/num_samples"] = float(len(samples))
     metrics["rollout/num_errors"] = float(sum(1 for s in samples if s.error))
+    return metrics
+
+
+def failure_metrics(samples: Sequence[ScoredSample]) -> dict[str, float]:
+    """`rewardmesh/failed_samples` (always present) and `rewardmesh/failed_samples/<CODE>` per status code."""
+    failed = [s for s in samples if s.failed]
+    metrics = {"rewardmesh/failed_samples": float(len(failed))}
+    for s in failed:
+        key = f"rewardmesh/failed_samples/{s.error_name}"
+        metrics[key] = metrics.get(key, 0.0) + 1.0
     return metrics
 
 
@@ -129,7 +176,7 @@ class RolloutBatch:
     input_ids: torch.Tensor  # [B, P+R]
     attention_mask: torch.Tensor  # [B, P+R]
     position_ids: torch.Tensor  # [B, P+R]
-    response_mask: torch.Tensor  # [B, R]: 1 on policy tokens, 0 on tool output and padding
+    response_mask: torch.Tensor  # [B, R]: 1 on policy tokens, 0 on tool output, padding and failed samples
     token_level_scores: torch.Tensor  # [B, R]: the score on each sample's last response token
     scores: torch.Tensor  # [B]
     advantages: torch.Tensor  # [B] (GRPO, per sample)
@@ -139,6 +186,9 @@ class RolloutBatch:
     extras: dict[str, torch.Tensor]
     samples: list[ScoredSample]
     metrics: dict[str, float] = field(default_factory=dict)
+    # [B, R] right-padded like `responses`: each token's log-prob under the policy that sampled it (verl's
+    # name); None unless every scored sample carries them (ask with Sampling(logprobs=True)).
+    rollout_log_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -158,6 +208,8 @@ def assemble_batch(
     response_attn = torch.zeros((b, r), dtype=torch.long)
     response_mask = torch.zeros((b, r), dtype=torch.long)
     token_scores = torch.zeros((b, r), dtype=torch.float32)
+    with_logprobs = all(s.response_logprobs is not None for s in samples if not s.failed and s.response_ids.size)
+    rollout_log_probs = torch.zeros((b, r), dtype=torch.float32) if with_logprobs else None
     for i, s in enumerate(samples):
         lp, lr = s.prompt_ids.shape[0], s.response_ids.shape[0]
         if lp:
@@ -166,8 +218,11 @@ def assemble_batch(
         if lr:
             responses[i, :lr] = torch.from_numpy(s.response_ids.astype(np.int64))
             response_attn[i, :lr] = 1
-            response_mask[i, :lr] = torch.from_numpy(s.response_mask.astype(np.int64))
-            token_scores[i, lr - 1] = s.score
+            if not s.failed:  # a failed sample stays in the layout but is never trained on
+                response_mask[i, :lr] = torch.from_numpy(s.response_mask.astype(np.int64))
+                token_scores[i, lr - 1] = s.score
+            if rollout_log_probs is not None and s.response_logprobs is not None:
+                rollout_log_probs[i, :lr] = torch.from_numpy(s.response_logprobs.astype(np.float32))
     attention = torch.cat([prompt_attn, response_attn], dim=1)
     extras_names = sorted({k for s in samples for k in s.extras})
     return RolloutBatch(
@@ -178,12 +233,13 @@ def assemble_batch(
         position_ids=torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0),
         response_mask=response_mask,
         token_level_scores=token_scores,
-        scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        scores=torch.tensor([0.0 if s.failed else s.score for s in samples], dtype=torch.float32),
+        advantages=torch.tensor([0.0 if s.failed else s.advantage for s in samples], dtype=torch.float32),
         policy_versions=torch.tensor([s.policy_version for s in samples], dtype=torch.long),
         sample_ids=[s.sample_id for s in samples],
         group_ids=[s.group_id for s in samples],
         extras={n: torch.tensor([s.extras.get(n, float("nan")) for s in samples]) for n in extras_names},
         samples=list(samples),
         metrics=dict(metrics or {}),
+        rollout_log_probs=rollout_log_probs,
     )

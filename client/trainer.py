@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from client.batch import (
     ScoredSample,
     assemble_batch,
     compute_metrics,
+    failure_metrics,
     set_group_advantages,
     slowest_sample,
 )
@@ -79,10 +81,11 @@ class Sampling:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    logprobs: bool = False  # return each token's log-prob (RolloutBatch.rollout_log_probs), for off-policy correction
 
     def to_proto(self) -> rollout_pb2.SamplingParams:
         p = rollout_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                       max_tokens=self.max_tokens, stop=self.stop)  # fmt: skip
+                                       max_tokens=self.max_tokens, stop=self.stop, logprobs=self.logprobs)  # fmt: skip
         if self.seed is not None:
             p.seed = self.seed
         return p
@@ -95,6 +98,7 @@ class _Launched:
     total: int
     started: float
     span: trace.Span
+    dropped: list[ScoredSample] = field(default_factory=list)  # groups dropped for a failed sample
 
 
 @dataclass
@@ -119,6 +123,7 @@ class TrainerClient:
         reward_timeout: float | None = None,
         pad_token_id: int = 0,
         normalize_adv_std: bool = True,
+        drop_failed_groups: bool = False,
         max_attempts: int = 4,
         retry_backoff_s: float = 0.2,
         resolver: Resolver | None = None,
@@ -134,6 +139,10 @@ class TrainerClient:
         self.reward_timeout = reward_timeout
         self.pad_token_id = pad_token_id
         self.normalize_adv_std = normalize_adv_std
+        # A failed sample is always masked out of the loss and the group statistics; with this set, its whole
+        # group is left out of the batch instead (counted in rewardmesh/dropped_groups).
+        self.drop_failed_groups = drop_failed_groups
+        self.dropped_failed_samples = 0
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
         self.policy_version = 0
@@ -289,13 +298,21 @@ class TrainerClient:
             group.append(sample)
             if len(group) == n:
                 del pending[sample.group_id]
+                if self.drop_failed_groups and any(s.failed for s in group):
+                    launched.dropped += group
+                    self.dropped_failed_samples += len(group)
+                    continue
                 set_group_advantages(group, normalize_std=self.normalize_adv_std)
                 yield group
 
-    async def _collect(self, launched: _Launched, n: int) -> RolloutBatch:
+    async def _collect(self, launched: _Launched, n: int) -> RolloutBatch | None:
+        """The whole step as one batch; None when every group was dropped for failed samples."""
         try:
             samples = [s async for group in self._groups(launched, n) for s in group]
-            batch = self._batch(samples, time.perf_counter() - launched.started)
+            if not samples:
+                log.warning("every group of a step had a failed sample and was dropped (%d samples)", launched.total)
+                return None
+            batch = self._batch(samples, time.perf_counter() - launched.started, launched.dropped)
             _close_step_span(launched.span, batch.samples, batch.metrics)
             return batch
         finally:
@@ -304,7 +321,10 @@ class TrainerClient:
     async def generate_batch(
         self, prompts: Sequence[PromptSpec], n: int = 1, *, reward: str | None = None, sampling: Sampling | None = None
     ) -> RolloutBatch:
-        return await self._collect(self._launch(prompts, n, reward, sampling), n)
+        batch = await self._collect(self._launch(prompts, n, reward, sampling), n)
+        if batch is None:
+            raise RuntimeError("every group had a failed sample and drop_failed_groups is set: no batch to return")
+        return batch
 
     async def stream_minibatches(
         self,
@@ -324,17 +344,23 @@ class TrainerClient:
                 ready += group
                 seen += group
                 if len(ready) >= minibatch_size:
-                    yield self._batch(ready, time.perf_counter() - launched.started)
-                    ready = []
+                    yield self._batch(ready, time.perf_counter() - launched.started, launched.dropped)
+                    ready, launched.dropped = [], []
             if ready:
-                yield self._batch(ready, time.perf_counter() - launched.started)
+                yield self._batch(ready, time.perf_counter() - launched.started, launched.dropped)
             if seen:
                 _close_step_span(launched.span, seen, _metrics(seen, time.perf_counter() - launched.started))
         finally:
             launched.span.end()
 
-    def _batch(self, samples: list[ScoredSample], gen_seconds: float) -> RolloutBatch:
-        return assemble_batch(samples, pad_token_id=self.pad_token_id, metrics=_metrics(samples, gen_seconds))
+    def _batch(
+        self, samples: list[ScoredSample], gen_seconds: float, dropped: Sequence[ScoredSample] = ()
+    ) -> RolloutBatch:
+        metrics = _metrics(samples, gen_seconds)
+        if self.drop_failed_groups:  # the dropped groups' failures still count
+            metrics.update(failure_metrics([*samples, *dropped]))
+            metrics["rewardmesh/dropped_groups"] = float(len({s.group_id for s in dropped}))
+        return assemble_batch(samples, pad_token_id=self.pad_token_id, metrics=metrics)
 
     async def batches(
         self,
@@ -348,9 +374,13 @@ class TrainerClient:
         """One batch per step; step k+1's rollouts already run while the trainer works on step k.
 
         Groups with a sample older than `policy_version - off_policy_steps` are dropped, never handed out.
+        With `off_policy_steps > 0` the rollout servers are asked for per-token log-probs, so every batch
+        carries `rollout_log_probs` for the learner's importance-sampling correction.
         """
+        if off_policy_steps > 0:
+            sampling = dataclasses.replace(sampling or self.sampling, logprobs=True)
         steps = iter(prompt_steps)
-        in_flight: deque[asyncio.Task[RolloutBatch]] = deque()
+        in_flight: deque[asyncio.Task[RolloutBatch | None]] = deque()
 
         def launch() -> None:
             prompts = next(steps, None)
@@ -367,7 +397,8 @@ class TrainerClient:
                         break  # no more steps
                 if not in_flight:
                     return
-                fresh = self._drop_stale(await in_flight.popleft(), off_policy_steps)
+                batch = await in_flight.popleft()
+                fresh = None if batch is None else self._drop_stale(batch, off_policy_steps)
                 if fresh is not None:
                     yield fresh
         finally:

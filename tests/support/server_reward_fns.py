@@ -19,3 +19,15 @@ def exact_match(data_source: str, solution_str: str, ground_truth: str, extra_in
 
 def explode(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
     raise ZeroDivisionError("checker bug")
+
+
+async def fails_some(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None
+) -> float:
+    """Raises on a response containing 'boom' (INTERNAL), hangs on 'slow' (past its timeout: DEADLINE_EXCEEDED),
+    else 1 if the response ends with the ground truth: a checker that fails for some samples of a group."""
+    if "boom" in solution_str:
+        raise RuntimeError("checker crashed")
+    if "slow" in solution_str:
+        await asyncio.sleep(5.0)
+    return 1.0 if solution_str.strip().endswith(ground_truth.strip()) else 0.0
