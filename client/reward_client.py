@@ -14,12 +14,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc import aio
 
 from client.channels import open_channel
-from client.targets import Resolver
+from client.targets import Member, Resolve, TargetPool
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,21 +36,26 @@ class _Pending:
     errors: list[str] = field(default_factory=list)
 
 
-class _TargetStream:
+class _TargetStream(Member):
     """The long-lived Score stream to one target, reopened on demand after a failure."""
 
-    def __init__(self, owner: RewardClient, address: str, max_message_mb: int) -> None:
+    def __init__(self, owner: RewardClient, address: str, server_name: str, max_message_mb: int) -> None:
+        super().__init__(address, server_name)
         self.owner = owner
-        self.address = address
-        self.channel = open_channel(address, server_name=owner.resolver.server_name, max_message_mb=max_message_mb)
+        self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
-        self.down_until = 0.0
         self._outbox: asyncio.Queue[reward_pb2.ScoreRequest | None] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._call: Any = None
+        self._closed = False
+
+    @property
+    def load(self) -> int:
+        return len(self.pending)
 
     def usable(self, now: float) -> bool:
-        return now >= self.down_until
+        return self.owner.pool.usable(self, now)
 
     def send(self, p: _Pending) -> None:
         if self._outbox is None:
@@ -64,32 +70,37 @@ class _TargetStream:
                 yield req
 
         reason = "the server ended the stream"
+        answered = False
         try:
-            call = self.stub.Score(requests())
+            self._call = call = self.stub.Score(requests())
             async for response in call:
+                if not answered:
+                    answered = True
+                    self.owner.pool.mark_ok(self)
                 self.owner._on_result(self, response.result)
         except aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
-            self._outbox = self._task = None
+            self._outbox = self._task = self._call = None
             raise
-        self._outbox = self._task = None
+        self._outbox = self._task = self._call = None
+        if self._closed:
+            return
         orphans = list(self.pending.values())
         self.pending.clear()
-        self.down_until = time.monotonic() + self.owner.retry_backoff_s
-        log.warning(
-            "reward stream to %s ended (%s); re-sending its %d unanswered samples",
-            self.address,
-            reason,
-            len(orphans),
-        )
+        self.owner.pool.mark_failed(self, f"{reason}; re-sending its {len(orphans)} unanswered samples")
         self.owner._reroute(orphans, self, reason)
 
     async def close(self) -> None:
+        """End the request stream, cancel the call and wait for the reader: nothing is left pending."""
+        if self._closed:
+            return
+        self._closed = True
         if self._outbox is not None:
             self._outbox.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
         if self._task is not None:
-            self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.channel.close(grace=None)
@@ -105,30 +116,35 @@ class RewardClient:
         max_attempts: int = 5,
         retry_backoff_s: float = 0.2,
         max_message_mb: int = 64,
-        resolver: Resolver | None = None,
+        resolve: Resolve | None = None,
+        resolve_interval_s: float = 30.0,
     ) -> None:
-        self.resolver = resolver or Resolver(targets)
-        if not self.resolver.addresses:
-            raise ValueError("RewardClient needs at least one target HOST:PORT")
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
         self.max_message_mb = max_message_mb
-        self.streams = [_TargetStream(self, a, max_message_mb) for a in self.resolver.addresses]
         self.rerouted = 0
-        self._retired: list[_TargetStream] = []
+        self._waiting: dict[_Pending, asyncio.TimerHandle] = {}  # samples waiting for a target to come up
+        self.pool: TargetPool[_TargetStream] = TargetPool(
+            targets,
+            lambda address, name: _TargetStream(self, address, name, max_message_mb),
+            kind="reward target",
+            backoff_s=retry_backoff_s,
+            interval_s=resolve_interval_s,
+            resolve=resolve,
+        )
+        self.pool.on_change(self._on_membership)
 
-    def _reconcile(self, addresses: list[str] | None) -> None:
-        """Open streams to new addresses; retire streams to vanished ones once they have nothing pending."""
-        if addresses is None:
-            return
-        known = {s.address: s for s in self.streams}
-        self.streams = [known.get(a) or _TargetStream(self, a, self.max_message_mb) for a in addresses]
-        for gone in set(known) - set(addresses):
-            stream = known[gone]
-            self._retired.append(stream)
-            self._reroute(list(stream.pending.values()), stream, "its address no longer resolves")
+    @property
+    def streams(self) -> list[_TargetStream]:
+        return self.pool.members
+
+    def _on_membership(self, added: list[_TargetStream], removed: list[_TargetStream]) -> None:
+        """Re-send what vanished addresses had pending, then close their streams."""
+        for stream in removed:
+            orphans = list(stream.pending.values())
             stream.pending.clear()
-            asyncio.get_running_loop().create_task(stream.close())
+            self._reroute(orphans, stream, "its address no longer resolves")
+            self.pool.spawn(stream.close())
 
     @property
     def outstanding(self) -> int:
@@ -141,10 +157,16 @@ class RewardClient:
         await self.close()
 
     async def close(self) -> None:
-        for s in self.streams:
-            await s.close()
-        for s in self._retired:
-            await s.close()
+        """Close every stream; samples still waiting for a target or a result are cancelled."""
+        for p, timer in self._waiting.items():
+            timer.cancel()
+            p.future.cancel()
+        self._waiting.clear()
+        await self.pool.close()
+        for stream in [*self.pool.members, *self.pool.retired]:
+            for p in stream.pending.values():
+                p.future.cancel()
+            stream.pending.clear()
 
     # -- streaming ----------------------------------------------------------------------------
 
@@ -181,18 +203,15 @@ class RewardClient:
     def _dispatch(self, p: _Pending, avoid: _TargetStream | None) -> None:
         if p.future.done():
             return
-        self._reconcile(self.resolver.maybe_refresh())
-        now = time.monotonic()
-        if len(self.streams) == 1 and self.streams[0].usable(now):  # the common case: one target, up
-            self.streams[0].send(p)
+        stream = self.pool.pick(avoid)
+        if stream is None:  # every target is backing off (or none has resolved yet): try again when one may be up
+            self._waiting[p] = asyncio.get_running_loop().call_later(self.pool.retry_in(), self._retry, p)
             return
-        usable = [s for s in self.streams if s.usable(now)]
-        preferred = [s for s in usable if s is not avoid] or usable
-        if not preferred:
-            wait = max(0.0, min(s.down_until for s in self.streams) - now)
-            asyncio.get_running_loop().call_later(wait, self._dispatch, p, None)
-            return
-        min(preferred, key=lambda s: len(s.pending)).send(p)
+        stream.send(p)
+
+    def _retry(self, p: _Pending) -> None:
+        del self._waiting[p]
+        self._dispatch(p, None)
 
     def _on_result(self, stream: _TargetStream, result: reward_pb2.RewardResult) -> None:
         p = stream.pending.pop(result.sample_id, None)
@@ -205,8 +224,6 @@ class RewardClient:
             p.future.set_result(result)
 
     def _reroute(self, orphans: list[_Pending], failed: _TargetStream, reason: str) -> None:
-        if orphans and failed in self.streams:
-            self._reconcile(self.resolver.refresh())  # the pod may have been replaced
         for p in orphans:
             if p.future.done():
                 continue
@@ -239,18 +256,21 @@ class RewardClient:
         if timeout is not None:
             request.timeout.FromNanoseconds(int(timeout * 1e9))
         last: aio.AioRpcError | None = None
-        order = sorted(self.streams, key=lambda s: (not s.usable(time.monotonic()), len(s.pending)))
+        now = time.monotonic()
+        order = sorted(await self.pool.wait_for_members(), key=lambda s: (not s.usable(now), len(s.pending)))
         for stream in order:
             try:
                 response = await stream.stub.ScoreBatch(request)
+                self.pool.mark_ok(stream)
                 return list(response.results)
             except aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 last = exc
-                stream.down_until = time.monotonic() + self.retry_backoff_s
+                self.pool.mark_failed(stream, f"ScoreBatch: {exc.details()}")
         assert last is not None
         raise last
 
     async def list_rewards(self) -> reward_pb2.ListRewardsResponse:
-        return await self.streams[0].stub.ListRewards(reward_pb2.ListRewardsRequest())
+        (first, *_) = await self.pool.wait_for_members()
+        return await first.stub.ListRewards(reward_pb2.ListRewardsRequest())

@@ -1,16 +1,30 @@
-"""Target lists: comma-separated HOST:PORT, or dns:///name:port expanded to every address it resolves to.
+"""The one target pool every client uses: dns:/// expansion, least-outstanding pick, backoff, membership.
 
-A headless Service resolves to every pod. Expanding it here, rather than leaving it to gRPC's
-round_robin, lets the clients balance by outstanding work per pod, keep one long-lived Score
-stream per pod, and broadcast weights to every rollout pod.
+A target list is comma-separated HOST:PORT, or dns:///name:port expanded to every address it resolves
+to. A headless Service resolves to every pod; expanding it here, rather than leaving it to gRPC's
+round_robin, lets the clients balance by outstanding work per pod, keep one long-lived Score stream
+per pod, and broadcast weights to every rollout pod.
+
+Names are resolved with `loop.getaddrinfo` (a thread), never a blocking lookup on the event loop, in
+the background: on a client's first pick, every `interval_s`, and after a failure (the pod may have
+been replaced). The reward client and the trainer client each keep one `TargetPool` of their own
+per-address `Member`s (a Score stream, a Generate stub) and ask it which member gets the next piece of
+work. Other code hooks into membership with `on_change` (added and removed members) and `on_join` (an
+async step, such as bringing a new rollout server to the current weights, that must finish before a
+member that joined, or came back after failing, gets any work).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import math
+import random
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -20,19 +34,25 @@ def split_targets(targets: Sequence[str] | str) -> list[str]:
     return [t.strip() for t in items if t.strip()]
 
 
-def expand_targets(targets: Sequence[str] | str) -> list[str]:
+def _dns_name(target: str) -> tuple[str, int]:
+    name = target.split("dns:", 1)[1].lstrip("/")
+    host, _, port = name.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"target {target!r}: expected dns:///HOST:PORT")
+    return host, int(port)
+
+
+async def expand_targets(targets: Sequence[str] | str) -> list[str]:
     """Resolve each dns:///host:port to host addresses (deduplicated, order kept); others pass through."""
+    loop = asyncio.get_running_loop()
     out: list[str] = []
     for target in split_targets(targets):
         if not target.startswith("dns:"):
             out.append(target)
             continue
-        name = target.split("dns:", 1)[1].lstrip("/")
-        host, _, port = name.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"target {target!r}: expected dns:///HOST:PORT")
+        host, port = _dns_name(target)
         try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
             raise ValueError(f"target {target!r}: cannot resolve {host}: {exc}") from None
         for info in infos:
@@ -41,48 +61,232 @@ def expand_targets(targets: Sequence[str] | str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-class Resolver:
-    """Re-resolves a target list when asked and at most every `interval_s` on its own.
+class Member:
+    """What the pool knows of one address; clients subclass it with their channel and work."""
 
-    Pods behind a headless Service come and go (autoscaling, rolling updates): clients call
-    `refresh()` after a failure and `maybe_refresh()` on their hot path, then reconcile their
-    per-address connections with the list it returns.
-    """
+    def __init__(self, address: str, server_name: str = "") -> None:
+        self.address = address
+        self.server_name = server_name  # the name a TLS certificate is checked against (the dns:/// name)
+        self.failures = 0  # consecutive; sets the backoff
+        self.down_until = 0.0  # monotonic time before which no work goes here
+        self.down = False  # failed and not yet answered again (logged once per change)
+        self.joining = False  # on_join hooks are running: no work yet
+
+    @property
+    def load(self) -> int:
+        """Outstanding work, the least-loaded member is picked."""
+        return 0
+
+    async def close(self) -> None:
+        """Release the member's connection; called once it has left the pool."""
+
+
+M = TypeVar("M", bound=Member)
+Resolve = Callable[[list[str]], "Awaitable[list[str]] | list[str]"]
+
+
+class TargetPool(Generic[M]):
+    """Members for a target list: picks the least-loaded usable one, backs off failed ones, follows DNS."""
 
     def __init__(
         self,
         targets: Sequence[str] | str,
+        connect: Callable[[str, str], M],
         *,
+        kind: str = "target",
         interval_s: float = 30.0,
-        resolve: Callable[[list[str]], list[str]] | None = None,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        resolve: Resolve | None = None,
     ) -> None:
         self.specs = split_targets(targets)
+        if not self.specs:
+            raise ValueError(f"need at least one {kind} HOST:PORT")
+        for spec in self.specs:
+            if spec.startswith("dns:"):
+                _dns_name(spec)  # a malformed name fails here, not later in the background
+        self.kind = kind
         self.dynamic = any(t.startswith("dns:") for t in self.specs)
         self.interval_s = interval_s
-        self._resolve = resolve or expand_targets
-        self._last = time.monotonic()
-        self.addresses = self._resolve(self.specs)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._connect = connect  # (address, server_name) -> member
+        self._resolve: Resolve = resolve or expand_targets
         # The name a TLS certificate is checked against when we dial pod addresses.
-        dns = [t.split("dns:", 1)[1].lstrip("/").rpartition(":")[0] for t in self.specs if t.startswith("dns:")]
+        dns = [_dns_name(t)[0] for t in self.specs if t.startswith("dns:")]
         self.server_name = dns[0] if dns else ""
-
-    def refresh(self) -> list[str] | None:
-        """The new address list, or None when nothing changed or the name cannot be resolved right now."""
+        self.members: list[M] = []
+        self.retired: list[M] = []  # left the pool; closed with it (calls in flight there finish or fail)
+        self._on_change: list[Callable[[list[M], list[M]], None]] = []
+        self._on_join: list[Callable[[M], Awaitable[None]]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._resolving: asyncio.Task[None] | None = None
+        self._last_resolve = -math.inf
+        self._resolve_error = ""
+        self._closed = False
         if not self.dynamic:
-            return None
-        self._last = time.monotonic()
-        try:
-            addresses = self._resolve(self.specs)
-        except ValueError as exc:
-            log.warning("keeping %d known addresses: %s", len(self.addresses), exc)
-            return None
-        if not addresses or addresses == self.addresses:
-            return None
-        log.info("targets %s now resolve to %s (were %s)", self.specs, addresses, self.addresses)
-        self.addresses = addresses
-        return addresses
+            self.members = [connect(a, self.server_name) for a in dict.fromkeys(self.specs)]
 
-    def maybe_refresh(self) -> list[str] | None:
-        if self.dynamic and time.monotonic() - self._last >= self.interval_s:
-            return self.refresh()
-        return None
+    # -- hooks --------------------------------------------------------------------------------
+
+    def on_change(self, callback: Callable[[list[M], list[M]], None]) -> None:
+        """Call `callback(added, removed)` whenever re-resolution changes the members."""
+        self._on_change.append(callback)
+
+    def on_join(self, hook: Callable[[M], Awaitable[None]]) -> None:
+        """Run `await hook(member)` before a member that joined, or came back after failing, gets work.
+
+        A hook that raises keeps the member out of `pick` and is retried after the member's backoff.
+        """
+        self._on_join.append(hook)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A background task the pool keeps a reference to (so it is never collected mid-run) and cancels on close."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- picking ------------------------------------------------------------------------------
+
+    def usable(self, member: M, now: float | None = None) -> bool:
+        return not member.joining and (now if now is not None else time.monotonic()) >= member.down_until
+
+    def pick(self, avoid: M | None = None) -> M | None:
+        """The usable member with the least outstanding work (not `avoid` unless it is the only one); None: wait."""
+        self.maybe_refresh()
+        members = self.members
+        if len(members) == 1:  # the common case, without building lists
+            only = members[0]
+            if self.usable(only) and not (only.down and self._on_join):
+                return only
+        now = time.monotonic()
+        usable = []
+        for m in members:
+            if not self.usable(m, now):
+                continue
+            if m.down and self._on_join:  # back from a failure: rejoin (hooks) before it gets work
+                self._start_join(m)
+                continue
+            usable.append(m)
+        preferred = [m for m in usable if m is not avoid] or usable
+        return min(preferred, key=lambda m: m.load) if preferred else None
+
+    def retry_in(self) -> float:
+        """Seconds until a pick may succeed (the earliest backoff to end; a resolution is awaited too)."""
+        now = time.monotonic()
+        waits = [m.down_until - now for m in self.members if not m.joining]
+        return max(0.01, min(waits, default=self.backoff_s))
+
+    async def wait_for_members(self) -> list[M]:
+        """Every current member, resolving the names first if that has not happened yet."""
+        if not self.members and self.dynamic:
+            await self.refresh_now()
+        if not self.members:
+            raise ValueError(f"{self.kind}s {self.specs} resolve to no address: {self._resolve_error or 'empty'}")
+        return list(self.members)
+
+    # -- health -------------------------------------------------------------------------------
+
+    def mark_failed(self, member: M, reason: str) -> None:
+        """Keep work off `member` for a jittered, growing backoff; log the change once, not once per retry."""
+        member.failures += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (member.failures - 1))
+        member.down_until = time.monotonic() + delay * random.uniform(0.5, 1.0)
+        if not member.down:
+            member.down = True
+            log.warning("%s %s is down (%s); retrying it with backoff", self.kind, member.address, reason)
+        else:
+            log.debug("%s %s still down (%s); next try in %.2fs", self.kind, member.address, reason, delay)
+        if self.dynamic and member in self.members:
+            self.refresh()  # the pod may have been replaced
+
+    def mark_ok(self, member: M) -> None:
+        """`member` answered: forget its failures."""
+        if member.down and not self._on_join:
+            log.info("%s %s is back", self.kind, member.address)
+        if not self._on_join:
+            member.down = False
+        member.failures = 0
+        member.down_until = 0.0
+
+    def _start_join(self, member: M) -> None:
+        member.joining = True
+        self.spawn(self._join(member))
+
+    async def _join(self, member: M) -> None:
+        try:
+            for hook in self._on_join:
+                await hook(member)
+        except Exception as exc:  # the member stays out until a later try succeeds
+            member.joining = False
+            self.mark_failed(member, f"joining failed: {type(exc).__name__}: {exc}")
+            return
+        if member.down:
+            log.info("%s %s is back", self.kind, member.address)
+        member.joining = member.down = False
+        member.failures = 0
+        member.down_until = 0.0
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def maybe_refresh(self) -> None:
+        """Re-resolve in the background when due (every `interval_s`, or at once while there are no members)."""
+        if not self.dynamic or self._resolving is not None:
+            return
+        since = time.monotonic() - self._last_resolve
+        if since >= self.interval_s or (not self.members and since >= self.backoff_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-resolve in the background now (unless a resolution is already running)."""
+        if self.dynamic and self._resolving is None and not self._closed:
+            self._resolving = self.spawn(self._refresh())
+
+    async def refresh_now(self) -> None:
+        """Re-resolve and reconcile before returning."""
+        self.refresh()
+        if self._resolving is not None:
+            await asyncio.shield(self._resolving)
+
+    async def _refresh(self) -> None:
+        self._last_resolve = time.monotonic()
+        try:
+            answer = self._resolve(self.specs)
+            addresses = await answer if inspect.isawaitable(answer) else answer
+        except ValueError as exc:
+            if str(exc) != self._resolve_error:
+                log.warning("keeping %d known %s addresses: %s", len(self.members), self.kind, exc)
+            self._resolve_error = str(exc)
+            return
+        finally:
+            self._resolving = None
+        self._resolve_error = ""
+        if addresses and addresses != [m.address for m in self.members]:
+            self.reconcile(addresses)
+
+    def reconcile(self, addresses: list[str]) -> None:
+        """Make the members exactly `addresses`: connect new ones, retire vanished ones, tell the listeners."""
+        addresses = list(dict.fromkeys(addresses))
+        known = {m.address: m for m in self.members}
+        if known:
+            log.info("%ss %s now resolve to %s (were %s)", self.kind, self.specs, addresses, list(known))
+        added = [self._connect(a, self.server_name) for a in addresses if a not in known]
+        new = {m.address: m for m in added}
+        self.members = [known.get(a) or new[a] for a in addresses]
+        removed = [m for a, m in known.items() if a not in addresses]
+        self.retired += removed
+        for m in added:
+            if self._on_join:
+                self._start_join(m)
+        for callback in self._on_change:
+            callback(added, removed)
+
+    async def close(self) -> None:
+        """Stop background work and close every member, current and retired."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for m in [*self.members, *self.retired]:
+            await m.close()

@@ -36,7 +36,7 @@ from client.batch import (
     slowest_sample,
 )
 from client.channels import open_channel
-from client.targets import Resolver
+from client.targets import Member, Resolve, TargetPool
 from client.telemetry import tracer
 from client.tensors import ids_tensor
 from client.weights import iter_chunks
@@ -101,13 +101,21 @@ class _Launched:
     dropped: list[ScoredSample] = field(default_factory=list)  # groups dropped for a failed sample
 
 
-@dataclass
-class _Target:
-    address: str
-    channel: aio.Channel
-    stub: rollout_pb2_grpc.RolloutServiceAsyncStub
-    outstanding: int = 0
-    down_until: float = 0.0
+class _Target(Member):
+    """One rollout server: its channel, stub and the samples asked of it that have not come back."""
+
+    def __init__(self, address: str, server_name: str) -> None:
+        super().__init__(address, server_name)
+        self.channel = open_channel(address, server_name=server_name)
+        self.stub: rollout_pb2_grpc.RolloutServiceAsyncStub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+        self.outstanding = 0
+
+    @property
+    def load(self) -> int:
+        return self.outstanding
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
 
 
 class TrainerClient:
@@ -126,13 +134,17 @@ class TrainerClient:
         drop_failed_groups: bool = False,
         max_attempts: int = 4,
         retry_backoff_s: float = 0.2,
-        resolver: Resolver | None = None,
+        resolve: Resolve | None = None,
+        resolve_interval_s: float = 30.0,
     ) -> None:
-        self.resolver = resolver or Resolver(targets)
-        if not self.resolver.addresses:
-            raise ValueError("TrainerClient needs at least one rollout server HOST:PORT")
-        self.targets = [self._connect(a) for a in self.resolver.addresses]
-        self._retired: list[_Target] = []
+        self.pool: TargetPool[_Target] = TargetPool(
+            targets,
+            _Target,
+            kind="rollout server",
+            backoff_s=retry_backoff_s,
+            interval_s=resolve_interval_s,
+            resolve=resolve,
+        )
         self.reward = reward
         self.sampling = sampling or Sampling()
         self.agent = agent or rollout_pb2.AgentLoopConfig()
@@ -158,29 +170,15 @@ class TrainerClient:
         await self.close()
 
     async def close(self) -> None:
-        for t in [*self.targets, *self._retired]:
-            await t.channel.close(grace=None)
+        """Close every channel (calls in flight on a pod that left the pool finish or fail first)."""
+        await self.pool.close()
 
-    def _connect(self, address: str) -> _Target:
-        channel = open_channel(address, server_name=self.resolver.server_name)
-        return _Target(address, channel, rollout_pb2_grpc.RolloutServiceStub(channel))
-
-    def _reconcile(self, addresses: list[str] | None) -> None:
-        """Pods behind a dns:/// target changed: add the new ones; calls in flight on vanished ones finish or fail."""
-        if addresses is None:
-            return
-        known = {t.address: t for t in self.targets}
-        self.targets = [known.get(a) or self._connect(a) for a in addresses]
-        self._retired += [t for a, t in known.items() if a not in addresses]
+    @property
+    def targets(self) -> list[_Target]:
+        """The rollout servers the pool holds now (a dns:/// target follows its pods)."""
+        return self.pool.members
 
     # -- rollouts -----------------------------------------------------------------------------
-
-    def _pick(self, avoid: _Target | None) -> _Target | None:
-        self._reconcile(self.resolver.maybe_refresh())
-        now = time.monotonic()
-        usable = [t for t in self.targets if t.down_until <= now]
-        preferred = [t for t in usable if t is not avoid] or usable
-        return min(preferred, key=lambda t: t.outstanding) if preferred else None
 
     def _request(self, prompt: rollout_pb2.Prompt, n: int, reward: str, sampling: Sampling) -> Any:
         req = rollout_pb2.GenerateRequest(prompts=[prompt], n=n, reward=reward, sampling=sampling.to_proto(),
@@ -203,16 +201,18 @@ class TrainerClient:
         errors: list[str] = []
         target: _Target | None = None
         for _attempt in range(self.max_attempts):
-            target = self._pick(avoid=target)
+            target = self.pool.pick(avoid=target)
             while target is None:
-                await asyncio.sleep(self.retry_backoff_s)
-                target = self._pick(avoid=None)
+                await asyncio.sleep(self.pool.retry_in())
+                target = self.pool.pick()
             if errors:
                 self.resent_samples += len(remaining)
             request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling)
             target.outstanding += len(remaining)
             try:
                 async for response in target.stub.Generate(request):
+                    if target.failures:
+                        self.pool.mark_ok(target)
                     sid = response.sample.sample_id
                     if sid not in remaining:
                         continue  # never count a sample twice
@@ -229,10 +229,8 @@ class TrainerClient:
                     out.put_nowait(exc)
                     return
                 errors.append(f"{target.address}: {exc.code().name}: {exc.details()}")
-                target.down_until = time.monotonic() + self.retry_backoff_s
-                self._reconcile(self.resolver.refresh())  # the pod may have been replaced
-                log.warning("rollout server %s failed (%s); re-sending %d samples of group %s elsewhere",
-                            target.address, exc.code().name, len(remaining), group_id)  # fmt: skip
+                self.pool.mark_failed(target, f"{exc.code().name}: {exc.details()}")
+                log.debug("re-sending %d samples of group %s after %s failed", len(remaining), group_id, target.address)
             finally:
                 target.outstanding -= len(remaining)
         out.put_nowait(RuntimeError(f"group {group_id}: no rollout server finished it: {'; '.join(errors)}"))
@@ -440,14 +438,15 @@ class TrainerClient:
             response = await t.stub.UpdateWeights(requests())
             return int(response.policy_version)
 
-        applied = await asyncio.gather(*(push(t) for t in self.targets))
+        applied = await asyncio.gather(*(push(t) for t in await self.pool.wait_for_members()))
         if set(applied) != {version}:
             raise RuntimeError(f"rollout servers applied versions {applied}, expected {version} everywhere")
         self.policy_version = version
         return version
 
     async def info(self) -> list[rollout_pb2.GetInfoResponse]:
-        return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in self.targets)))
+        targets = await self.pool.wait_for_members()
+        return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in targets)))
 
 
 def _metrics(samples: Sequence[ScoredSample], gen_seconds: float) -> dict[str, float]:

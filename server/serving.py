@@ -100,6 +100,7 @@ class GrpcServer:
         self.port = 0
         self.health_server: aio.Server | None = None
         self._stopped = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None  # kept so the drain task is never collected mid-run
 
     async def start(self) -> int:
         address = f"{self.options.host}:{self.options.port}"
@@ -141,8 +142,11 @@ class GrpcServer:
             loop.add_signal_handler(sig, self._on_signal, sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        if self._stopping is not None:
+            log.info("received %s again: already draining", sig.name)
+            return
         log.info("received %s: draining (grace %.0fs), health NOT_SERVING", sig.name, self.options.grace_s)
-        asyncio.get_running_loop().create_task(self.stop())
+        self._stopping = asyncio.get_running_loop().create_task(self.stop())
 
     async def wait(self) -> None:
         await self._stopped.wait()

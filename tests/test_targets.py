@@ -1,4 +1,4 @@
-"""dns:/// targets: expansion to every address, and re-resolution when pods come and go.
+"""The one target pool: dns:/// expansion, re-resolution as pods come and go, backoff, membership hooks.
 
 DNS answers cannot be changed for real here, so a resolve function stands in for the name server;
 the servers and the gRPC traffic are real.
@@ -7,25 +7,53 @@ the servers and the gRPC traffic are real.
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import socket
+import threading
+from typing import Any
 
 import pytest
 
 from client.reward_client import RewardClient
-from client.targets import Resolver, expand_targets
+from client.targets import Member, TargetPool, expand_targets
 from tests.support.servers import fn_pipeline, reward_server, sample
 
 
-def test_expand_resolves_dns_names_and_passes_plain_targets() -> None:
-    assert expand_targets("a:1, b:2") == ["a:1", "b:2"]
-    assert expand_targets(["dns:///localhost:50051"])[0].endswith(":50051")
+async def test_expand_resolves_dns_names_and_passes_plain_targets() -> None:
+    assert await expand_targets("a:1, b:2") == ["a:1", "b:2"]
+    assert (await expand_targets(["dns:///localhost:50051"]))[0].endswith(":50051")
     with pytest.raises(ValueError, match="expected dns:///HOST:PORT"):
-        expand_targets(["dns:///no-port"])
+        await expand_targets(["dns:///no-port"])
     with pytest.raises(ValueError, match="cannot resolve"):
-        expand_targets(["dns:///name.invalid:1"])
+        await expand_targets(["dns:///name.invalid:1"])
+    with pytest.raises(ValueError, match="expected dns:///HOST:PORT"):
+        TargetPool("dns:///no-port", Member)  # malformed names fail at construction, not in the background
 
 
-def test_resolver_only_reports_changes_and_survives_failures() -> None:
+async def test_resolution_never_blocks_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow name server holds a thread, not the loop: other coroutines keep running meanwhile."""
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def slow_getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        release.wait(5)
+        return real("localhost", *args[1:], **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_getaddrinfo)
+    resolving = asyncio.create_task(expand_targets("dns:///slow.example:7"))
+    ticks = 0
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks == 5 and not resolving.done()
+    release.set()
+    assert (await resolving)[0].endswith(":7")
+
+
+async def test_pool_reports_changes_keeps_addresses_when_resolution_fails() -> None:
     answers: list[list[str] | Exception] = [["a:1"], ["a:1"], ValueError("NXDOMAIN"), ["a:1", "b:1"]]
+    changes: list[tuple[list[str], list[str]]] = []
 
     def resolve(specs: list[str]) -> list[str]:
         answer = answers.pop(0)
@@ -33,21 +61,85 @@ def test_resolver_only_reports_changes_and_survives_failures() -> None:
             raise answer
         return answer
 
-    r = Resolver("dns:///svc:1", resolve=resolve, interval_s=3600)
-    assert r.addresses == ["a:1"]
-    assert r.refresh() is None  # unchanged
-    assert r.refresh() is None and r.addresses == ["a:1"]  # resolution failed: keep what we know
-    assert r.refresh() == ["a:1", "b:1"]
-    assert r.maybe_refresh() is None  # not due yet
-    assert Resolver("x:1").refresh() is None  # static lists never re-resolve
+    pool = TargetPool("dns:///svc:1", Member, resolve=resolve, interval_s=3600)
+    pool.on_change(lambda added, removed: changes.append(([m.address for m in added], [m.address for m in removed])))
+    assert pool.members == [] and pool.pick() is None  # the first pick starts resolving in the background
+    await pool.refresh_now()
+    assert [m.address for m in pool.members] == ["a:1"]
+    await pool.refresh_now()  # unchanged
+    await pool.refresh_now()  # resolution failed: keep what we know
+    assert [m.address for m in pool.members] == ["a:1"]
+    await pool.refresh_now()
+    assert [m.address for m in pool.members] == ["a:1", "b:1"]
+    assert changes == [(["a:1"], []), (["b:1"], [])]
+    await pool.close()
+
+
+async def test_pick_least_loaded_backs_off_with_jitter_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Loaded(Member):
+        def __init__(self, address: str, server_name: str = "") -> None:
+            super().__init__(address, server_name)
+            self.work = 0
+
+        @property
+        def load(self) -> int:
+            return self.work
+
+    pool = TargetPool(["a:1", "b:1"], Loaded, backoff_s=0.5, max_backoff_s=2.0)
+    a, b = pool.members
+    a.work = 3
+    assert pool.pick() is b and pool.pick(avoid=b) is a
+    caplog.set_level(logging.DEBUG, logger="client.targets")
+    downs = []
+    for _ in range(6):
+        pool.mark_failed(b, "connection refused")
+        downs.append(b.down_until)
+    assert pool.pick() is a  # b backs off
+    waits = [d - min(downs) for d in downs]
+    assert max(waits) <= 2.0 + 0.01  # capped
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1  # once per state change
+    assert "b:1 is down" in caplog.text
+    pool.mark_ok(b)
+    assert pool.pick() is b and not b.down and "b:1 is back" in caplog.text
+    # Jitter: two members failing together do not come back at the same instant.
+    c = TargetPool([f"c:{i}" for i in range(8)], Member, backoff_s=1.0)
+    for m in c.members:
+        c.mark_failed(m, "x")
+    assert len({m.down_until for m in c.members}) == 8
+
+
+async def test_join_hook_runs_before_a_new_or_recovered_member_gets_work() -> None:
+    pods = ["a:1"]
+    joined: list[str] = []
+    gate = asyncio.Event()
+
+    async def hook(member: Member) -> None:
+        await gate.wait()
+        joined.append(member.address)
+
+    pool = TargetPool("dns:///svc:1", Member, resolve=lambda specs: list(pods), interval_s=3600, backoff_s=0.01)
+    pool.on_join(hook)
+    await pool.refresh_now()
+    assert pool.pick() is None  # a is joining: no work until its hook is done
+    gate.set()
+    await asyncio.sleep(0.01)
+    (a,) = pool.members
+    assert joined == ["a:1"] and pool.pick() is a
+    pool.mark_failed(a, "restarted")
+    await asyncio.sleep(0.03)
+    assert pool.pick() is None and a.joining  # back from a failure: rejoins first
+    await asyncio.sleep(0.01)
+    assert joined == ["a:1", "a:1"] and pool.pick() is a
+    await pool.close()
 
 
 async def test_reward_client_follows_pods_that_are_replaced_and_added() -> None:
     pipes = {"sleepy": fn_pipeline("sleepy")}
     async with reward_server(pipes) as a, reward_server(pipes) as b:
         pods = [a.address]
-        resolver = Resolver("dns:///reward:50051", resolve=lambda specs: list(pods), interval_s=0.0)
-        async with RewardClient("dns:///reward:50051", resolver=resolver, retry_backoff_s=0.05) as client:
+        target = "dns:///reward:50051"
+        async with RewardClient(target, resolve=lambda specs: list(pods), resolve_interval_s=0.0,
+                                retry_backoff_s=0.05) as client:  # fmt: skip
             first = [client.submit(sample(f"a{i}", delay=0.4), "sleepy") for i in range(6)]
             await asyncio.sleep(0.15)
             pods[:] = [b.address]  # a rolling update replaced pod a with pod b
@@ -59,3 +151,36 @@ async def test_reward_client_follows_pods_that_are_replaced_and_added() -> None:
             assert sorted(s.address for s in client.streams) == sorted([a.address, b.address])
     assert all(not r.HasField("error") for r in [*results, *more])
     assert sorted(r.sample_id for r in results) == [f"a{i}" for i in range(6)]
+
+
+def test_closing_a_client_with_an_open_stream_leaves_nothing_behind() -> None:
+    """No 'Task was destroyed but it is pending', no 'aclose(): asynchronous generator is already running'."""
+    problems: list[str] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: problems.append(str(ctx)))
+        async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
+            client = RewardClient([server.address])
+            done = await client.submit(sample("quick"), "sleepy")
+            slow = client.submit(sample("slow", delay=5.0), "sleepy")
+            await asyncio.sleep(0.1)
+            await client.close()  # the stream is open and a sample is in flight
+            assert not done.HasField("error") and slow.cancelled()
+        gc.collect()
+
+    asyncio.run(scenario())
+    gc.collect()
+    assert problems == []
+
+
+async def test_dead_target_is_retried_with_backoff_not_in_a_tight_loop(caplog: pytest.LogCaptureFixture) -> None:
+    async with reward_server() as server:
+        address = server.address
+    caplog.set_level(logging.INFO)
+    async with RewardClient([address], max_attempts=4, retry_backoff_s=0.05) as client:
+        results = await asyncio.gather(*(client.submit(sample(f"s{i}"), "gsm8k") for i in range(20)))
+        (stream,) = client.streams
+        assert stream.failures >= 2  # the backoff grew while it stayed down
+    assert all(r.HasField("error") for r in results)
+    down_lines = [r for r in caplog.records if "is down" in r.getMessage()]
+    assert len(down_lines) == 1, [r.getMessage() for r in caplog.records]
