@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: server subprocesses, the bare echo baseline server, the load generator, tables.
+"""Shared benchmark helpers: the bare echo baseline server, the load generator, CPU accounting, tables.
 
 The echo server lives here too and runs as its own process:
 
@@ -18,15 +18,12 @@ import functools
 import logging
 import os
 import platform
-import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 from grpc import aio
@@ -37,112 +34,10 @@ from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Both `rewardmesh serve reward` and the echo server log this line once they accept connections.
-LISTENING_RE = re.compile(r"listening on (\S+?):(\d+)\b")
-
 
 def progress(message: str) -> None:
     """A short progress line on stderr (stdout carries only the result table)."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------- server processes
-
-
-class ServerProcess:
-    """A server started as a subprocess, its port read from its log; stopped with SIGTERM."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.host = "127.0.0.1"
-        self._log_file: IO[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
-    def start(self, timeout_s: float = 120.0) -> int:
-        """Start the process and wait for its "listening on HOST:PORT" log line; returns the port."""
-        # The log goes to a file rather than a pipe: a chatty server can never block on a full pipe.
-        self._log_file = open(self.log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            match = LISTENING_RE.search(self.log_path.read_text(errors="replace"))
-            if match:
-                host = match.group(1)
-                self.host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
-                self.port = int(match.group(2))
-                return self.port
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with code {self.proc.returncode} before listening; its log:\n{self.log_tail()}"
-                )
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(
-            f"{self.name} did not log 'listening on' within {timeout_s:.0f}s; its log:\n{self.log_tail()}"
-        )
-
-    async def wait_serving(self, service: str = "", timeout_s: float = 60.0) -> None:
-        """Poll grpc.health.v1 until `service` reports SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        async with aio.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                    last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                except aio.AioRpcError as exc:
-                    last = f"{exc.code().name}: {exc.details()}"
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"{self.name} at {self.address} not SERVING after {timeout_s:.0f}s (last: {last})")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, then wait for the exit; returns the exit code (killed with SIGKILL after timeout_s: -9)."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not exit within %.0fs of SIGTERM; killing it", self.name, timeout_s)
-                self.kill()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
 
 
 # ------------------------------------------------------------------------------------------------- CPU accounting
@@ -455,12 +350,12 @@ class EchoRewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.ListRewardsResponse()
 
 
-async def serve_echo(host: str, port: int) -> None:
+async def serve_echo(host: str, port: int, port_file: str = "") -> None:
     """Run the echo server (same channel options as a reward server, plus health) until SIGTERM/SIGINT."""
     from grpc_health.v1 import _async as health_aio
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from server.serving import ServerOptions
+    from server.serving import ServerOptions, write_port_file
 
     options = ServerOptions(host=host, port=port)
     server = aio.server(options=options.channel_args())
@@ -475,6 +370,8 @@ async def serve_echo(host: str, port: int) -> None:
     for name in ("", reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("echo server listening on %s:%d", host, bound)
+    if port_file:
+        write_port_file(port_file, bound)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -495,10 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     echo = sub.add_parser("echo-server", help="bare grpc.aio RewardService that echoes each sample_id back")
     echo.add_argument("--host", default="127.0.0.1")
     echo.add_argument("--port", type=int, default=0)
+    echo.add_argument("--port-file", default="", help="write the bound port here once serving")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "echo-server":
-        asyncio.run(serve_echo(args.host, args.port))
+        asyncio.run(serve_echo(args.host, args.port, args.port_file))
     return 0
 
 

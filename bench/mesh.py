@@ -1,6 +1,5 @@
 """Helpers shared by the mesh benchmarks (reward_overlap, pipeline, tracing_overhead).
 
-- an in-process mesh: one reward server with the benchmark's own pipelines plus hf rollout servers,
 - a simulated remote judge: an async verl-style reward function written to a temp .py file and loaded by the
   `function` source type, sleeping a per-sample latency drawn from a configurable distribution,
 - driving `Generate` streams directly (per-prompt sampling params, client-side arrival times),
@@ -11,13 +10,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import statistics
 import textwrap
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,61 +137,6 @@ def judge_pipeline(function: str, concurrency: int, timeout_s: float = 120.0) ->
 def reward_model_pipeline(model: Path) -> dict[str, Any]:
     """The tiny sequence-classifier reward model with the engine's default model batching."""
     return {"description": "tiny reward model", "sources": [{"type": "model", "path": str(model), "device": "cpu"}]}
-
-
-# ------------------------------------------------------------------------------------------------- the mesh
-
-
-@dataclass
-class Mesh:
-    reward: Any  # server.reward_server.RewardServer
-    rollouts: list[Any]  # server.rollout_server.RolloutServer
-
-    @property
-    def rollout_addresses(self) -> list[str]:
-        return [r.address for r in self.rollouts]
-
-
-@contextlib.asynccontextmanager
-async def local_mesh(
-    policy: str | Path,
-    pipelines: dict[str, Any] | None,
-    *,
-    rollout_servers: int = 1,
-    max_batch_size: int = 64,
-    num_threads: int | None = 1,
-    batch_wait_ms: float = 5.0,
-    reward_targets: bool = True,
-    tokenizer: Any = None,
-) -> AsyncIterator[Mesh]:
-    """One reward server (the benchmark's pipelines plus the built-in rules) and `rollout_servers` hf rollout
-    servers on 127.0.0.1, in this process, as the demo's `local_mesh` but with custom pipelines."""
-    from server.backends.hf import HFBackend
-    from server.reward_server import RewardServer, build_engine
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions
-
-    reward = RewardServer(build_engine(pipelines), ServerOptions(host="127.0.0.1", port=0, grace_s=2), tokenizer)
-    await reward.start()
-    rollouts: list[Any] = []
-    try:
-        for _ in range(rollout_servers):
-            backend = HFBackend(
-                str(policy),
-                device="cpu",
-                max_batch_size=max_batch_size,
-                batch_wait_ms=batch_wait_ms,
-                num_threads=num_threads,
-            )
-            targets = [reward.address] if reward_targets else None
-            server = RolloutServer(backend, targets, ServerOptions(host="127.0.0.1", port=0, grace_s=2))
-            await server.start()
-            rollouts.append(server)
-        yield Mesh(reward, rollouts)
-    finally:
-        for r in rollouts:
-            await r.stop(grace=1)
-        await reward.stop(grace=1)
 
 
 def quiet_logs() -> None:

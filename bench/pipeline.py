@@ -38,7 +38,6 @@ from bench.common import markdown_table, progress
 from bench.mesh import (
     LatencyDist,
     judge_pipeline,
-    local_mesh,
     machine_table,
     median,
     quiet_logs,
@@ -51,6 +50,7 @@ from client.grpo import GRPOLearner
 from client.reward_client import RewardClient
 from client.tensors import ids_tensor
 from client.trainer import PromptSpec, Sampling, TrainerClient
+from demo.mesh import local_mesh
 from demo.rl_demo import addition_prompts
 from demo.tiny_models import build_tiny_models
 from rewardmesh.v1 import common_pb2, rollout_pb2

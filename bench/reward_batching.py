@@ -43,7 +43,6 @@ import numpy as np
 from bench.common import (
     CpuUsage,
     RunStats,
-    ServerProcess,
     cpu_snapshot,
     cpu_usage,
     drive_concurrent,
@@ -54,6 +53,7 @@ from bench.common import (
     markdown_table,
     progress,
 )
+from demo.server_process import ServerProcess
 
 # Targets from the batching issue.
 TARGET_BATCHING_VS_OFFLINE = 0.8  # (b)/(a), any machine

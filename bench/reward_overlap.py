@@ -41,13 +41,11 @@ from typing import Any
 from bench.common import markdown_table, progress
 from bench.mesh import (
     LatencyDist,
-    Mesh,
     PromptJob,
     SampleRecord,
     batched_finish_times,
     fifo_finish_times,
     judge_pipeline,
-    local_mesh,
     machine_table,
     make_jobs,
     median,
@@ -60,6 +58,7 @@ from bench.mesh import (
     write_judge,
 )
 from client.reward_client import RewardClient
+from demo.mesh import Mesh, local_mesh
 from demo.rl_demo import addition_prompts
 from demo.tiny_models import build_tiny_models
 from server.cli import default_models_dir
@@ -201,7 +200,7 @@ async def one_repeat(
     order: str,
 ) -> Repeat:
     address = mesh.rollout_addresses[0]
-    backend = mesh.rollouts[0].backend
+    backend: Any = mesh.rollouts[0].backend  # an HFBackend (it counts its micro-batches)
     sync: tuple[float, float, list[Any]] | None = None
     sync_records: list[SampleRecord] = []
     stream: list[SampleRecord] = []

@@ -14,7 +14,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,9 @@ from tqdm import tqdm
 from client.batch import RolloutBatch
 from client.grpo import GRPOLearner
 from client.trainer import PromptSpec, Sampling, TrainerClient
+from demo.mesh import local_mesh
 from demo.tiny_models import build_tiny_models
-from server.reward_server import RewardServer, build_engine, load_tokenizer
-from server.serving import ServerOptions
+from server.reward_server import load_tokenizer
 
 COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed", "slow_gen", "slow_rw", "stale")
 
@@ -36,28 +36,6 @@ def addition_prompts(tokenizer: Any, count: int, rng: random.Random) -> list[Pro
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         out.append(PromptSpec(token_ids=tokenizer.encode(f"{a}+{b}="), ground_truth=str(a + b), data_source="addition"))
     return out
-
-
-@contextlib.asynccontextmanager
-async def local_mesh(policy: str, servers: int, max_batch_size: int) -> AsyncIterator[list[str]]:
-    """One reward server and `servers` hf rollout servers on 127.0.0.1; yields the rollout addresses."""
-    from server.backends.hf import HFBackend
-    from server.rollout_server import RolloutServer
-
-    reward = RewardServer(build_engine(None), ServerOptions(host="127.0.0.1", port=0, grace_s=2))
-    await reward.start()
-    rollouts = []
-    try:
-        for _ in range(servers):
-            backend = HFBackend(policy, device="cpu", max_batch_size=max_batch_size, num_threads=1)
-            server = RolloutServer(backend, [reward.address], ServerOptions(host="127.0.0.1", port=0, grace_s=2))
-            await server.start()
-            rollouts.append(server)
-        yield [r.address for r in rollouts]
-    finally:
-        for r in rollouts:
-            await r.stop(grace=1)
-        await reward.stop(grace=1)
 
 
 def row(step: int, batch: RolloutBatch, step_s: float) -> dict[str, float]:
@@ -107,13 +85,15 @@ async def run_demo(args: argparse.Namespace) -> int:
         for _ in range(args.steps):
             yield addition_prompts(tokenizer, args.prompts_per_step, rng)
 
-    if args.rollout_target:
-        mesh: Any = contextlib.nullcontext(args.rollout_target.split(","))
-    else:
-        mesh = local_mesh(policy, args.rollout_servers, args.max_batch_size)
+    mesh: Any = (
+        contextlib.nullcontext()
+        if args.rollout_target
+        else local_mesh(policy, rollout_servers=args.rollout_servers, max_batch_size=args.max_batch_size)
+    )
     history: list[dict[str, float]] = []
     started = time.perf_counter()
-    async with mesh as targets:
+    async with mesh as local:
+        targets = local.rollout_addresses if local is not None else args.rollout_target.split(",")
         sampling = Sampling(temperature=1.0, max_tokens=1)
         async with TrainerClient(targets, reward=args.reward, sampling=sampling,
                                  pad_token_id=tokenizer.pad_token_id or 0) as client:  # fmt: skip

@@ -44,6 +44,8 @@ def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="plaintext grpc.health.v1-only port for Kubernetes probes (default 0: none)")  # fmt: skip
     p.add_argument("--prometheus-port", dest="prometheus_port", type=int,
                    help="serve OpenTelemetry metrics for Prometheus on this port (default: off)")  # fmt: skip
+    p.add_argument("--port-file", dest="port_file",
+                   help="write the bound port to this file once serving (with --port 0)")  # fmt: skip
     p.add_argument("--log-level", default=os.environ.get("REWARDMESH_LOG_LEVEL", "INFO"))
 
 

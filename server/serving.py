@@ -43,6 +43,8 @@ class ServerOptions:
     prometheus_port: int = 0
     # A plaintext port serving only grpc.health.v1, for Kubernetes' gRPC probes (they cannot speak TLS); 0: none.
     health_port: int = 0
+    # Write the bound port here once serving (with --port 0, how a parent process learns it); empty: don't.
+    port_file: str = ""
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not (self.tls_cert or self.tls_key):
@@ -74,6 +76,14 @@ class ServerOptions:
                 ("grpc.max_connection_age_grace_ms", int(self.grace_s * 1000)),
             ]
         return args
+
+
+def write_port_file(path: str | Path, port: int) -> None:
+    """Write `port` to `path` atomically (a reader never sees a partial number)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(target)
 
 
 class GrpcServer:
@@ -117,6 +127,8 @@ class GrpcServer:
             await self.health_server.start()
         for name in ["", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.options.port_file:
+            write_port_file(self.options.port_file, self.port)
         return self.port
 
     async def stop(self, grace: float | None = None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -12,7 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from demo.server_process import ServerProcess
+from demo.tiny_models import TinyModelPaths
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.servers import FNS, sample
 
 CLI = [sys.executable, "-m", "server.cli"]
@@ -42,25 +43,24 @@ def test_serve_reward_process_scores_and_drains_on_sigterm(tmp_path: Path) -> No
         "server:\n  grace_s: 10\n"
         f"pipelines:\n  sleepy:\n    sources:\n      - type: function\n        function: {FNS}:sleepy\n"
     )
-    proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1", "--config", str(cfg)],
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1", "--config",
+                                      str(cfg)], tmp_path)  # fmt: skip
     try:
-        port = _wait_for_port(proc)
+        port = server.start(timeout_s=60)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             pending = stub.ScoreBatch.future(
                 reward_pb2.ScoreBatchRequest(reward="sleepy", samples=[sample("slow", "abc", delay=1.0)])
             )
             time.sleep(0.3)
-            proc.send_signal(signal.SIGTERM)  # the in-flight sample must still be answered
+            server.signal(signal.SIGTERM)  # the in-flight sample must still be answered
             (result,) = pending.result(timeout=30).results
         assert not result.HasField("error") and result.score == 3.0
-        assert proc.wait(timeout=30) == 0
-        log = proc.stderr.read()
+        assert server.stop(timeout_s=30) == 0
+        log = server.log_text()
         assert "draining" in log and "stopped" in log
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.kill()
 
 
 @pytest.mark.timeout(90)
@@ -71,10 +71,10 @@ def test_prometheus_endpoint_serves_reward_metrics(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         prom_port = s.getsockname()[1]
-    proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
-                             "--prometheus-port", str(prom_port)], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
+                                      "--prometheus-port", str(prom_port)], tmp_path)  # fmt: skip
     try:
-        port = _wait_for_port(proc)
+        port = server.start(timeout_s=60)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("a"), sample("b")]))
@@ -83,15 +83,18 @@ def test_prometheus_endpoint_serves_reward_metrics(tmp_path: Path) -> None:
         assert scored and float(scored[0].split()[-1]) == 2.0, body[:2000]
         assert "rewardmesh_reward_latency" in body and 'pipeline="gsm8k"' in body
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop(timeout_s=30)
 
 
-def _wait_for_port(proc: subprocess.Popen[str]) -> int:
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if m := re.search(r"listening on [\d.]+:(\d+)", line):
-            return int(m.group(1))
-    raise AssertionError("server never reported its port")
+@pytest.mark.timeout(120)
+def test_serve_rollout_writes_its_port_file_and_answers(tmp_path: Path, tiny_models: TinyModelPaths) -> None:
+    server = ServerProcess("rollout", [*CLI, "serve", "rollout", "--port", "0", "--host", "127.0.0.1", "--model",
+                                       str(tiny_models.policy), "--device", "cpu"], tmp_path)  # fmt: skip
+    try:
+        port = server.start(timeout_s=90)
+        assert server.port_path.read_text().strip() == str(port)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            info = rollout_pb2_grpc.RolloutServiceStub(ch).GetInfo(rollout_pb2.GetInfoRequest(), timeout=30)
+        assert info.backend == "hf" and info.max_model_len > 0
+    finally:
+        assert server.stop(timeout_s=30) == 0

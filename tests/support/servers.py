@@ -1,4 +1,4 @@
-"""Start real servers in-process on 127.0.0.1 port 0 for integration tests."""
+"""Real servers in-process on 127.0.0.1 port 0 (from the one mesh builder, `demo/mesh.py`), stubs and samples."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 from grpc import aio
 
 from client.tensors import ids_tensor
+from demo.mesh import reward_server, rollout_server
 from rewardmesh.v1 import common_pb2, reward_pb2_grpc
-from server.reward_server import RewardServer, build_engine
-from server.serving import ServerOptions
+
+__all__ = ["FNS", "fn_pipeline", "reward_server", "reward_stub", "rollout_server", "rollout_stub", "sample"]
 
 FNS = str(Path(__file__).with_name("server_reward_fns.py"))
 
@@ -23,16 +24,6 @@ def fn_pipeline(function: str, **batching: Any) -> dict[str, Any]:
         "sources": [{"type": "function", "function": f"{FNS}:{function}", "executor": "auto", "timeout_s": 2.0}],
         "batching": batching,
     }
-
-
-@asynccontextmanager
-async def reward_server(pipelines: dict[str, Any] | None = None, tokenizer: Any = None) -> AsyncIterator[RewardServer]:
-    server = RewardServer(build_engine(pipelines), ServerOptions(host="127.0.0.1", port=0, grace_s=5), tokenizer)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(grace=0.5)
 
 
 @asynccontextmanager
@@ -55,18 +46,6 @@ def sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -
     if extra:
         s.extra_info.update(extra)
     return s
-
-
-@asynccontextmanager
-async def rollout_server(backend: Any, reward_targets: list[str] | None = None) -> AsyncIterator[Any]:
-    from server.rollout_server import RolloutServer
-
-    server = RolloutServer(backend, reward_targets, ServerOptions(host="127.0.0.1", port=0, grace_s=2))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(grace=0.5)
 
 
 @asynccontextmanager
