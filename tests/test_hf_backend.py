@@ -180,14 +180,29 @@ async def test_logprobs_are_cut_with_a_stop_string(backend: HFBackend) -> None:
 # ----------------------------------------------------------------------------------------------- batching
 
 
-async def test_concurrent_requests_share_micro_batches(tiny_models: TinyModelPaths) -> None:
+async def test_concurrent_requests_share_steps_up_to_max_batch_size(tiny_models: TinyModelPaths) -> None:
     b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_batch_size=3)
     try:
         outs = await asyncio.gather(*(b.generate(greedy(b, p, max_tokens=4)) for p in [*PROMPTS, *PROMPTS]))
         assert all(len(o.token_ids) == 4 for o in outs)
-        assert max(b.batch_sizes) == 3  # several requests per forward pass, never more than the cap
-        assert sum(b.batch_sizes) == 2 * len(PROMPTS)
-        assert b.num_batches == 4
+        assert max(b.running_sizes) == 3  # several requests per forward pass, never more than the cap
+        assert b.batch_sizes[0] == 3 and sum(b.batch_sizes) == 2 * len(PROMPTS)
+        # 10 requests of 4 tokens, 3 rows at a time: a row joins as soon as one leaves, so 4 full waves of
+        # steps are not needed: every step but the tail runs 3 rows
+        assert b.steps <= 4 * 4
+    finally:
+        await b.close()
+
+
+async def test_token_budget_bounds_the_running_batch(tiny_models: TinyModelPaths) -> None:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_batch_tokens=40)
+    try:
+        requests = [greedy(b, p, max_tokens=20) for p in PROMPTS]  # each reserves prompt + 20 > 20 tokens
+        outs = await asyncio.gather(*(b.generate(r) for r in requests))
+        assert all(len(o.token_ids) == 20 or o.finish_reason == "stop" for o in outs)
+        assert max(b.running_sizes) == 1  # two never fit the budget together
+        big = await b.generate(greedy(b, PROMPTS[1], max_tokens=60))  # larger than the budget: runs alone
+        assert len(big.token_ids) == 60 or big.finish_reason == "stop"
     finally:
         await b.close()
 
@@ -208,19 +223,38 @@ async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBacken
     assert not long_task.done()
     assert backend.running == 1  # the delivered row no longer counts
     short, long = short_task.result(), await long_task
-    assert backend.batch_sizes[-1] == 2  # they really shared one micro-batch
+    assert backend.batch_sizes[-1] == 2  # they really were prefilled together
     assert len(short.token_ids) == 2 and len(long.token_ids) == 300
     assert done_at["short"] - t0 < (done_at["long"] - t0) / 5
 
 
-async def test_requests_arriving_mid_batch_wait_for_the_next(backend: HFBackend) -> None:
-    first = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=100)))
-    await wait_for(lambda: backend.num_batches == 1)
-    second = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=3))
-    assert first.done()  # the late request only ran after the first batch ended
-    assert len(second.token_ids) == 3
-    await first
-    assert list(backend.batch_sizes) == [1, 1]
+async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBackend) -> None:
+    alone = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
+    first = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=300)))
+    await wait_for(lambda: backend.steps >= 10)
+    arrived = backend.steps
+    second = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
+    assert not first.done()  # it joined the running batch instead of waiting for it to end
+    assert backend.admission_waits[-1] <= 2  # counted in steps: arrival -> its first token
+    assert backend.steps - arrived <= 2 + 5
+    assert second.token_ids == alone.token_ids  # joining a padded batch changes nothing
+    assert max(backend.running_sizes) == 2
+    first.cancel()
+
+
+async def test_rows_joining_and_leaving_keep_every_row_exact(backend: HFBackend) -> None:
+    """Seeded rows give the same tokens alone and when they join a batch at different steps."""
+    requests = [sampled(backend, p, seed=20 + i, max_tokens=10 + 7 * i) for i, p in enumerate(PROMPTS)]
+    requests.append(greedy(backend, PROMPTS[3] * 3, max_tokens=25))  # the longest prompt joins last
+    alone = [await backend.generate(r) for r in requests]
+    tasks = []
+    for r in requests:
+        tasks.append(asyncio.create_task(backend.generate(r)))
+        steps = backend.steps
+        await wait_for(lambda s=steps: backend.steps >= s + 3)  # type: ignore[misc]
+    together = await asyncio.gather(*tasks)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert max(backend.running_sizes) >= 3
 
 
 # ------------------------------------------------------------------------------------------------- stops
@@ -266,15 +300,15 @@ async def test_stop_strings_are_honoured_and_not_returned(backend: HFBackend) ->
 
 async def test_cancelling_aborts_the_row_and_stops_the_batch(backend: HFBackend) -> None:
     task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=400)))
-    await wait_for(lambda: backend.num_batches == 1)
-    await asyncio.sleep(0.02)
+    await wait_for(lambda: backend.steps >= 3)
     assert backend.running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert backend.running == 0
-    await wait_for(lambda: len(backend.batch_steps) == 1)
-    assert backend.batch_steps[0] < 400  # the batch ended early instead of decoding a row nobody awaits
+    steps = backend.steps
+    await asyncio.sleep(0.2)
+    assert backend.steps <= steps + 1 < 400  # decoding stopped instead of going on for a row nobody awaits
 
 
 async def test_cancelling_one_row_leaves_its_neighbours_intact(backend: HFBackend) -> None:
@@ -404,17 +438,26 @@ async def test_update_weights_changes_output_and_version(backend: HFBackend, tin
     assert all(o.policy_version == 8 for o in restored)
 
 
-async def test_update_weights_waits_for_the_running_batch(backend: HFBackend, tiny_models: TinyModelPaths) -> None:
+async def test_update_weights_lands_between_steps_and_tokens_say_which(
+    backend: HFBackend, tiny_models: TinyModelPaths
+) -> None:
     request = greedy(backend, PROMPTS[3], max_tokens=200)
     baseline = await backend.generate(request)
+    steps = backend.steps
     in_flight = asyncio.create_task(backend.generate(request))
-    await wait_for(lambda: backend.num_batches == 2)
+    await wait_for(lambda: backend.steps >= steps + 5)
     await backend.update_weights(perturbed_state(tiny_models), version=1)
-    assert in_flight.done()  # the swap waited for the micro-batch to end
-    old = await in_flight
-    assert old.policy_version == 0 and old.token_ids == baseline.token_ids  # never mixed weights mid-batch
+    assert not in_flight.done()  # the swap did not wait for the running row to end
+    mixed = await in_flight
+    versions = mixed.token_versions
+    assert versions is not None and len(versions) == len(mixed.token_ids) == 200
+    switch = versions.index(1)
+    assert versions == [0] * switch + [1] * (200 - switch) and switch >= 5  # one clean switch between steps
+    assert mixed.policy_version == 0  # the oldest weights that contributed
+    assert mixed.token_ids[:switch] == baseline.token_ids[:switch]
     new = await backend.generate(request)
-    assert new.policy_version == 1 and new.token_ids != baseline.token_ids
+    assert new.policy_version == 1 and new.token_versions == [1] * len(new.token_ids)
+    assert new.token_ids != baseline.token_ids
 
 
 @pytest.mark.parametrize(

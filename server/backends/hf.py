@@ -1,13 +1,18 @@
-"""A transformers generation backend with its own micro-batched decode loop.
+"""A transformers generation backend with its own continuously batched decode loop.
 
 It exists so the whole mesh (rollouts, streaming rewards, weight sync) runs anywhere, CPU included, without
-vLLM. Concurrent requests that arrive within ``batch_wait_ms`` are decoded together; each request's future
-resolves the moment its own row finishes, so a short answer never waits for the longest one in its batch.
+vLLM. Rows join and leave one running batch at step boundaries: a finished or cancelled row leaves (its KV
+cache rows are dropped), and a request that arrives while others decode is prefilled and joins at the next
+step, so it never waits for the longest row of a batch it missed. Admission is bounded by ``max_batch_size``
+rows and ``max_batch_tokens`` (each row reserves prompt + max_tokens). Each request's future resolves the
+moment its own row finishes.
 
 Threading: every tensor operation (load, prefill, decode steps, weight copies) runs on one dedicated worker
 thread, one step per hand-off, so the event loop keeps serving between steps. The loop owns all futures and
-bookkeeping; the worker owns the batch tensors. A weights lock taken per micro-batch makes weight swaps land
-between batches, never inside one.
+bookkeeping; the worker owns the batch tensors. A weights lock taken per step makes a weight swap land between
+two steps, never inside one; rows decoding across a swap continue on the new weights (their KV cache from
+the old ones is kept, as vLLM's ``pause_generation(mode="keep")`` does), and each token records the version
+that produced it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -120,10 +126,25 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
 # ------------------------------------------------------------------------------------------------ batching
 
 
+def default_num_threads() -> int:
+    """Half the CPU cores this process may use, 1 to 8.
+
+    Torch's default (every core) spins OpenMP threads against whatever else runs on the machine: on a busy
+    2-core box a small model's decode step then slows by 10x or more. A small model gains little from more
+    threads; a large one on a big CPU still gets several.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
+
+
 @dataclass(eq=False)
 class _Pending:
     request: GenerationRequest
     future: asyncio.Future[GenerationOutput]
+    arrival_step: int  # steps completed when the request arrived
 
 
 @dataclass(eq=False)
@@ -133,26 +154,26 @@ class _Row:
     stop_ids: frozenset[int]
     stops: tuple[str, ...]
     tail_tokens: int  # how many trailing tokens to decode to be sure a new stop-string match is seen
+    reserve: int  # prompt + max_tokens: what this row counts against max_batch_tokens
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # when the request asked for them
+    versions: list[int] = field(default_factory=list)  # weights version of each token
     finish_reason: str | None = None
+    first_step: int = -1  # the step that produced its first token
 
 
 @dataclass(eq=False)
 class _Batch:
-    """Worker-thread state of one micro-batch; the loop only reads ``rows``' results."""
+    """Worker-thread state of the running batch; the loop only reads ``rows`` and their results."""
 
-    rows: list[_Row]
-    version: int
-    live: list[int] = field(default_factory=list)  # row indices, in tensor order
+    rows: list[_Row] = field(default_factory=list)  # in tensor order
     cache: Any = None
-    mask: torch.Tensor | None = None  # [live, past]: 0 on left padding
-    next_pos: torch.Tensor | None = None  # [live]: position id of the next input token
-    last: torch.Tensor | None = None  # [live]: last sampled token
+    mask: torch.Tensor | None = None  # [rows, past]: 0 on left padding
+    next_pos: torch.Tensor | None = None  # [rows]: position id of the next input token
+    last: torch.Tensor | None = None  # [rows]: last sampled token (not yet in the cache)
     temps: torch.Tensor | None = None
     top_ks: torch.Tensor | None = None
     top_ps: torch.Tensor | None = None
-    steps: int = 0
 
 
 def sample(
@@ -236,12 +257,17 @@ class HFBackend:
         device: str = "auto",
         dtype: str = "auto",
         max_batch_size: int = 32,
+        max_batch_tokens: int | None = None,
         batch_wait_ms: float = 5.0,
         max_model_len: int | None = None,
         num_threads: int | None = None,
     ) -> None:
-        """``num_threads`` caps torch's CPU threads for the decode thread only (OpenMP settings are per
-        thread); a small model on a busy CPU decodes far faster single-threaded. None keeps torch's default.
+        """``max_batch_tokens`` bounds the running batch's KV cache: the sum of prompt + max_tokens over its
+        rows (default ``max_batch_size * max_model_len``, i.e. only the row count binds); a request larger
+        than the budget still runs, alone. ``batch_wait_ms`` is how long an idle backend waits for company
+        before its first prefill; once a batch runs, newcomers join at the next step without waiting.
+        ``num_threads`` sets torch's CPU threads for the decode thread only (OpenMP settings are per thread;
+        default :func:`default_num_threads`, 0 keeps torch's own default of every core).
         """
         from transformers import AutoConfig, AutoTokenizer
 
@@ -249,11 +275,15 @@ class HFBackend:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        if num_threads is not None and num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {num_threads}")
         self.model = str(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
-        self.num_threads = num_threads
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.config = AutoConfig.from_pretrained(self.model, local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model, local_files_only=True)
@@ -268,6 +298,7 @@ class HFBackend:
         elif limit is not None and max_model_len > limit:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
         self.max_model_len = int(max_model_len)
+        self.max_batch_tokens = max_batch_tokens or max_batch_size * self.max_model_len
         self.vocab_size: int | None = getattr(self.config, "vocab_size", None)
         self.policy_version = 0
 
@@ -275,6 +306,7 @@ class HFBackend:
         self._state: dict[str, torch.Tensor] = {}
         self._eos: frozenset[int] = frozenset()
         self._pad_id = 0
+        self._can_join = True  # False for caches whose layers cannot be padded and merged (sliding windows ...)
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduler: asyncio.Task[None] | None = None
@@ -282,12 +314,14 @@ class HFBackend:
         self._weights_lock: asyncio.Lock | None = None
         self._wakeup: asyncio.Event | None = None
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._batch: _Batch | None = None
+        self._batch = _Batch()
         self._closed = False
-        # Observability (and what the tests use to see micro-batching happen).
-        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)
-        self.batch_steps: collections.deque[int] = collections.deque(maxlen=1024)
-        self.num_batches = 0
+        # Observability (and what the tests use to see continuous batching happen, by counting steps).
+        self.steps = 0  # forward steps completed (each: one decode of the running rows and/or one prefill)
+        self.num_batches = 0  # admissions: groups of requests prefilled together
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # rows per admission
+        self.running_sizes: collections.deque[int] = collections.deque(maxlen=4096)  # rows decoded per step
+        self.admission_waits: collections.deque[int] = collections.deque(maxlen=1024)  # steps to first token
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -307,10 +341,11 @@ class HFBackend:
                 self._executor = None
                 raise
             logger.info(
-                "hf backend: loaded %s on %s (%s) in %.2f s",
+                "hf backend: loaded %s on %s (%s, %d decode thread(s)) in %.2f s",
                 self.model,
                 self.device,
                 self.dtype,
+                self.num_threads or torch.get_num_threads(),
                 time.perf_counter() - t0,
             )
             self._weights_lock = asyncio.Lock()
@@ -324,16 +359,21 @@ class HFBackend:
             return
         logger.error("hf backend: scheduler failed", exc_info=task.exception())
         self._closed = True
-        error = RuntimeError(f"HFBackend scheduler failed: {task.exception()!r}")
+        self._fail_all(RuntimeError(f"HFBackend scheduler failed: {task.exception()!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
         while self._pending:
             slot = self._pending.popleft()
             if not slot.future.done():
                 slot.future.set_exception(error)
+        for row in self._batch.rows:
+            if not row.slot.future.done():
+                row.slot.future.set_exception(error)
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        if self.num_threads is not None:
+        if self.num_threads:
             torch.set_num_threads(self.num_threads)  # runs on the decode thread: affects only that thread
         lm: Any = AutoModelForCausalLM.from_pretrained(self.model, local_files_only=True, dtype=self.dtype)
         lm.to(self.device)
@@ -355,16 +395,8 @@ class HFBackend:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        error = RuntimeError("HFBackend closed")
-        while self._pending:
-            slot = self._pending.popleft()
-            if not slot.future.done():
-                slot.future.set_exception(error)
-        if self._batch is not None:
-            for row in self._batch.rows:
-                if not row.slot.future.done():
-                    row.slot.future.set_exception(error)
-            self._batch = None
+        self._fail_all(RuntimeError("HFBackend closed"))
+        self._batch = _Batch()
         executor, self._executor = self._executor, None
         if executor is not None:
             await asyncio.to_thread(executor.shutdown, True)
@@ -375,9 +407,7 @@ class HFBackend:
     def running(self) -> int:
         """Requests queued plus rows still decoding; cancelled and delivered ones no longer count."""
         queued = sum(1 for slot in self._pending if not slot.future.done())
-        batch = self._batch
-        active = 0 if batch is None else sum(1 for row in batch.rows if not row.slot.future.done())
-        return queued + active
+        return queued + sum(1 for row in self._batch.rows if not row.slot.future.done())
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         if self._closed:
@@ -387,7 +417,7 @@ class HFBackend:
             await self.start()
         assert self._wakeup is not None
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request, future))
+        self._pending.append(_Pending(request, future, self.steps))
         self._wakeup.set()
         try:
             return await future
@@ -397,72 +427,88 @@ class HFBackend:
                 future.cancel()
 
     async def _schedule(self) -> None:
-        """Collect a micro-batch, decode it under the weights lock, repeat."""
+        """One step per iteration: drop what left, admit what fits, decode and prefill under the weights lock."""
         assert self._wakeup is not None and self._weights_lock is not None and self._loop is not None
         while True:
-            while not self._prune_pending():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            if self.batch_wait_s > 0 and len(self._pending) < self.max_batch_size:
-                await asyncio.sleep(self.batch_wait_s)
-            slots: list[_Pending] = []
-            while self._pending and len(slots) < self.max_batch_size:
-                slot = self._pending.popleft()
-                if not slot.future.done():
-                    slots.append(slot)
-            if not slots:
+            batch = self._batch
+            wanted = [row for row in batch.rows if row.finish_reason is None and not row.slot.future.done()]
+            if not wanted:
+                while not self._prune_pending():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                if self.batch_wait_s > 0 and len(self._pending) < self.max_batch_size:
+                    await asyncio.sleep(self.batch_wait_s)  # an idle backend waits a moment for company
+            admit = self._admit(wanted)
+            if not wanted and not admit:
                 continue
-            async with self._weights_lock:
-                await self._run_batch(slots)
+            dropped = {row for row in batch.rows if row.finish_reason is None and row.slot.future.done()}
+            if admit:
+                self.num_batches += 1
+                self.batch_sizes.append(len(admit))
+            self.running_sizes.append(len(wanted) + len(admit))
+            try:
+                async with self._weights_lock:
+                    version = self.policy_version
+                    finished = await self._loop.run_in_executor(
+                        self._executor, self._step, batch, admit, dropped, version, self.steps + 1
+                    )
+            except asyncio.CancelledError:
+                # Only close() cancels the scheduler; nothing will decode these rows any more.
+                for row in [*batch.rows, *admit]:
+                    if not row.slot.future.done():
+                        row.slot.future.set_exception(RuntimeError("HFBackend closed"))
+                raise
+            except Exception as exc:
+                logger.exception("hf backend: a step over %d row(s) failed", len(wanted) + len(admit))
+                for row in [*batch.rows, *admit]:
+                    if not row.slot.future.done():
+                        row.slot.future.set_exception(exc)
+                self._batch = _Batch()
+                continue
+            self.steps += 1
+            for row in admit:
+                self.admission_waits.append(row.first_step - row.slot.arrival_step)
+            for row in finished:
+                if not row.slot.future.done():
+                    assert row.finish_reason is not None
+                    row.slot.future.set_result(
+                        GenerationOutput(
+                            token_ids=list(row.tokens),
+                            finish_reason=row.finish_reason,
+                            num_preempted=0,
+                            policy_version=min(row.versions, default=version),
+                            logprobs=row.logprobs,
+                            token_versions=list(row.versions),
+                        )
+                    )
 
     def _prune_pending(self) -> bool:
         while self._pending and self._pending[0].future.done():
             self._pending.popleft()
         return bool(self._pending)
 
-    async def _run_batch(self, slots: list[_Pending]) -> None:
-        assert self._loop is not None and self._executor is not None
-        batch = _Batch(rows=[self._new_row(slot) for slot in slots], version=self.policy_version)
-        self._batch = batch
-        self.num_batches += 1
-        self.batch_sizes.append(len(slots))
-        try:
-            while True:
-                dropped = {
-                    i for i, row in enumerate(batch.rows) if row.finish_reason is None and row.slot.future.done()
-                }
-                finished, alive = await self._loop.run_in_executor(self._executor, self._step, batch, dropped)
-                for i in finished:
-                    row = batch.rows[i]
-                    if not row.slot.future.done():
-                        assert row.finish_reason is not None
-                        row.slot.future.set_result(
-                            GenerationOutput(
-                                token_ids=list(row.tokens),
-                                finish_reason=row.finish_reason,
-                                num_preempted=0,
-                                policy_version=batch.version,
-                                logprobs=row.logprobs,
-                                token_versions=[batch.version] * len(row.tokens),
-                            )
-                        )
-                if not alive:
-                    break
-        except asyncio.CancelledError:
-            # Only close() cancels the scheduler; nothing will decode these rows any more.
-            for row in batch.rows:
-                if not row.slot.future.done():
-                    row.slot.future.set_exception(RuntimeError("HFBackend closed"))
-            raise
-        except Exception as exc:
-            logger.exception("hf backend: micro-batch of %d failed", len(slots))
-            for row in batch.rows:
-                if not row.slot.future.done():
-                    row.slot.future.set_exception(exc)
-        finally:
-            self.batch_steps.append(batch.steps)
-            if self._batch is batch:
-                self._batch = None
+    def _admit(self, running: list[_Row]) -> list[_Row]:
+        """Queued requests, first come first served, while rows and the token budget allow.
+
+        A request that does not fit waits at the head of the queue (nothing overtakes it, so it cannot
+        starve); one larger than the whole budget runs alone.
+        """
+        if running and not self._can_join:
+            return []
+        reserved = sum(row.reserve for row in running)
+        rows: list[_Row] = []
+        while self._pending and len(running) + len(rows) < self.max_batch_size:
+            slot = self._pending[0]
+            if slot.future.done():
+                self._pending.popleft()
+                continue
+            need = len(slot.request.prompt_ids) + slot.request.max_tokens
+            if (running or rows) and reserved + need > self.max_batch_tokens:
+                break
+            self._pending.popleft()
+            rows.append(self._new_row(slot))
+            reserved += need
+        return rows
 
     def _new_row(self, slot: _Pending) -> _Row:
         request = slot.request
@@ -475,56 +521,56 @@ class HFBackend:
             stop_ids=self._eos | frozenset(request.stop_token_ids),
             stops=stops,
             tail_tokens=max((len(s) for s in stops), default=0) + 8,
+            reserve=len(request.prompt_ids) + request.max_tokens,
             logprobs=[] if request.logprobs else None,
         )
 
     # ------------------------------------------------------------------------------ worker thread: decoding
 
-    def _step(self, batch: _Batch, dropped: set[int]) -> tuple[list[int], bool]:
-        """One forward pass (the prefill on the first call) and one sampled token per live row.
+    def _step(self, batch: _Batch, admit: list[_Row], dropped: set[_Row], version: int, step: int) -> list[_Row]:
+        """One step: drop rows that finished or were cancelled, decode one token for every running row, then
+        prefill the admitted rows (their first token) and merge them into the batch.
 
-        Returns the rows that finished in this step and whether any row is still decoding. Rows that are done
-        or cancelled are removed from the batch tensors (and the KV cache) first, so they cost nothing more.
+        Returns the rows that finished in this step.
         """
         with torch.inference_mode():
-            if batch.cache is None:
-                batch.live = [i for i in range(len(batch.rows)) if i not in dropped]
-                if not batch.live:
-                    return [], False
-                logits = self._prefill(batch)
-            else:
-                keep = [
-                    pos for pos, i in enumerate(batch.live) if batch.rows[i].finish_reason is None and i not in dropped
-                ]
-                if not keep:
-                    batch.live = []
-                    return [], False
-                if len(keep) < len(batch.live):
-                    self._compact(batch, keep)
+            keep = [i for i, row in enumerate(batch.rows) if row.finish_reason is None and row not in dropped]
+            if len(keep) < len(batch.rows):
+                self._compact(batch, keep)
+            finished: list[_Row] = []
+            if batch.rows:
                 logits = self._decode(batch)
-            batch.steps += 1
-            rows = [batch.rows[i] for i in batch.live]
-            uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in rows])
-            assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
-            want = any(row.logprobs is not None for row in rows)
-            tokens, logprobs = sample_with_logprobs(
-                logits, batch.temps, batch.top_ks, batch.top_ps, uniforms, want_logprobs=want
-            )
-            batch.last = tokens
-            finished: list[int] = []
-            lps = logprobs.tolist() if logprobs is not None else [0.0] * len(rows)
-            for i, row, token, lp in zip(batch.live, rows, tokens.tolist(), lps, strict=True):
-                if row.logprobs is not None:
-                    row.logprobs.append(float(lp))
-                if self._append(row, int(token)):
-                    finished.append(i)
-            alive = any(row.finish_reason is None for row in rows)
-            return finished, alive
+                batch.last = self._sample_rows(batch, logits, version, step, finished)
+            if admit:
+                joining, logits = self._prefill(admit)
+                joining.last = self._sample_rows(joining, logits, version, step, finished)
+                self._merge(batch, joining)
+            return finished
 
-    def _prefill(self, batch: _Batch) -> torch.Tensor:
+    def _sample_rows(
+        self, batch: _Batch, logits: torch.Tensor, version: int, step: int, finished: list[_Row]
+    ) -> torch.Tensor:
+        assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
+        uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in batch.rows])
+        want = any(row.logprobs is not None for row in batch.rows)
+        tokens, logprobs = sample_with_logprobs(
+            logits, batch.temps, batch.top_ks, batch.top_ps, uniforms, want_logprobs=want
+        )
+        lps = logprobs.tolist() if logprobs is not None else [0.0] * len(batch.rows)
+        for row, token, lp in zip(batch.rows, tokens.tolist(), lps, strict=True):
+            if row.first_step < 0:
+                row.first_step = step
+            row.versions.append(version)
+            if row.logprobs is not None:
+                row.logprobs.append(float(lp))
+            if self._append(row, int(token)):
+                finished.append(row)
+        return tokens
+
+    def _prefill(self, rows: list[_Row]) -> tuple[_Batch, torch.Tensor]:
+        """Run the admitted rows' prompts (left-padded to one width): their batch state and last logits."""
         from transformers import DynamicCache
 
-        rows = [batch.rows[i] for i in batch.live]
         prompts = [row.slot.request.prompt_ids for row in rows]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
@@ -535,22 +581,26 @@ class HFBackend:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         requests = [row.slot.request for row in rows]
-        batch.temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=self.device)
-        batch.top_ks = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=self.device)
-        batch.top_ps = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=self.device)
-        batch.cache = DynamicCache(config=self._lm.config)
+        cache = DynamicCache(config=self._lm.config)
         out = self._lm(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=batch.cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        batch.cache = out.past_key_values
-        batch.mask = mask
-        batch.next_pos = positions[:, -1] + 1
-        return out.logits[:, -1, :]
+        cache = out.past_key_values
+        self._can_join = all(_joinable(layer) for layer in getattr(cache, "layers", [None]))
+        return _Batch(
+            rows=list(rows),
+            cache=cache,
+            mask=mask,
+            next_pos=positions[:, -1] + 1,
+            temps=torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=self.device),
+            top_ks=torch.tensor([r.top_k for r in requests], dtype=torch.long, device=self.device),
+            top_ps=torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=self.device),
+        ), out.logits[:, -1, :]
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
         assert batch.mask is not None and batch.next_pos is not None and batch.last is not None
@@ -568,6 +618,11 @@ class HFBackend:
         return out.logits[:, -1, :]
 
     def _compact(self, batch: _Batch, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (tensor positions), then cut the left padding no remaining row needs."""
+        if not keep:
+            batch.rows, batch.cache, batch.mask, batch.next_pos, batch.last = [], None, None, None, None
+            batch.temps = batch.top_ks = batch.top_ps = None
+            return
         assert batch.mask is not None and batch.next_pos is not None and batch.last is not None
         assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
         index = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
@@ -578,7 +633,39 @@ class HFBackend:
         batch.temps = batch.temps.index_select(0, index)
         batch.top_ks = batch.top_ks.index_select(0, index)
         batch.top_ps = batch.top_ps.index_select(0, index)
-        batch.live = [batch.live[pos] for pos in keep]
+        batch.rows = [batch.rows[i] for i in keep]
+        if self._can_join:
+            start = int(batch.mask.any(0).int().argmax())  # first column some row attends to
+            if start > 0:
+                batch.mask = batch.mask[:, start:]
+                for layer in batch.cache.layers:
+                    layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
+
+    def _merge(self, batch: _Batch, joining: _Batch) -> None:
+        """Append ``joining``'s rows to ``batch``: both left-padded to one cache width, then concatenated."""
+        if not batch.rows:
+            batch.rows, batch.cache, batch.mask, batch.next_pos = (
+                joining.rows,
+                joining.cache,
+                joining.mask,
+                joining.next_pos,
+            )
+            batch.last, batch.temps, batch.top_ks, batch.top_ps = (
+                joining.last,
+                joining.temps,
+                joining.top_ks,
+                joining.top_ps,
+            )
+            return
+        assert batch.mask is not None and joining.mask is not None
+        width = max(batch.mask.shape[1], joining.mask.shape[1])
+        batch.mask = torch.cat([_left_pad(batch.mask, width), _left_pad(joining.mask, width)])
+        for old, new in zip(batch.cache.layers, joining.cache.layers, strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)])
+            old.values = torch.cat([_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)])
+        for name in ("next_pos", "last", "temps", "top_ks", "top_ps"):
+            setattr(batch, name, torch.cat([getattr(batch, name), getattr(joining, name)]))
+        batch.rows = [*batch.rows, *joining.rows]
 
     def _append(self, row: _Row, token: int) -> bool:
         """Record a sampled token; True when it ends the row (stop token, stop string or max_tokens)."""
@@ -594,6 +681,7 @@ class HFBackend:
                     row.tokens = kept
                     if row.logprobs is not None:
                         del row.logprobs[len(kept) :]
+                    del row.versions[len(kept) :]
                     row.finish_reason = "stop"
                     return True
         if len(row.tokens) >= row.slot.request.max_tokens:
@@ -626,7 +714,7 @@ class HFBackend:
                 )
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Validate everything, then copy between micro-batches: no batch ever mixes two weight versions."""
+        """Validate everything, then copy between two steps: no step ever sees half of the new weights."""
         if self._scheduler is None:
             await self.start()
         self.validate_weights(tensors)
@@ -640,3 +728,20 @@ class HFBackend:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self._state[name].copy_(tensor)
+
+
+def _joinable(layer: Any) -> bool:
+    """A plain full-attention KV layer: [batch, heads, seq, dim] tensors that can be padded and concatenated."""
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = -1) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``width`` (mask zeros mean "not attended")."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
