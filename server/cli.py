@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_server_flags(reward, 50051)
     reward.add_argument("--tokenizer", help="policy tokenizer directory, to decode samples that carry only ids")
+    reward.add_argument("--http-port", dest="http_port", type=int,
+                        help="HTTP gateway port for OpenRLHF and slime (default 0: off)")  # fmt: skip
+    reward.add_argument("--http-pipeline", dest="http_pipeline", help="pipeline of /get_reward requests naming none")
+    reward.add_argument("--http-token-file", dest="http_token_file",
+                        help="HTTP bearer token file (else REWARDMESH_HTTP_TOKEN; neither: no auth)")  # fmt: skip
     reward.add_argument(
         "--no-builtin-rules",
         dest="builtin_rules",

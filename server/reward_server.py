@@ -25,6 +25,12 @@ class RewardServerConfig(ServerOptions):
     builtin_rules: bool = True
     # Policy tokenizer used to decode ids when a sample carries no text (rules and judges read text).
     tokenizer: str = ""
+    # HTTP gateway for OpenRLHF (POST /get_reward) and slime (POST /score/{pipeline}); 0: off.
+    http_port: int = 0
+    # Pipeline of /get_reward when the request names none (?pipeline=NAME).
+    http_pipeline: str = ""
+    # Bearer token the gateway requires: this file's content, else REWARDMESH_HTTP_TOKEN; neither: no auth.
+    http_token_file: str = ""
 
 
 def build_engine(pipelines: dict[str, Any] | None, *, builtin_rules: bool = True) -> RewardEngine:
@@ -88,7 +94,22 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
     """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains."""
     server = RewardServer(build_engine(pipelines, builtin_rules=cfg.builtin_rules), cfg, load_tokenizer(cfg.tokenizer))
     await server.start()
+    gateway = None
+    if cfg.http_port:
+        from server.http_gateway import HttpGateway, load_token, server_ssl_context
+
+        gateway = HttpGateway(
+            server.engine,
+            host=cfg.host,
+            port=cfg.http_port,
+            default_pipeline=cfg.http_pipeline,
+            token=load_token(cfg.http_token_file),
+            ssl_context=server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+        )
+        await gateway.start()
     server.grpc.stop_on_signals()
     await server.wait()
+    if gateway is not None:
+        await gateway.stop(cfg.grace_s)
     await server.engine.close(drain=False)
     log.info("reward server stopped after sending %d results", server.servicer.results_sent)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -16,27 +15,15 @@ from client.reward_client import RewardClient
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from server.reward_server import RewardServer, build_engine
 from server.serving import ServerOptions
+from tests.support.pki import make_pki
 from tests.support.servers import sample
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=DNS:reward.rewardmesh.svc.cluster.local,DNS:localhost\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                 "-out", f"{name}.csr", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "1", "-extfile", "san.ext", "-out", f"{name}.crt", cwd=d)  # fmt: skip
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _free_port() -> int:

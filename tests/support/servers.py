@@ -54,3 +54,16 @@ async def rollout_stub(address: str) -> AsyncIterator[Any]:
 
     async with aio.insecure_channel(address) as channel:
         yield rollout_pb2_grpc.RolloutServiceStub(channel)
+
+
+@asynccontextmanager
+async def http_gateway(server: RewardServer, **options: Any) -> AsyncIterator[Any]:
+    """The reward server's HTTP gateway (OpenRLHF, slime) on 127.0.0.1 port 0, over the server's engine."""
+    from server.http_gateway import HttpGateway
+
+    gateway = HttpGateway(server.engine, host="127.0.0.1", port=0, **options)
+    await gateway.start()
+    try:
+        yield gateway
+    finally:
+        await gateway.stop(grace=0.5)

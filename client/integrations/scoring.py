@@ -1,0 +1,149 @@
+"""What every trainer adapter shares: Samples from a framework's fields, and a RewardClient per event loop.
+
+grpc.aio channels belong to the event loop that created them. A verl reward-loop worker, TRL's reward
+thread and slime's rollout loop each run their own loop, created after the adapter was constructed, so
+the client is made lazily inside the running loop, one per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from client.reward_client import RewardClient
+from client.tensors import ids_tensor
+from rewardmesh.v1 import common_pb2, reward_pb2
+
+log = logging.getLogger(__name__)
+
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars and arrays, tuples and other objects made JSON-safe for google.protobuf.Struct."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def make_sample(
+    sample_id: str,
+    *,
+    prompt_text: str = "",
+    response_text: str = "",
+    prompt_ids: Sequence[int] | None = None,
+    response_ids: Sequence[int] | None = None,
+    response_mask: Sequence[int] | None = None,
+    ground_truth: Any = "",
+    data_source: str = "",
+    extra_info: dict[str, Any] | None = None,
+) -> common_pb2.Sample:
+    """A Sample with ids (reward models need them) and text (rules and judges read it), whichever are known."""
+    sample = common_pb2.Sample(
+        sample_id=sample_id,
+        prompt_text=prompt_text,
+        response_text=response_text,
+        data_source=data_source or "",
+        ground_truth="" if ground_truth is None else str(ground_truth),
+    )
+    if prompt_ids is not None and len(prompt_ids):
+        sample.prompt_ids.CopyFrom(ids_tensor(prompt_ids))
+    if response_ids is not None and len(response_ids):
+        sample.response_ids.CopyFrom(ids_tensor(response_ids))
+        if response_mask is not None:
+            sample.response_mask.CopyFrom(ids_tensor(response_mask))
+    if extra_info:
+        sample.extra_info.update(json.loads(json.dumps(extra_info, default=_jsonable)))
+    return sample
+
+
+@dataclass
+class MeshScorer:
+    """Scores Samples on one pipeline; every wait is bounded, and a result always comes back (errors inside)."""
+
+    target: str | Sequence[str]
+    pipeline: str
+    timeout_s: float = 300.0
+    max_attempts: int = 5
+    _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, RewardClient] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+    _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:12], init=False, repr=False)
+    _ids: itertools.count[int] = field(default_factory=itertools.count, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("rewardmesh: set the reward server target (HOST:PORT, a list, or dns:///NAME:PORT)")
+        if not self.pipeline:
+            raise ValueError("rewardmesh: set the reward pipeline name")
+
+    def next_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def client(self) -> RewardClient:
+        """This loop's client, made here on first use (never on another loop)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            client = RewardClient(self.target, max_attempts=self.max_attempts)
+            self._clients[loop] = client
+        return client
+
+    async def score(self, samples: Sequence[common_pb2.Sample]) -> list[reward_pb2.RewardResult]:
+        """Results in input order. The server bounds each sample by `timeout_s`; a silent server is bounded here."""
+        client = self.client()
+        futures = [client.submit(s, self.pipeline, timeout=self.timeout_s) for s in samples]
+        done, _ = await asyncio.wait(futures, timeout=self.timeout_s + 10.0) if futures else (set(), set())
+        results = []
+        for sample, fut in zip(samples, futures, strict=True):
+            if fut in done:
+                results.append(fut.result())
+            else:
+                fut.cancel()
+                message = f"no result for sample '{sample.sample_id}' within {self.timeout_s + 10.0:.0f}s"
+                results.append(
+                    reward_pb2.RewardResult(
+                        sample_id=sample.sample_id,
+                        reward=self.pipeline,
+                        error=common_pb2.Status(code=DEADLINE_EXCEEDED, message=message),
+                    )
+                )
+        return results
+
+    async def close(self) -> None:
+        """Close the client of the running loop (others close with their loops)."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
+
+
+def error_text(result: reward_pb2.RewardResult) -> str:
+    """'CODE: message' of a failed result."""
+    return f"{_CODE_NAMES.get(result.error.code, str(result.error.code))}: {result.error.message}"
+
+
+def extra_info_from(value: Any) -> dict[str, Any]:
+    """A framework's extra_info column as a dict (None, a dict, or a JSON string)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            return {"value": value}
+        return parsed if isinstance(parsed, dict) else {"value": parsed}
+    return {"value": value}
