@@ -12,8 +12,19 @@ from grpc import aio
 from client.tensors import ids_tensor
 from demo.mesh import reward_server, rollout_server
 from rewardmesh.v1 import common_pb2, reward_pb2_grpc
+from server.http_gateway import HttpGateway
+from server.reward_server import RewardServer
 
-__all__ = ["FNS", "fn_pipeline", "reward_server", "reward_stub", "rollout_server", "rollout_stub", "sample"]
+__all__ = [
+    "FNS",
+    "fn_pipeline",
+    "http_gateway",
+    "reward_server",
+    "reward_stub",
+    "rollout_server",
+    "rollout_stub",
+    "sample",
+]
 
 FNS = str(Path(__file__).with_name("server_reward_fns.py"))
 
@@ -57,10 +68,8 @@ async def rollout_stub(address: str) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def http_gateway(server: RewardServer, **options: Any) -> AsyncIterator[Any]:
+async def http_gateway(server: RewardServer, **options: Any) -> AsyncIterator[HttpGateway]:
     """The reward server's HTTP gateway (OpenRLHF, slime) on 127.0.0.1 port 0, over the server's engine."""
-    from server.http_gateway import HttpGateway
-
     gateway = HttpGateway(server.engine, host="127.0.0.1", port=0, **options)
     await gateway.start()
     try:
