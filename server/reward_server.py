@@ -9,7 +9,7 @@ from typing import Any
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from server.reward_service import RewardServicer
-from server.serving import GrpcServer, ServerOptions
+from server.serving import GrpcServer, MeshServer, ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -49,27 +49,20 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-class RewardServer:
+class RewardServer(MeshServer):
     """Owns the engine and the gRPC server; `stop()` drains in-flight samples first."""
 
     def __init__(self, engine: RewardEngine, options: ServerOptions | None = None, tokenizer: Any = None) -> None:
         self.engine = engine
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         self.servicer = RewardServicer(engine, tokenizer)
+        self.gateway: Any = None  # server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
             [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer, SERVICE_NAME)],
             on_drain=self.servicer.drain,
+            on_stopped=self._release,
         )
-
-    @property
-    def port(self) -> int:
-        return self.grpc.port
-
-    @property
-    def address(self) -> str:
-        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "::", "") else self.options.host
-        return f"{host}:{self.port}"
 
     async def start(self) -> int:
         await self.engine.warmup()
@@ -82,23 +75,20 @@ class RewardServer:
         )
         return port
 
-    async def stop(self, grace: float | None = None) -> None:
-        await self.grpc.stop(grace)
+    async def _release(self) -> None:
+        if self.gateway is not None:  # HTTP callers of the same engine stop before it closes
+            await self.gateway.stop(self.options.grace_s)
         await self.engine.close(drain=False)
-
-    async def wait(self) -> None:
-        await self.grpc.wait()
 
 
 async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None) -> None:
     """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains."""
     server = RewardServer(build_engine(pipelines, builtin_rules=cfg.builtin_rules), cfg, load_tokenizer(cfg.tokenizer))
     await server.start()
-    gateway = None
     if cfg.http_port:
         from server.http_gateway import HttpGateway, load_token, server_ssl_context
 
-        gateway = HttpGateway(
+        server.gateway = HttpGateway(
             server.engine,
             host=cfg.host,
             port=cfg.http_port,
@@ -106,10 +96,6 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
             token=load_token(cfg.http_token_file),
             ssl_context=server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
         )
-        await gateway.start()
-    server.grpc.stop_on_signals()
-    await server.wait()
-    if gateway is not None:
-        await gateway.stop(cfg.grace_s)
-    await server.engine.close(drain=False)
+        await server.gateway.start()
+    await server.serve_until_signalled()
     log.info("reward server stopped after sending %d results", server.servicer.results_sent)

@@ -10,7 +10,7 @@ from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends.base import Backend
 from server.rollout_service import RolloutServicer
 from server.rollout_worker import RolloutWorker
-from server.serving import GrpcServer, ServerOptions
+from server.serving import GrpcServer, MeshServer, ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class RolloutServerConfig(ServerOptions):
     max_batch_size: int = 32
 
 
-class RolloutServer:
+class RolloutServer(MeshServer):
     """Owns the backend, the reward client and the gRPC server."""
 
     def __init__(
@@ -44,12 +44,7 @@ class RolloutServer:
         self.worker = RolloutWorker(backend, self.rewards)
         self.servicer = RolloutServicer(self.worker, default_max_tokens=default_max_tokens)
         self.grpc = GrpcServer(self.options, [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, self.servicer,
-                                              SERVICE_NAME)])  # fmt: skip
-
-    @property
-    def address(self) -> str:
-        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "::", "") else self.options.host
-        return f"{host}:{self.grpc.port}"
+                                              SERVICE_NAME)], on_stopped=self._release)  # fmt: skip
 
     async def start(self) -> int:
         await self.backend.start()
@@ -59,14 +54,10 @@ class RolloutServer:
                  self.options.host, port, self.backend.name, self.backend.model, targets)  # fmt: skip
         return port
 
-    async def stop(self, grace: float | None = None) -> None:
-        await self.grpc.stop(grace)
+    async def _release(self) -> None:
         if self.rewards is not None:
             await self.rewards.close()
         await self.backend.close()
-
-    async def wait(self) -> None:
-        await self.grpc.wait()
 
 
 async def serve_rollout(cfg: RolloutServerConfig) -> None:
@@ -80,9 +71,5 @@ async def serve_rollout(cfg: RolloutServerConfig) -> None:
     targets = [t for t in cfg.reward_target.split(",") if t]
     server = RolloutServer(backend, targets, cfg, default_max_tokens=cfg.default_max_tokens)
     await server.start()
-    server.grpc.stop_on_signals()
-    await server.wait()
-    if server.rewards is not None:
-        await server.rewards.close()
-    await backend.close()
+    await server.serve_until_signalled()
     log.info("rollout server stopped")

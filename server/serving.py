@@ -95,6 +95,7 @@ class GrpcServer:
         services: Sequence[tuple[Callable[[Any, aio.Server], None], Any, str]],
         *,
         on_drain: Callable[[], Awaitable[None]] | None = None,
+        on_stopped: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.options = options
         interceptors = [*server_interceptors(), ExceptionToStatusInterceptor()]
@@ -107,10 +108,11 @@ class GrpcServer:
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self._names = names
         self._on_drain = on_drain
+        self._on_stopped = on_stopped  # releases what the servicers use (engine, backend, clients) once stopped
         self.port = 0
         self.health_server: aio.Server | None = None
         self._stopped = asyncio.Event()
-        self._stopping: asyncio.Task[None] | None = None  # kept so the drain task is never collected mid-run
+        self._stopping: asyncio.Task[None] | None = None  # the one stop in progress, kept (never collected mid-run)
 
     async def start(self) -> int:
         address = f"{self.options.host}:{self.options.port}"
@@ -131,10 +133,22 @@ class GrpcServer:
             write_port_file(self.options.port_file, self.port)
         return self.port
 
+    @property
+    def address(self) -> str:
+        """HOST:PORT a client on this machine dials (a wildcard bind is reached at 127.0.0.1)."""
+        host = "127.0.0.1" if self.options.host in ("0.0.0.0", "::", "[::]", "") else self.options.host
+        return f"{host}:{self.port}"
+
     async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, let in-flight work finish within the grace period, then stop."""
-        if self._stopped.is_set():
-            return
+        """The one shutdown path: NOT_SERVING, drain within the grace period, stop, release (`on_stopped`).
+
+        Tests, the in-process mesh and SIGTERM/SIGINT all come here; a second call waits for the first.
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float | None) -> None:
         grace = self.options.grace_s if grace is None else grace
         deadline = time.monotonic() + grace  # one budget for the drain and the close of open streams
         await self.health.enter_graceful_shutdown()
@@ -146,7 +160,11 @@ class GrpcServer:
         await self.server.stop(max(0.0, deadline - time.monotonic()))
         if self.health_server is not None:
             await self.health_server.stop(0)
-        self._stopped.set()
+        try:
+            if self._on_stopped is not None:
+                await self._on_stopped()
+        finally:
+            self._stopped.set()
 
     def stop_on_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -158,7 +176,32 @@ class GrpcServer:
             log.info("received %s again: already draining", sig.name)
             return
         log.info("received %s: draining (grace %.0fs), health NOT_SERVING", sig.name, self.options.grace_s)
-        self._stopping = asyncio.get_running_loop().create_task(self.stop())
+        self._stopping = asyncio.get_running_loop().create_task(self._stop(None))
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+class MeshServer:
+    """What the reward and rollout servers share: their `GrpcServer`, its address, one way to stop."""
+
+    grpc: GrpcServer
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def address(self) -> str:
+        return self.grpc.address
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.grpc.stop(grace)
+
+    async def wait(self) -> None:
+        await self.grpc.wait()
+
+    async def serve_until_signalled(self) -> None:
+        """Run until SIGTERM/SIGINT, which take the same `stop()` path (drain, stop, release)."""
+        self.grpc.stop_on_signals()
+        await self.grpc.wait()
