@@ -39,7 +39,7 @@ from client.channels import open_channel
 from client.targets import Member, Resolve, TargetPool
 from client.telemetry import tracer
 from client.tensors import ids_tensor
-from client.weights import iter_chunks
+from client.weight_sync import SyncResult, WeightSync
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ class TrainerClient:
         self.policy_version = 0
         self.resent_samples = 0
         self.dropped_stale_samples = 0
+        self.weight_sync = WeightSync()
+        self.last_weight_sync: SyncResult | None = None
         self.groups_started = 0
         self._step = 0
 
@@ -171,6 +173,7 @@ class TrainerClient:
 
     async def close(self) -> None:
         """Close every channel (calls in flight on a pod that left the pool finish or fail first)."""
+        self.weight_sync.close()
         await self.pool.close()
 
     @property
@@ -425,22 +428,22 @@ class TrainerClient:
     # -- weights ------------------------------------------------------------------------------
 
     async def update_weights(
-        self, state: Mapping[str, torch.Tensor], *, version: int | None = None, chunk_bytes: int = 4 << 20
+        self,
+        state: Mapping[str, torch.Tensor],
+        *,
+        version: int | None = None,
+        transport: str = "auto",
+        chunk_bytes: int = 4 << 20,
     ) -> int:
-        """Stream the tensors to every rollout server; returns once all of them applied the same version."""
+        """Send the tensors to every rollout server; returns once all of them applied the same version.
+
+        transport: "auto" (the fastest every server supports: shm on one host, else a torch.distributed
+        broadcast, else gRPC chunks), or "shm", "dist", "grpc". Raises WeightSyncError naming each server that
+        did not apply it (those keep their old weights).
+        """
         version = version if version is not None else self.policy_version + 1
-
-        async def push(t: _Target) -> int:
-            def requests() -> Any:
-                for i, chunk in enumerate(iter_chunks(state, chunk_bytes)):
-                    yield rollout_pb2.UpdateWeightsRequest(chunk=chunk, policy_version=version if i == 0 else 0)
-
-            response = await t.stub.UpdateWeights(requests())
-            return int(response.policy_version)
-
-        applied = await asyncio.gather(*(push(t) for t in await self.pool.wait_for_members()))
-        if set(applied) != {version}:
-            raise RuntimeError(f"rollout servers applied versions {applied}, expected {version} everywhere")
+        targets = [(t.address, t.channel) for t in await self.pool.wait_for_members()]
+        self.last_weight_sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes)
         self.policy_version = version
         return version
 

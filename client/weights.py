@@ -1,91 +1,256 @@
-"""Named tensors <-> UpdateWeights chunks: the trainer splits a state dict, the rollout server reassembles it."""
+"""Weight updates, the parts trainer and rollout server share: the one validator, manifests, layouts, chunks.
+
+Every data plane (gRPC chunks, a torch.distributed broadcast, shared memory) checks the same thing with the
+same function, `check_weight`, before anything is applied: a known name, the model's shape, a float dtype.
+The byte layout (`Layout`) is computed from the manifest alone, so sender and receiver agree on it without
+sending it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from client.tensors import dtype_name, tensor_to_torch, torch_to_tensor
+from client.tensors import dtype_name
 from rewardmesh.v1 import common_pb2, rollout_pb2
 
-WEIGHT_DTYPES = {common_pb2.DTYPE_BFLOAT16, common_pb2.DTYPE_FLOAT16, common_pb2.DTYPE_FLOAT32}
-_ITEMSIZE = {common_pb2.DTYPE_BFLOAT16: 2, common_pb2.DTYPE_FLOAT16: 2, common_pb2.DTYPE_FLOAT32: 4}
+# name -> (shape, dtype) of every tensor a rollout server's model accepts
+Specs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT16: torch.float16,
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+}
+WIRE_DTYPES: dict[torch.dtype, common_pb2.DType] = {v: k for k, v in TORCH_DTYPES.items()}  # type: ignore[misc]
+WEIGHT_DTYPES = set(TORCH_DTYPES)
+ALIGN = 64  # every tensor starts at a multiple of this in a bucket or a shared-memory file
+DEFAULT_BUCKET_BYTES = 256 << 20
 
 
-def iter_chunks(state: Mapping[str, torch.Tensor], chunk_bytes: int = 4 << 20) -> Iterator[rollout_pb2.TensorChunk]:
-    """Split every tensor into chunks of at most chunk_bytes (messages stay under gRPC's size limit)."""
-    for name, value in state.items():
-        whole = torch_to_tensor(value)
-        data = whole.raw_data
-        for offset in range(0, max(len(data), 1), chunk_bytes):
-            yield rollout_pb2.TensorChunk(
-                name=name,
-                dtype=whole.dtype,
-                shape=whole.shape,
-                offset=offset,
-                data=data[offset : offset + chunk_bytes],
-            )
+class WeightsError(ValueError):
+    """Unknown tensor name, or shape/dtype mismatch, or missing bytes: nothing was applied."""
 
 
-@dataclass
-class _Partial:
-    dtype: int
+def check_weight(name: str, shape: Sequence[int], dtype: torch.dtype | None, specs: Specs) -> None:
+    """The one weight validator: raise WeightsError naming the tensor and the problem."""
+    spec = specs.get(name)
+    if spec is None:
+        raise WeightsError(f"unknown tensor {name!r}: the model has no such parameter or buffer")
+    if dtype not in WIRE_DTYPES:
+        raise WeightsError(f"tensor {name!r}: dtype {dtype} is not one of bfloat16, float16, float32")
+    if tuple(shape) != tuple(spec[0]):
+        raise WeightsError(f"tensor {name!r}: shape {tuple(shape)} does not match the model's {tuple(spec[0])}")
+
+
+def validate_weights(tensors: Mapping[str, torch.Tensor], specs: Specs) -> None:
+    """Check every tensor before any is applied."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightsError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        check_weight(name, tensor.shape, tensor.dtype, specs)
+
+
+# ------------------------------------------------------------------------------------------------ manifests
+
+
+def manifest(state: Mapping[str, torch.Tensor]) -> list[rollout_pb2.WeightSpec]:
+    """Names, wire dtypes and shapes, in the state dict's order (the order every data plane carries them)."""
+    out = []
+    for name, t in state.items():
+        if t.dtype not in WIRE_DTYPES:
+            raise WeightsError(f"tensor {name!r}: dtype {t.dtype} is not one of bfloat16, float16, float32")
+        out.append(rollout_pb2.WeightSpec(name=name, dtype=WIRE_DTYPES[t.dtype], shape=list(t.shape)))
+    return out
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a checked manifest."""
+
+    name: str
     shape: tuple[int, ...]
-    buffer: bytearray
-    pieces: list[tuple[int, int]] = field(default_factory=list)
+    dtype: torch.dtype
+    nbytes: int
+
+
+def check_manifest(specs_in: Sequence[rollout_pb2.WeightSpec], specs: Specs, total_bytes: int = 0) -> list[Entry]:
+    """Validate a manifest against the model; WeightsError names the first bad tensor."""
+    if not specs_in:
+        raise WeightsError("tensors: the manifest is empty")
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for i, s in enumerate(specs_in):
+        if s.name in seen:
+            raise WeightsError(f"tensors[{i}]: tensor {s.name!r} appears twice")
+        seen.add(s.name)
+        if any(d < 0 for d in s.shape):
+            raise WeightsError(f"tensor {s.name!r}: negative dimension in shape {list(s.shape)}")
+        dtype = TORCH_DTYPES.get(s.dtype)
+        if dtype is None:
+            raise WeightsError(
+                f"tensor {s.name!r}: dtype {dtype_name(s.dtype)} is not one of BFLOAT16, FLOAT16, FLOAT32"
+            )
+        check_weight(s.name, s.shape, dtype, specs)
+        shape = tuple(int(d) for d in s.shape)
+        entries.append(Entry(s.name, shape, dtype, math.prod(shape) * dtype.itemsize))
+    total = sum(e.nbytes for e in entries)
+    if total_bytes > 0 and total_bytes != total:
+        raise WeightsError(f"total_bytes: {total_bytes}, but the manifest's tensors add up to {total}")
+    return entries
+
+
+# -------------------------------------------------------------------------------------------------- layouts
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors [first, last) of the manifest, at `offsets` inside one buffer of `nbytes`."""
+
+    first: int
+    last: int
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def layout(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
+    """Pack tensors in order into buckets of at most bucket_bytes (a larger tensor is a bucket of its own)."""
+    buckets: list[Bucket] = []
+    first, end = 0, 0
+    offsets: list[int] = []
+    for i, size in enumerate(sizes):
+        start = _aligned(end)
+        if offsets and start + size > bucket_bytes:
+            buckets.append(Bucket(first, i, tuple(offsets), end))
+            first, offsets, start = i, [], 0
+        offsets.append(start)
+        end = start + size
+    if offsets:
+        buckets.append(Bucket(first, len(sizes), tuple(offsets), end))
+    return buckets
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (no copy for a contiguous tensor)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def views(buffer: torch.Tensor, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Typed tensors lying inside a flat uint8 buffer at the given offsets (no copy)."""
+    return {
+        e.name: buffer[off : off + e.nbytes].view(e.dtype).view(e.shape)
+        for e, off in zip(entries, offsets, strict=True)
+    }
+
+
+# ------------------------------------------------------------------------------------------- gRPC chunks
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def iter_update_requests(
+    state: Mapping[str, torch.Tensor], version: int = 0, chunk_bytes: int = 4 << 20
+) -> Iterator[bytes]:
+    """Serialized UpdateWeightsRequest messages, each tensor split into chunks of at most chunk_bytes.
+
+    Encoded by hand so each chunk's bytes are copied once, from the tensor straight into the message
+    (protobuf would copy a slice into `bytes`, then again into the serialized message).
+    """
+    first = True
+    listing = rollout_pb2.UpdateWeightsRequest(manifest=manifest(state)).SerializeToString()
+    for name, value in state.items():
+        if value.dtype not in WIRE_DTYPES:
+            raise WeightsError(f"tensor {name!r}: dtype {value.dtype} is not one of bfloat16, float16, float32")
+        raw = memoryview(byte_view(value.cpu()).numpy())  # type: ignore[arg-type]
+        for offset in range(0, max(len(raw), 1), chunk_bytes):
+            head = rollout_pb2.TensorChunk(name=name, dtype=WIRE_DTYPES[value.dtype], shape=list(value.shape),
+                                           offset=offset).SerializeToString()  # fmt: skip
+            data = raw[offset : offset + chunk_bytes]
+            inner: list[bytes | memoryview] = [head, b"\x2a", _varint(len(data)), data]  # field 5 (data)
+            size = sum(len(p) for p in inner)
+            parts = [b"\x0a", _varint(size), *inner]  # field 1 (chunk), length-delimited
+            if first:  # field 2 (policy_version) and 3 (manifest), on the first message
+                parts += [b"\x10" + _varint(version) if version else b"", listing]
+            first = False
+            yield b"".join(parts)
 
 
 class WeightAssembler:
-    """Collects chunks; `finish()` returns complete tensors or raises ValueError naming the tensor and problem."""
+    """Collects UpdateWeights chunks into one preallocated tensor each; `finish()` checks every byte arrived.
 
-    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    `add` raises WeightsError naming the tensor (unknown name, wrong shape or dtype, bytes out of range).
+    """
+
+    def __init__(self, specs: Specs) -> None:
         self.specs = specs
-        self.partial: dict[str, _Partial] = {}
+        self.expected: list[Entry] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._bytes: dict[str, np.ndarray] = {}
+        self._pieces: dict[str, list[tuple[int, int]]] = {}
         self.num_bytes = 0
+
+    def expect(self, listing: Sequence[rollout_pb2.WeightSpec]) -> None:
+        """The stream's manifest: checked now; `finish` then requires every tensor in it, whole."""
+        self.expected = check_manifest(listing, self.specs)
+        self.specs = {e.name: (e.shape, e.dtype) for e in self.expected}  # chunks must match the manifest
 
     def add(self, chunk: rollout_pb2.TensorChunk) -> None:
         name = chunk.name
-        if name not in self.specs:
-            raise ValueError(f"chunk.name: unknown tensor '{name}' (the model has no such parameter)")
-        if chunk.dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"chunk.dtype of '{name}': {dtype_name(chunk.dtype)}, expected BFLOAT16, FLOAT16 or FLOAT32"
-            )
-        shape = tuple(chunk.shape)
-        expected = tuple(self.specs[name][0])
-        if shape != expected:
-            raise ValueError(f"chunk.shape of '{name}': {list(shape)}, but the model's is {list(expected)}")
-        part = self.partial.get(name)
-        if part is None:
-            size = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[chunk.dtype]
-            part = self.partial[name] = _Partial(chunk.dtype, shape, bytearray(size))
-        elif part.dtype != chunk.dtype:
-            raise ValueError(f"chunk.dtype of '{name}' changed between chunks ({dtype_name(part.dtype)} then "
-                             f"{dtype_name(chunk.dtype)})")  # fmt: skip
+        buf = self._bytes.get(name)
+        if buf is None:
+            dtype = TORCH_DTYPES.get(chunk.dtype)
+            if dtype is None and name in self.specs:
+                raise WeightsError(
+                    f"tensor {name!r}: dtype {dtype_name(chunk.dtype)} is not one of BFLOAT16, FLOAT16, FLOAT32"
+                )
+            check_weight(name, chunk.shape, dtype, self.specs)
+            assert dtype is not None
+            tensor = self.tensors[name] = torch.empty(tuple(chunk.shape), dtype=dtype)
+            buf = self._bytes[name] = byte_view(tensor).numpy()
+            self._pieces[name] = []
+        elif (
+            TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or tuple(chunk.shape) != self.tensors[name].shape
+        ):
+            raise WeightsError(f"tensor {name!r}: dtype or shape changed between its chunks")
         end = chunk.offset + len(chunk.data)
-        if chunk.offset < 0 or end > len(part.buffer):
-            raise ValueError(f"chunk.offset of '{name}': bytes {chunk.offset}..{end} outside its {len(part.buffer)}")
-        part.buffer[chunk.offset : end] = chunk.data
-        part.pieces.append((chunk.offset, end))
+        if chunk.offset < 0 or end > len(buf):
+            raise WeightsError(f"tensor {name!r}: chunk bytes {chunk.offset}..{end} outside its {len(buf)}")
+        buf[chunk.offset : end] = np.frombuffer(chunk.data, np.uint8)
+        self._pieces[name].append((chunk.offset, end))
         self.num_bytes += len(chunk.data)
 
     def finish(self) -> dict[str, torch.Tensor]:
-        if not self.partial:
-            raise ValueError("UpdateWeights: the stream carried no chunks")
-        out = {}
-        for name, part in self.partial.items():
-            covered = 0
-            for start, end in sorted(part.pieces):
+        if not self.tensors:
+            raise WeightsError("UpdateWeights: the stream carried no chunks")
+        missing = [e.name for e in self.expected or () if e.name not in self.tensors]
+        if missing:
+            raise WeightsError(f"tensor {missing[0]!r}: in the manifest but no bytes arrived ({len(missing)} missing)")
+        for name, pieces in self._pieces.items():
+            covered, size = 0, len(self._bytes[name])
+            for start, end in sorted(pieces):
                 if start < covered:
-                    raise ValueError(f"chunk.offset of '{name}': chunks overlap at byte {start}")
+                    raise WeightsError(f"tensor {name!r}: chunks overlap at byte {start}")
                 if start > covered:
-                    raise ValueError(f"tensor '{name}': bytes {covered}..{start} missing")
+                    raise WeightsError(f"tensor {name!r}: bytes {covered}..{start} missing")
                 covered = end
-            if covered != len(part.buffer):
-                raise ValueError(f"tensor '{name}': got {covered} of {len(part.buffer)} bytes")
-            wire = common_pb2.Tensor(dtype=part.dtype, shape=part.shape, raw_data=bytes(part.buffer))  # type: ignore[arg-type]
-            out[name] = tensor_to_torch(wire, name)
-        return out
+            if covered != size:
+                raise WeightsError(f"tensor {name!r}: got {covered} of {size} bytes")
+        return self.tensors

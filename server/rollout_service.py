@@ -15,13 +15,13 @@ from typing import Any
 from grpc import aio
 
 from client.tensors import ids_from, ids_tensor
-from client.weights import WeightAssembler
 from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
 from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
 from server.tools import TOOLS
+from server.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.worker = worker
         self.backend = worker.backend
         self.default_max_tokens = default_max_tokens
+        self.weights = WeightReceiver(worker.backend)
 
     # -- decoding and validation --------------------------------------------------------------
 
@@ -126,31 +127,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[rollout_pb2.UpdateWeightsRequest], context: aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        assembler = WeightAssembler(self.backend.weight_specs())
-        version = 0
-        first = True
-        async for msg in request_iterator:
-            if first:
-                version, first = msg.policy_version, False
-            assembler.add(msg.chunk)
-        tensors = assembler.finish()
-        version = version or self.backend.policy_version + 1
-        started = time.perf_counter()
-        await self.backend.update_weights(tensors, version)
-        spent = time.perf_counter() - started
-        log.info(
-            "applied %d tensors (%d bytes) as policy version %d in %.3fs",
-            len(tensors),
-            assembler.num_bytes,
-            version,
-            spent,
-        )
-        return rollout_pb2.UpdateWeightsResponse(
-            policy_version=self.backend.policy_version,
-            num_tensors=len(tensors),
-            num_bytes=assembler.num_bytes,
-            apply_seconds=spent,
-        )
+        return await self.weights.receive_chunks(request_iterator)
+
+    async def TransferWeights(
+        self, request: rollout_pb2.TransferWeightsRequest, context: aio.ServicerContext
+    ) -> rollout_pb2.TransferWeightsResponse:
+        return await self.weights.transfer(request)
 
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest, context: aio.ServicerContext) -> Any:
         rewards = self.worker.rewards
@@ -162,4 +144,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_model_len=self.backend.max_model_len,
             tools=sorted(TOOLS),
             reward_targets=[s.address for s in rewards.streams] if rewards else [],
+            weight_transports=self.weights.transports(),
+            host_id=self.weights.host_id,
         )

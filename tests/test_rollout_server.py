@@ -13,7 +13,7 @@ import torch
 from grpc import aio
 
 from client.tensors import ids_from, ids_tensor, tensor_to_numpy
-from client.weights import iter_chunks
+from client.weights import iter_update_requests
 from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.reward_server import load_tokenizer
@@ -202,8 +202,8 @@ async def test_update_weights_applies_atomically_and_validates(tok: Any) -> None
     backend = ScriptedBackend(tok, timed_script)
 
     def stream(state: dict[str, torch.Tensor], version: int = 0, chunk: int = 4) -> Any:
-        for i, c in enumerate(iter_chunks(state, chunk_bytes=chunk)):
-            yield rollout_pb2.UpdateWeightsRequest(chunk=c, policy_version=version if i == 0 else 0)
+        for raw in iter_update_requests(state, version, chunk_bytes=chunk):
+            yield rollout_pb2.UpdateWeightsRequest.FromString(raw)
 
     async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
         new = torch.arange(4, dtype=torch.bfloat16).reshape(2, 2)
@@ -214,12 +214,15 @@ async def test_update_weights_applies_atomically_and_validates(tok: Any) -> None
         assert resp.policy_version == 7
         bad = [
             ({"nope": torch.zeros(2, 2)}, "unknown tensor 'nope'"),
-            ({"w": torch.zeros(3, 2)}, "chunk.shape of 'w'"),
-            ({"w": torch.zeros(2, 2, dtype=torch.int32)}, "chunk.dtype of 'w'"),
+            ({"w": torch.zeros(3, 2)}, "tensor 'w': shape (3, 2)"),
+            ({"w": torch.zeros(2, 2, dtype=torch.float16)}, "tensor 'w': dtype INT32"),
         ]
         for state, text in bad:
+            msgs = list(stream(state))
+            if "INT32" in text:
+                msgs[0].chunk.dtype = common_pb2.DTYPE_INT32
             with pytest.raises(aio.AioRpcError) as info:
-                await stub.UpdateWeights(stream(state))
+                await stub.UpdateWeights(iter(msgs))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in (info.value.details() or "")
         assert backend.policy_version == 7 and torch.equal(backend.weights["w"], (new * 2).float())  # nothing applied
         (r,) = [x async for x in stub.Generate(gen_request([prompt(tok, "hi")]))]
@@ -232,12 +235,12 @@ def test_partial_chunks_are_rejected() -> None:
     from client.weights import WeightAssembler
 
     asm = WeightAssembler({"w": ((4,), torch.float32)})
-    chunks = list(iter_chunks({"w": torch.ones(4)}, chunk_bytes=4))
-    for c in chunks[:-1]:
-        asm.add(c)
+    msgs = [rollout_pb2.UpdateWeightsRequest.FromString(b) for b in iter_update_requests({"w": torch.ones(4)}, 0, 4)]
+    for m in msgs[:-1]:
+        asm.add(m.chunk)
     with pytest.raises(ValueError, match="got 12 of 16 bytes"):
         asm.finish()
-    assert np.frombuffer(chunks[0].data, "<f4")[0] == 1.0
+    assert np.frombuffer(msgs[0].chunk.data, "<f4")[0] == 1.0
 
 
 async def test_logprobs_and_token_versions_travel_on_the_sample(tok: Any) -> None:

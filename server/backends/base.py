@@ -7,6 +7,10 @@ from typing import Any, Protocol
 
 import torch
 
+from client.weights import WeightsError  # the one weight validator's error
+
+__all__ = ["Backend", "GenerationOutput", "GenerationRequest", "WeightsError"]
+
 
 @dataclass
 class GenerationRequest:
@@ -35,10 +39,6 @@ class GenerationOutput:
     logprobs: list[float] | None = None
     # Per token, where the engine knows it: the weights version that produced that token (None: unknown).
     token_versions: list[int] | None = None
-
-
-class WeightsError(ValueError):
-    """Unknown tensor name, or shape/dtype mismatch: nothing was applied."""
 
 
 class Backend(Protocol):

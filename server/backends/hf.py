@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
+from client.weights import validate_weights
+from server.backends.base import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
-ALLOWED_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -697,21 +697,8 @@ class HFBackend:
         return {name: (tuple(t.shape), t.dtype) for name, t in self._state.items()}
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Raise WeightsError on the first tensor that cannot be applied as is."""
-        if not self._state:
-            raise RuntimeError("HFBackend.update_weights() needs the model: await start() first")
-        for name, tensor in tensors.items():
-            target = self._state.get(name)
-            if target is None:
-                raise WeightsError(f"unknown tensor {name!r}: the model has no such parameter or buffer")
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightsError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in ALLOWED_WEIGHT_DTYPES:
-                raise WeightsError(f"tensor {name!r}: dtype {tensor.dtype} is not one of bfloat16, float16, float32")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise WeightsError(
-                    f"tensor {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
-                )
+        """Raise WeightsError on the first tensor that cannot be applied as is (the one validator)."""
+        validate_weights(tensors, self.weight_specs())
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Validate everything, then copy between two steps: no step ever sees half of the new weights."""

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
-from server.backends.hf import ALLOWED_WEIGHT_DTYPES, trim_at_stop, validate_request
+from client.weights import validate_weights
+from server.backends.base import GenerationOutput, GenerationRequest
+from server.backends.hf import trim_at_stop, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -378,17 +379,7 @@ class VLLMBackend:
         }
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        specs = self._checkpoint_specs()
-        for name, tensor in tensors.items():
-            spec = specs.get(name)
-            if spec is None:
-                raise WeightsError(f"unknown tensor {name!r}: the checkpoint has no such tensor")
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightsError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in ALLOWED_WEIGHT_DTYPES:
-                raise WeightsError(f"tensor {name!r}: dtype {tensor.dtype} is not one of bfloat16, float16, float32")
-            if tuple(tensor.shape) != spec[0]:
-                raise WeightsError(f"tensor {name!r}: shape {tuple(tensor.shape)} does not match the model's {spec[0]}")
+        validate_weights(tensors, self._checkpoint_specs())
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Validate, stage in the workers, commit atomically, then drop KV computed by the old weights."""

@@ -5,12 +5,24 @@ from google.protobuf import struct_pb2 as _struct_pb2
 from rewardmesh.v1 import common_pb2 as _common_pb2
 from rewardmesh.v1 import reward_pb2 as _reward_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_TRANSPORT_UNSPECIFIED: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_GRPC: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_DIST: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
+WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
+WEIGHT_TRANSPORT_GRPC: WeightTransport
+WEIGHT_TRANSPORT_DIST: WeightTransport
+WEIGHT_TRANSPORT_SHM: WeightTransport
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -126,12 +138,14 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("chunk", "policy_version")
+    __slots__ = ("chunk", "policy_version", "manifest")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     chunk: TensorChunk
     policy_version: int
-    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    manifest: _containers.RepeatedCompositeFieldContainer[WeightSpec]
+    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., policy_version: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_bytes", "apply_seconds")
@@ -160,7 +174,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets")
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +182,8 @@ class GetInfoResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     REWARD_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -175,4 +191,74 @@ class GetInfoResponse(_message.Message):
     max_model_len: int
     tools: _containers.RepeatedScalarFieldContainer[str]
     reward_targets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ...) -> None: ...
+    weight_transports: _containers.RepeatedScalarFieldContainer[WeightTransport]
+    host_id: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class WeightSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: _common_pb2.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DistRendezvous(_message.Message):
+    __slots__ = ("host", "port", "group", "rank", "world_size", "backend", "bucket_bytes")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    group: str
+    rank: int
+    world_size: int
+    backend: str
+    bucket_bytes: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class ShmSource(_message.Message):
+    __slots__ = ("path", "offsets")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferWeightsRequest(_message.Message):
+    __slots__ = ("tensors", "policy_version", "total_bytes", "dist", "shm", "validate_only", "timeout")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIST_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
+    policy_version: int
+    total_bytes: int
+    dist: DistRendezvous
+    shm: ShmSource
+    validate_only: bool
+    timeout: _duration_pb2.Duration
+    def __init__(self, tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dist: _Optional[_Union[DistRendezvous, _Mapping]] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., validate_only: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class TransferWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "num_tensors", "num_bytes", "seconds", "apply_seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    apply_seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...

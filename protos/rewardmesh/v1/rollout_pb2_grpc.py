@@ -50,6 +50,11 @@ class RolloutServiceStub:
                 request_serializer=rewardmesh_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.TransferWeights = channel.unary_unary(
+                '/rewardmesh.v1.RolloutService/TransferWeights',
+                request_serializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.SerializeToString,
+                response_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -77,6 +82,15 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferWeights(self, request, context):
+        """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
+        broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
+        Returns once the new weights are applied (or nothing was applied and the call failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.GetInfoRequest.FromString,
                     response_serializer=rewardmesh_dot_v1_dot_rollout__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'TransferWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferWeights,
+                    request_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.FromString,
+                    response_serializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +197,33 @@ class RolloutService:
             '/rewardmesh.v1.RolloutService/GetInfo',
             rewardmesh_dot_v1_dot_rollout__pb2.GetInfoRequest.SerializeToString,
             rewardmesh_dot_v1_dot_rollout__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rewardmesh.v1.RolloutService/TransferWeights',
+            rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.SerializeToString,
+            rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,11 @@ class RolloutServiceStub:
     """Client-streamed named tensor chunks, applied atomically between generation steps as a new policy version."""
     GetInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetInfoRequest, _rollout_pb2.GetInfoResponse]
     """Model, backend, policy version and load."""
+    TransferWeights: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.TransferWeightsRequest, _rollout_pb2.TransferWeightsResponse]
+    """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
+    broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
+    Returns once the new weights are applied (or nothing was applied and the call failed).
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -51,6 +56,11 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Client-streamed named tensor chunks, applied atomically between generation steps as a new policy version."""
     GetInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetInfoRequest, _rollout_pb2.GetInfoResponse]  # type: ignore[assignment]
     """Model, backend, policy version and load."""
+    TransferWeights: _aio.UnaryUnaryMultiCallable[_rollout_pb2.TransferWeightsRequest, _rollout_pb2.TransferWeightsResponse]  # type: ignore[assignment]
+    """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
+    broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
+    Returns once the new weights are applied (or nothing was applied and the call failed).
+    """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     """Generates samples with an agent loop and streams each into a reward service the moment it finishes."""
@@ -78,5 +88,16 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.GetInfoResponse, _abc.Awaitable[_rollout_pb2.GetInfoResponse]]:
         """Model, backend, policy version and load."""
+
+    @_abc_1.abstractmethod
+    def TransferWeights(
+        self,
+        request: _rollout_pb2.TransferWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.TransferWeightsResponse, _abc.Awaitable[_rollout_pb2.TransferWeightsResponse]]:
+        """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
+        broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
+        Returns once the new weights are applied (or nothing was applied and the call failed).
+        """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

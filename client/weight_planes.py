@@ -1,0 +1,203 @@
+"""The data planes of a weight update, used by trainer and rollout server alike.
+
+- dist: a torch.distributed process group of its own (never the process-global default group), formed over
+  a TCP store the trainer hosts, bound to the one address it names; tensors go in buckets, one broadcast each.
+- shm: one file under /dev/shm, written once by the trainer, mapped by every rollout server on the host.
+
+Every blocking call here (forming a group, a broadcast) runs in a worker thread, never on an event loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.weights import Bucket, Entry, byte_view, views
+
+SHM_DIR = Path("/dev/shm")
+
+
+def host_id() -> str:
+    """Who shares this process's /dev/shm: the kernel's boot id plus the mount's device and inode.
+
+    Two containers of one pod share it; two pods on one node (each with its own /dev/shm) do not.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        st = SHM_DIR.stat()
+    except OSError:
+        return ""
+    if not os.access(SHM_DIR, os.W_OK | os.R_OK):
+        return ""
+    return hashlib.sha1(f"{boot}:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:16]
+
+
+def dist_available() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def local_address_towards(host: str) -> str:
+    """The local interface address that reaches `host` (a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
+
+
+class Store:
+    """The trainer's TCP store: listens on exactly one address (never all interfaces), port chosen by the OS."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.bind((host, 0))
+        self._sock.listen(128)
+        self.port = int(self._sock.getsockname()[1])
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s),
+                                   master_listen_fd=self._sock.fileno())  # fmt: skip
+        self._sock.detach()  # the store owns the listening socket now and closes it when it goes
+
+    def close(self) -> None:
+        del self.store
+
+
+def form_group(
+    *, host: str, port: int, group: str, rank: int, world_size: int, backend: str, timeout_s: float,
+    store: Any = None,
+) -> Any:  # fmt: skip
+    """A process group of its own over the trainer's store; blocks until every rank joined (or timeout)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"rewardmesh-weights/{group}/", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        me = host if rank == 0 else local_address_towards(host)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=me)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    if backend == "nccl":  # GPU path: written against torch's documented API, unverified on this machine
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
+    raise ValueError(f"dist.backend: {backend!r} is not gloo or nccl")
+
+
+def _broadcast(group: Any, buf: torch.Tensor) -> Any:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([buf], opts)
+
+
+def send_buckets(group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], timeout_s: float) -> int:
+    """Rank 0: pack bucket k+1 while bucket k is on the wire (two bucket buffers at most); returns bytes sent."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    in_flight: Any = None
+    sent = 0
+    for b in buckets:
+        first = tensors[b.first]
+        if b.last - b.first == 1 and first.is_contiguous():
+            buf = byte_view(first)  # a tensor of its own bucket goes as it is, no packing copy
+        else:
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=first.device)
+            for t, off in zip(tensors[b.first : b.last], b.offsets, strict=True):
+                src = byte_view(t)
+                buf[off : off + src.numel()].copy_(src)
+        if in_flight is not None:
+            in_flight.wait(timeout)
+        in_flight = _broadcast(group, buf)
+        sent += b.nbytes
+    if in_flight is not None:
+        in_flight.wait(timeout)
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.synchronize()
+    return sent
+
+
+def receive_buckets(
+    group: Any, entries: Sequence[Entry], buckets: Sequence[Bucket], device: torch.device, timeout_s: float
+) -> dict[str, torch.Tensor]:
+    """Rank > 0: every bucket lands in its staging buffer, typed tensors are views into it (no copy)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    staged: dict[str, torch.Tensor] = {}
+    works = []
+    for b in buckets:
+        buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+        works.append(_broadcast(group, buf))
+        staged.update(views(buf, entries[b.first : b.last], b.offsets))
+    for work in works:
+        work.wait(timeout)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return staged
+
+
+# ------------------------------------------------------------------------------------------------- shm
+
+
+class ShmWriter:
+    """The trainer's file under /dev/shm, reused while the layout's size stays the same."""
+
+    def __init__(self) -> None:
+        self.path = SHM_DIR / f"rewardmesh-weights-{os.getpid()}-{os.urandom(4).hex()}"
+        self._size = -1
+
+    def rotate(self) -> None:
+        """Write the next update to a new file: a straggler may still be reading this one (unlinked, it stays
+        readable by whoever has it mapped, and is freed when they let go)."""
+        self.close()
+        self.path = SHM_DIR / f"rewardmesh-weights-{os.getpid()}-{os.urandom(4).hex()}"
+
+    def write(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], size: int) -> None:
+        if self._size not in (-1, size):
+            self.rotate()  # never truncate a file someone may have mapped
+        with open(self.path, "r+b" if self._size == size else "w+b") as f:
+            if self._size != size:
+                f.truncate(max(size, 1))
+                self._size = size
+            with mmap.mmap(f.fileno(), max(size, 1)) as mm:
+                dst = torch.frombuffer(mm, dtype=torch.uint8)
+                for t, off in zip(tensors, offsets, strict=True):
+                    src = byte_view(t)
+                    dst[off : off + src.numel()].copy_(src)
+                del dst
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self._size = -1
+
+
+def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
+    resolved = Path(path).resolve()
+    if resolved.parent != SHM_DIR or not resolved.name.startswith("rewardmesh-weights-"):
+        raise ValueError(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
+    if len(offsets) != len(entries):
+        raise ValueError(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
+    end = max((off + e.nbytes for e, off in zip(entries, offsets, strict=True)), default=0)
+    for e, off in zip(entries, offsets, strict=True):
+        if off < 0 or off % e.dtype.itemsize:
+            raise ValueError(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
+    with open(resolved, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < end:
+            raise ValueError(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)

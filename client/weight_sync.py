@@ -1,0 +1,261 @@
+"""Trainer side of weight updates: pick the data plane per call, send, and report each server's outcome.
+
+gRPC is the control plane (`GetInfo` says what a server accepts, `TransferWeights` carries the manifest, the
+version and the rendezvous); the bytes go on the fastest plane every target supports:
+shm (all on this host) > dist (a torch.distributed broadcast) > grpc (chunks on `UpdateWeights`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from grpc import aio
+
+from client.weight_planes import (
+    ShmWriter,
+    Store,
+    dist_available,
+    form_group,
+    host_id,
+    local_address_towards,
+    send_buckets,
+)
+from client.weights import DEFAULT_BUCKET_BYTES, iter_update_requests, layout, manifest
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "shm", "dist", "grpc")
+_UPDATE_WEIGHTS = "/rewardmesh.v1.RolloutService/UpdateWeights"
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed on some servers; `failed` maps each one's address to what went wrong."""
+
+    def __init__(self, message: str, failed: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.failed = dict(failed)
+
+
+@dataclass
+class SyncResult:
+    """What one update_weights call did."""
+
+    transport: str
+    version: int
+    num_bytes: int
+    seconds: float
+    servers: dict[str, rollout_pb2.TransferWeightsResponse]
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class WeightSync:
+    """Keeps what outlives one update: the TCP store, the process group of the current servers, the shm file."""
+
+    def __init__(
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, dist_host: str | None = None
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.dist_host = dist_host
+        self.host_id = host_id()
+        self._store: Store | None = None
+        self._group: Any = None
+        self._members: tuple[str, ...] = ()
+        self._group_name = ""
+        self._shm: ShmWriter | None = None
+
+    def close(self) -> None:
+        self._group = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    async def choose(self, targets: Sequence[tuple[str, aio.Channel]], device: torch.device) -> str:
+        """auto: the fastest data plane every target supports (servers that predate the field: grpc)."""
+        request = rollout_pb2.GetInfoRequest()
+        stubs = [rollout_pb2_grpc.RolloutServiceStub(ch) for _, ch in targets]
+        infos = await asyncio.gather(*(s.GetInfo(request, timeout=self.timeout_s) for s in stubs))
+        offered = [set(i.weight_transports) or {rollout_pb2.WEIGHT_TRANSPORT_GRPC} for i in infos]
+        shm = rollout_pb2.WEIGHT_TRANSPORT_SHM
+        local = [shm in o and i.host_id == self.host_id for o, i in zip(offered, infos, strict=True)]
+        if device.type == "cpu" and self.host_id and all(local):
+            return "shm"
+        if dist_available() and all(rollout_pb2.WEIGHT_TRANSPORT_DIST in o for o in offered):
+            return "dist"
+        return "grpc"
+
+    # -- sending -------------------------------------------------------------------------------
+
+    async def push(
+        self,
+        targets: Sequence[tuple[str, aio.Channel]],
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        transport: str = "auto",
+        *,
+        chunk_bytes: int = 4 << 20,
+    ) -> SyncResult:
+        """Send `state` as `version` to every target; WeightSyncError names each server that did not apply it."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if not targets:
+            raise ValueError("no rollout servers to send weights to")
+        started = time.perf_counter()
+        manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
+        device = next(iter(state.values())).device if state else torch.device("cpu")
+        if transport == "auto":
+            transport = await self.choose(targets, device)
+        if transport == "grpc":
+            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, state, version, chunk_bytes))
+        elif transport == "shm":
+            outcomes = await self._send_shm(targets, state, version)
+        else:
+            outcomes = await self._send_dist(targets, state, version)
+        failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
+        wrong = {a: f"applied version {o.policy_version}" for a, o in outcomes.items()
+                 if not isinstance(o, BaseException) and o.policy_version != version}  # fmt: skip
+        if failed or wrong:
+            problems = {**failed, **wrong}
+            text = "; ".join(f"{a}: {p}" for a, p in problems.items())
+            raise WeightSyncError(f"weight update to version {version} over {transport} failed on {text}", problems)
+        done = {a: o for a, o in outcomes.items() if not isinstance(o, BaseException)}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        return SyncResult(transport, version, total, time.perf_counter() - started, done)
+
+    async def _gather(self, targets: Sequence[tuple[str, aio.Channel]], call: Any) -> dict[str, Any]:
+        results = await asyncio.gather(*(call(a, ch) for a, ch in targets), return_exceptions=True)
+        return {a: r for (a, _), r in zip(targets, results, strict=True)}
+
+    async def _grpc(
+        self, channel: aio.Channel, state: Mapping[str, torch.Tensor], version: int, chunk_bytes: int
+    ) -> rollout_pb2.TransferWeightsResponse:
+        call = channel.stream_unary(_UPDATE_WEIGHTS, request_serializer=None,
+                                    response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString)  # fmt: skip
+        r = await call(iter_update_requests(state, version, chunk_bytes), timeout=self.timeout_s)
+        return rollout_pb2.TransferWeightsResponse(policy_version=r.policy_version, num_tensors=r.num_tensors,
+                                                   num_bytes=r.num_bytes, apply_seconds=r.apply_seconds)  # fmt: skip
+
+    def _request(self, state: Mapping[str, torch.Tensor], version: int) -> rollout_pb2.TransferWeightsRequest:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        req = rollout_pb2.TransferWeightsRequest(tensors=manifest(state), policy_version=version, total_bytes=total)
+        req.timeout.FromNanoseconds(int(self.timeout_s * 1e9))
+        return req
+
+    async def _call(self, channel: aio.Channel, request: rollout_pb2.TransferWeightsRequest) -> Any:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return await stub.TransferWeights(request, timeout=self.timeout_s + 10)
+
+    async def _send_shm(
+        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, Any]:
+        tensors = [t.detach() for t in state.values()]
+        (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62)
+        if self._shm is None:
+            self._shm = ShmWriter()
+        shm = self._shm
+        await asyncio.to_thread(shm.write, tensors, bucket.offsets, bucket.nbytes)
+        request = self._request(state, version)
+        request.shm.path = str(shm.path)
+        request.shm.offsets.extend(bucket.offsets)
+        outcomes = await self._gather(targets, lambda a, ch: self._call(ch, request))
+        if any(isinstance(o, BaseException) for o in outcomes.values()):
+            shm.rotate()  # a server that gave up late may still read the old file
+        return outcomes
+
+    def _rendezvous_host(self, targets: Sequence[tuple[str, aio.Channel]]) -> str:
+        if self.dist_host:
+            return self.dist_host
+        hosts = [_host(a) for a, _ in targets]
+        if all(_is_loopback(h) for h in hosts):
+            return "127.0.0.1"
+        return local_address_towards(next(h for h in hosts if not _is_loopback(h)))
+
+    async def _send_dist(
+        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, Any]:
+        tensors = [t.detach() for t in state.values()]
+        backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
+        members = tuple(a for a, _ in targets)
+        host = self._rendezvous_host(targets)
+        if self._store is None or self._store.host != host:
+            if self._store is not None:
+                self._store.close()
+            self._store, self._group = Store(host, self.timeout_s), None
+        if self._group is None or members != self._members:
+            self._group, self._members, self._group_name = None, members, uuid.uuid4().hex[:12]
+        store = self._store
+        base = self._request(state, version)
+        base.dist.CopyFrom(rollout_pb2.DistRendezvous(host=host, port=store.port, group=self._group_name,
+                                                      world_size=len(targets) + 1, backend=backend,
+                                                      bucket_bytes=self.bucket_bytes))  # fmt: skip
+        requests = {}
+        for rank, address in enumerate(members, start=1):
+            req = rollout_pb2.TransferWeightsRequest()
+            req.CopyFrom(base)
+            req.dist.rank = rank
+            requests[address] = req
+        # Check every manifest first: a server that refuses must not leave the others waiting in a broadcast.
+        check = rollout_pb2.TransferWeightsRequest()
+        check.CopyFrom(base)
+        check.validate_only = True
+        refused = {a: o for a, o in (await self._gather(targets, lambda a, ch: self._call(ch, check))).items()
+                   if isinstance(o, BaseException)}  # fmt: skip
+        if refused:
+            return refused
+        buckets = layout([t.numel() * t.element_size() for t in tensors], self.bucket_bytes)
+        group, world, name = self._group, len(targets) + 1, self._group_name
+
+        def send() -> None:
+            pg = group
+            if pg is None:
+                pg = form_group(host=host, port=store.port, group=name, rank=0, world_size=world, backend=backend,
+                                timeout_s=self.timeout_s, store=store.store)  # fmt: skip
+            send_buckets(pg, tensors, buckets, self.timeout_s)
+            self._group = pg
+
+        self._group = None  # kept again only if this transfer succeeds
+        sender = asyncio.ensure_future(asyncio.to_thread(send))
+        outcomes = await self._gather(targets, lambda a, ch: self._call(ch, requests[a]))
+        try:
+            await sender
+        except Exception as exc:  # the broadcast broke: name it on every server that did not report success
+            self._group = None
+            for a, o in outcomes.items():
+                if not isinstance(o, BaseException):
+                    outcomes[a] = RuntimeError(f"reported success but the broadcast failed: {exc}")
+        if any(isinstance(o, BaseException) for o in outcomes.values()):
+            self._group = None  # re-formed on the next update
+        return outcomes

@@ -1,0 +1,272 @@
+"""Weight updates over every data plane (grpc, dist with gloo, shm) between a real trainer client and real rollout
+servers on 127.0.0.1 running the tiny policy: applied everywhere, validated before anything is applied, failures
+leave the old weights serving and name the server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc import aio
+from transformers import AutoModelForCausalLM
+
+from bench.common import ServerProcess
+from client import weight_sync
+from client.tensors import ids_tensor
+from client.trainer import TrainerClient
+from client.weight_sync import WeightSyncError
+from client.weights import WeightAssembler, WeightsError, check_manifest, iter_update_requests, layout, manifest
+from demo.tiny_models import TinyModelPaths
+from rewardmesh.v1 import rollout_pb2
+from server.backends.hf import HFBackend
+from tests.support.servers import rollout_server, rollout_stub
+
+TRANSPORTS = ["grpc", "dist", "shm"]
+
+
+def policy_state(tiny_models: TinyModelPaths) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """New bf16 weights; tied tensors (the tiny policy ties lm_head to the embeddings) stay tied."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {k: (v.float() + torch.randn(v.shape, generator=gen)).to(torch.bfloat16) for k, v in state.items()}
+    if "lm_head.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+@asynccontextmanager
+async def servers(tiny_models: TinyModelPaths, count: int) -> AsyncIterator[list[Any]]:
+    async with AsyncExitStack() as stack:
+        out = []
+        for _ in range(count):
+            backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
+            out.append(await stack.enter_async_context(rollout_server(backend)))
+        yield out
+
+
+def model_weights(server: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in server.backend._lm.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k].to(torch.float32), b[k].to(torch.float32)) for k in b)
+
+
+async def generated_version(address: str) -> int:
+    async with rollout_stub(address) as stub:
+        req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=ids_tensor([1, 2, 3]))], n=1,
+                                          sampling=rollout_pb2.SamplingParams(max_tokens=2))  # fmt: skip
+        (r,) = [x async for x in stub.Generate(req)]
+        return int(r.sample.policy_version)
+
+
+# --------------------------------------------------------------------------------------------- pure parts
+
+
+def test_layout_packs_in_order_aligned_and_bounded() -> None:
+    buckets = layout([10, 100, 30, 500, 1], bucket_bytes=256)
+    assert [(b.first, b.last, b.offsets) for b in buckets] == [(0, 3, (0, 64, 192)), (3, 4, (0,)), (4, 5, (0,))]
+    assert buckets[0].nbytes == 222 and buckets[1].nbytes == 500  # a tensor above the bucket size goes alone
+
+
+def test_hand_encoded_chunks_parse_as_update_requests() -> None:
+    state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.bfloat16)}
+    msgs = [rollout_pb2.UpdateWeightsRequest.FromString(b) for b in iter_update_requests(state, 9, chunk_bytes=8)]
+    assert [m.policy_version for m in msgs] == [9] + [0] * (len(msgs) - 1)
+    asm = WeightAssembler({"a": ((2, 3), torch.float32), "b": ((5,), torch.float32)})
+    for m in msgs:
+        asm.add(m.chunk)
+    out = asm.finish()
+    assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"], state["b"]) and out["b"].dtype == torch.bfloat16
+
+
+def test_manifest_checks_name_shape_dtype_and_total() -> None:
+    specs = {"w": ((2, 2), torch.float32)}
+    good = manifest({"w": torch.zeros(2, 2, dtype=torch.bfloat16)})
+    assert check_manifest(good, specs, 8)[0].nbytes == 8
+    for state, text in [
+        ({"x": torch.zeros(2, 2)}, "unknown tensor 'x'"),
+        ({"w": torch.zeros(2, 3)}, r"tensor 'w': shape \(2, 3\)"),
+    ]:
+        with pytest.raises(WeightsError, match=text):
+            check_manifest(manifest(state), specs)
+    bad_dtype = [rollout_pb2.WeightSpec(name="w", dtype=1, shape=[2, 2])]  # INT32
+    with pytest.raises(WeightsError, match="tensor 'w': dtype INT32"):
+        check_manifest(bad_dtype, specs)
+    with pytest.raises(WeightsError, match="total_bytes: 9"):
+        check_manifest(good, specs, 9)
+
+
+# ---------------------------------------------------------------------------------- every transport, for real
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_update_reaches_every_server_and_later_samples_carry_it(
+    tiny_models: TinyModelPaths, transport: str
+) -> None:
+    base = policy_state(tiny_models)
+    new = perturbed(base, 1)
+    async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
+        client.weight_sync.bucket_bytes = 64 << 10  # several buckets even for the tiny model
+        assert await client.update_weights(new, transport=transport) == 1
+        assert client.last_weight_sync is not None and client.last_weight_sync.transport == transport
+        for r in ros:
+            assert same(model_weights(r), new) and r.backend.policy_version == 1
+            assert await generated_version(r.address) == 1
+        newer = perturbed(base, 2)
+        assert await client.update_weights(newer, transport=transport) == 2  # dist: the kept group is reused
+        assert all(same(model_weights(r), newer) for r in ros)
+        assert [i.policy_version for i in await client.info()] == [2, 2]
+
+
+async def test_auto_picks_shm_on_one_host_and_info_says_what_is_offered(tiny_models: TinyModelPaths) -> None:
+    async with servers(tiny_models, 1) as ros, TrainerClient([ros[0].address]) as client:
+        (info,) = await client.info()
+        assert list(info.weight_transports)[-1] == rollout_pb2.WEIGHT_TRANSPORT_GRPC
+        assert rollout_pb2.WEIGHT_TRANSPORT_DIST in info.weight_transports and info.host_id
+        await client.update_weights(perturbed(policy_state(tiny_models), 3))
+        assert client.last_weight_sync is not None and client.last_weight_sync.transport == "shm"
+        client.weight_sync.host_id = "elsewhere"  # as a trainer on another host sees it
+        await client.update_weights(perturbed(policy_state(tiny_models), 4))
+        assert client.last_weight_sync.transport == "dist"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "bad, text",
+    [
+        (lambda s: {**s, "model.no_such.weight": torch.zeros(3)}, "unknown tensor 'model.no_such.weight'"),
+        (lambda s: {**s, "model.norm.weight": torch.zeros(65)}, "tensor 'model.norm.weight': shape"),
+        (lambda s: {**s, "model.norm.weight": torch.zeros(64, dtype=torch.float64)}, "'model.norm.weight': dtype"),
+    ],
+)
+async def test_bad_tensors_are_refused_by_name_and_nothing_is_applied(
+    tiny_models: TinyModelPaths, transport: str, bad: Callable[[dict[str, torch.Tensor]], Any], text: str
+) -> None:
+    base = policy_state(tiny_models)
+    async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
+        await client.update_weights(perturbed(base, 5), transport=transport)
+        before = [model_weights(r) for r in ros]
+        with pytest.raises((WeightSyncError, WeightsError)) as info:
+            await client.update_weights(bad(perturbed(base, 6)), transport=transport)
+        assert text in str(info.value)
+        if isinstance(info.value, WeightSyncError):  # refused by the servers: each one is named
+            assert set(info.value.failed) == {r.address for r in ros}
+            assert all("INVALID_ARGUMENT" in why for why in info.value.failed.values())
+        for r, old in zip(ros, before, strict=True):
+            assert r.backend.policy_version == 1 and same(model_weights(r), old)
+        await client.update_weights(perturbed(base, 7), transport=transport)  # and the next good one works
+        assert [r.backend.policy_version for r in ros] == [2, 2]
+
+
+async def test_transfer_requests_are_checked_before_anything_is_received(tiny_models: TinyModelPaths) -> None:
+    state = policy_state(tiny_models)
+    async with servers(tiny_models, 1) as (ro,), rollout_stub(ro.address) as stub:
+        good = manifest(state)
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        cases = [
+            (rollout_pb2.TransferWeightsRequest(tensors=good, total_bytes=total + 1, shm={"path": "/dev/shm/x"}),
+             "total_bytes"),
+            (rollout_pb2.TransferWeightsRequest(tensors=good, total_bytes=total), "source: set dist or shm"),
+            (rollout_pb2.TransferWeightsRequest(tensors=good, shm={"path": "/etc/passwd", "offsets": [0] * len(good)}),
+             "shm.path"),
+            (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 0,
+                                                                    "world_size": 2, "backend": "gloo"}),
+             "dist.rank"),
+        ]  # fmt: skip
+        for request, text in cases:
+            with pytest.raises(aio.AioRpcError) as info:
+                await stub.TransferWeights(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in (info.value.details() or "")
+        assert ro.backend.policy_version == 0
+
+
+async def test_shm_file_too_short_is_refused(tiny_models: TinyModelPaths, tmp_path: Path) -> None:
+    state = policy_state(tiny_models)
+    short = Path("/dev/shm") / f"rewardmesh-weights-test-{id(tmp_path)}"
+    short.write_bytes(b"\0" * 100)
+    try:
+        async with servers(tiny_models, 1) as (ro,), rollout_stub(ro.address) as stub:
+            (bucket,) = layout([t.numel() * t.element_size() for t in state.values()], 1 << 62)
+            shm = rollout_pb2.ShmSource(path=str(short), offsets=bucket.offsets)
+            request = rollout_pb2.TransferWeightsRequest(tensors=manifest(state), shm=shm)
+            with pytest.raises(aio.AioRpcError) as info:
+                await stub.TransferWeights(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "has 100 bytes" in str(
+                info.value.details()
+            )
+            assert ro.backend.policy_version == 0
+    finally:
+        short.unlink()
+
+
+async def test_grpc_stream_broken_midway_applies_nothing(tiny_models: TinyModelPaths) -> None:
+    state = perturbed(policy_state(tiny_models), 8)
+    async with servers(tiny_models, 1) as (ro,), rollout_stub(ro.address) as stub:
+        before = model_weights(ro)
+        msgs = [rollout_pb2.UpdateWeightsRequest.FromString(b) for b in iter_update_requests(state, 5, 1 << 10)]
+
+        async def half() -> AsyncIterator[rollout_pb2.UpdateWeightsRequest]:
+            for m in msgs[: len(msgs) // 2]:
+                yield m
+
+        with pytest.raises(aio.AioRpcError) as info:
+            await stub.UpdateWeights(half())  # the stream ends early: bytes are missing
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in str(info.value.details())
+        assert ro.backend.policy_version == 0 and same(model_weights(ro), before)
+
+
+# ------------------------------------------------------------------------- a server dies in the middle
+
+
+async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_other_keeps_old_weights(
+    tiny_models: TinyModelPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
+    victim = ServerProcess("victim", argv, tmp_path)  # a real process, so that it can really die
+    base = policy_state(tiny_models)
+    real_send = weight_sync.send_buckets
+
+    def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float) -> int:
+        real_send(group, tensors, buckets[:1], timeout_s)  # the first bucket reaches both
+        victim.kill()
+        return real_send(group, tensors, buckets[1:], timeout_s)
+
+    try:
+        await asyncio.to_thread(victim.start)
+        await victim.wait_serving()
+        async with servers(tiny_models, 1) as (survivor,):
+            async with TrainerClient([victim.address, survivor.address]) as client:
+                client.weight_sync.bucket_bytes = 32 << 10
+                client.weight_sync.timeout_s = 3.0
+                await client.update_weights(perturbed(base, 9), transport="dist")
+                old = model_weights(survivor)
+                monkeypatch.setattr(weight_sync, "send_buckets", send_then_kill)
+                with pytest.raises(WeightSyncError) as info:
+                    await asyncio.wait_for(client.update_weights(perturbed(base, 10), transport="dist"), 60)
+                assert victim.address in info.value.failed and victim.address in str(info.value)
+                monkeypatch.setattr(weight_sync, "send_buckets", real_send)
+            # The survivor either finished (the broadcast reached it whole) or kept the old weights: never a mix.
+            if survivor.backend.policy_version == 1:
+                assert same(model_weights(survivor), old) and await generated_version(survivor.address) == 1
+            else:
+                assert same(model_weights(survivor), perturbed(base, 10))
+            async with TrainerClient([survivor.address]) as client:  # a new group without the dead server
+                client.policy_version = 2
+                client.weight_sync.timeout_s = 10.0
+                assert await client.update_weights(perturbed(base, 11), transport="dist") == 3
+                assert await generated_version(survivor.address) == 3
+    finally:
+        victim.stop(timeout_s=10)
