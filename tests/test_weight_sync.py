@@ -17,12 +17,12 @@ import torch
 from grpc import aio
 from transformers import AutoModelForCausalLM
 
-from bench.common import ServerProcess
 from client import weight_sync
 from client.tensors import ids_tensor
 from client.trainer import TrainerClient
 from client.weight_sync import WeightSyncError
 from client.weights import WeightAssembler, WeightsError, check_manifest, iter_update_requests, layout, manifest
+from demo.server_process import ServerProcess
 from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import rollout_pb2
 from server.backends.hf import HFBackend
