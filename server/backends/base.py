@@ -9,7 +9,7 @@ import torch
 
 from client.weights import WeightsError  # the one weight validator's error
 
-__all__ = ["Backend", "GenerationOutput", "GenerationRequest", "WeightsError"]
+__all__ = ["Backend", "GenerationFailed", "GenerationOutput", "GenerationRequest", "WeightsError"]
 
 
 @dataclass
@@ -39,6 +39,10 @@ class GenerationOutput:
     logprobs: list[float] | None = None
     # Per token, where the engine knows it: the weights version that produced that token (None: unknown).
     token_versions: list[int] | None = None
+
+
+class GenerationFailed(RuntimeError):
+    """The engine failed this one request (vLLM's finish_reason "error"): the sample's error, not a completion."""
 
 
 class Backend(Protocol):
