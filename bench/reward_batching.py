@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument(
         "--transport-rounds", type=int, default=2, help="alternating rewardmesh/echo rounds; the best of each counts"
     )
+    transport.add_argument(
+        "--transport-only", action="store_true", help="measure only the transport (no reward model, no (a)-(c))"
+    )
 
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     p.add_argument("--json-out", type=Path, help="also write every number to this JSON file")
@@ -258,6 +261,54 @@ def reward_server_argv(cfg_path: Path) -> list[str]:
     """`rewardmesh serve reward` on a free port of 127.0.0.1, as a subprocess of this interpreter."""
     cli = [sys.executable, "-m", "server.cli", "serve", "reward"]
     return [*cli, "--host", "127.0.0.1", "--port", "0", "--config", str(cfg_path)]
+
+
+async def run_transport_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The noop pipeline against the echo server, nothing else (a quick check of the Score path's cost)."""
+    t_start = time.perf_counter()
+    report: dict[str, Any] = {"machine": machine_info(), "loadavg_at_start": os.getloadavg()[0]}
+    ids = token_ids(args.transport_samples, args.seq_len, 512, args.seed + 1)
+    samples_t = to_samples(ids, "t", args.seq_len // 2)
+    samples_tw = to_samples(ids[: min(1000, len(ids))], "tw", args.seq_len // 2)
+    with tempfile.TemporaryDirectory(prefix="rewardmesh-bench-") as tmp:
+        workdir = Path(tmp)
+        cli = [sys.executable, "-m", "server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0"]
+        reward_server = ServerProcess("reward-server", cli, workdir)
+        echo_server = ServerProcess("echo-server", echo_server_argv(), workdir)
+        try:
+            reward_server.start()
+            echo_server.start()
+            await reward_server.wait_serving(SERVICE)
+            await echo_server.wait_serving(SERVICE)
+            report["transport"] = await run_transport(args, reward_server, echo_server, samples_t, samples_tw)
+        finally:
+            reward_server.stop()
+            echo_server.stop()
+    report["runtime_s"] = time.perf_counter() - t_start
+    return report
+
+
+def render_transport(report: dict[str, Any]) -> str:
+    m, t = report["machine"], report["transport"]
+    rm, echo = t["rewardmesh"], t["echo"]
+    ratio = rm["throughput"] / echo["throughput"]
+    rows = [
+        [name, fmt_rate(x["throughput"]), _rounds(x["rounds"]), _us(x["server_cpu_us_per_sample"]),
+         _us(x["client_cpu_us_per_sample"]), _cores(x["other_cores"])]
+        for name, x in (("rewardmesh `noop`", rm), ("bare grpc.aio echo", echo))
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"## Score transport ({m['cpu']}, {m['usable_cpus']} usable cores, Python {m['python']}, "
+            f"grpcio {m['grpcio']}; shared machine)",
+            "",
+            markdown_table(
+                ["server", "samples/s", "all rounds", "server CPU/sample", "client CPU/sample", "other cores"], rows
+            ),
+            "",
+            f"rewardmesh / echo = {ratio:.2f} (target >= {TARGET_TRANSPORT_VS_ECHO})",
+        ]
+    )
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -745,6 +796,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.transport_concurrency <= 4096:
         parser.error("--transport-concurrency must be in 1..4096 (the built-in noop pipeline queues 4096 samples)")
     try:
+        if args.transport_only:
+            report = asyncio.run(run_transport_only(args))
+            print(render_transport(report), flush=True)
+            return 0
         report = asyncio.run(run(args))
     except RuntimeError as exc:  # a server did not start or died: not a measurement
         print(f"bench.reward_batching: {exc}", file=sys.stderr)

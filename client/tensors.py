@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -45,20 +46,20 @@ def dtype_name(dtype: int) -> str:
 def tensor_to_numpy(
     t: common_pb2.Tensor, field: str, *, dtype: int | None = None, ndim: int | None = None
 ) -> np.ndarray:
-    """Decode and validate; ValueError names the field and the problem (the server maps it to INVALID_ARGUMENT)."""
+    """Decode and validate; InvalidInput names the field and the problem (the server maps it to INVALID_ARGUMENT)."""
     if t.dtype not in _NUMPY:
-        raise ValueError(f"{field}.dtype: {dtype_name(t.dtype)} is not a supported tensor dtype")
+        raise InvalidInput(f"{field}.dtype: {dtype_name(t.dtype)} is not a supported tensor dtype")
     if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{field}.dtype must be {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
+        raise InvalidInput(f"{field}.dtype must be {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
     shape = tuple(t.shape)
     if ndim is not None and len(shape) != ndim:
-        raise ValueError(f"{field}.shape must have {ndim} dimension(s), got {list(shape)}")
+        raise InvalidInput(f"{field}.shape must have {ndim} dimension(s), got {list(shape)}")
     if any(d < 0 for d in shape):
-        raise ValueError(f"{field}.shape has a negative dimension: {list(shape)}")
+        raise InvalidInput(f"{field}.shape has a negative dimension: {list(shape)}")
     np_dtype = _NUMPY[t.dtype]
     expected = math.prod(shape) * np_dtype.itemsize
     if len(t.raw_data) != expected:
-        raise ValueError(
+        raise InvalidInput(
             f"{field}.raw_data has {len(t.raw_data)} bytes, but shape {list(shape)} of "
             f"{dtype_name(t.dtype)} needs {expected}"
         )
@@ -86,10 +87,18 @@ def ids_tensor(ids: Sequence[int] | np.ndarray) -> common_pb2.Tensor:
 
 
 def ids_from(t: common_pb2.Tensor, field: str) -> np.ndarray:
-    """A 1-D int32 id tensor; an unset tensor is empty (text-only samples are fine)."""
+    """A 1-D int32 id tensor of values >= 0; an unset tensor is empty (text-only samples are fine)."""
     if not t.raw_data and not t.shape and t.dtype == common_pb2.DTYPE_UNSPECIFIED:
-        return np.zeros(0, dtype=np.int32)
-    return tensor_to_numpy(t, field, dtype=common_pb2.DTYPE_INT32, ndim=1)
+        return _EMPTY_IDS
+    arr = tensor_to_numpy(t, field, dtype=common_pb2.DTYPE_INT32, ndim=1)
+    if arr.size and arr.min() < 0:  # no tokenizer, mask or model takes a negative id
+        bad = int(np.argmax(arr < 0))
+        raise InvalidInput(f"{field}[{bad}] is {int(arr[bad])}: token ids and mask values must be >= 0")
+    return arr
+
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int32)
+_EMPTY_IDS.flags.writeable = False
 
 
 def torch_to_tensor(value: torch.Tensor) -> common_pb2.Tensor:

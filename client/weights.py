@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from client.tensors import dtype_name
+from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import common_pb2, rollout_pb2
 
 # name -> (shape, dtype) of every tensor a rollout server's model accepts
@@ -32,7 +33,7 @@ ALIGN = 64  # every tensor starts at a multiple of this in a bucket or a shared-
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
-class WeightsError(ValueError):
+class WeightsError(InvalidInput):
     """Unknown tensor name, or shape/dtype mismatch, or missing bytes: nothing was applied."""
 
 

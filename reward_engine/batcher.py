@@ -121,6 +121,14 @@ class DynamicBatcher:
 
     async def submit(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
         """Queue one sample and wait for its result; `deadline` is a time.monotonic() value."""
+        # Cancellation of the caller cancels the future; the scheduler then skips the item.
+        return await self.enqueue(inp, deadline=deadline, context=context)
+
+    def enqueue(
+        self, inp: RewardInput, *, deadline: float | None = None, context: object = None
+    ) -> asyncio.Future[Scored]:
+        """Queue one sample; its future resolves with the result. Cancelling the future drops the sample
+        if it has not computed yet. No task per sample: a stream can hand thousands over cheaply."""
         if self._closed:
             raise Unavailable(f"reward pipeline '{self.name}' is shutting down; send the sample elsewhere")
         if len(self._queue) >= self.config.max_queue_size:
@@ -132,8 +140,7 @@ class DynamicBatcher:
         item = _Item(inp, asyncio.get_running_loop().create_future(), time.monotonic(), deadline, context)
         self._queue.append(item)
         self._wake.set()
-        # Cancellation of the caller cancels item.future; the scheduler then skips the item.
-        return await item.future
+        return item.future
 
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""

@@ -5,8 +5,8 @@ class RewardError(Exception):
     """Base of every error the engine reports about one sample or request."""
 
 
-class InvalidInput(RewardError):
-    """The caller sent something malformed; the message names the field."""
+class InvalidInput(RewardError, ValueError):
+    """The caller sent something malformed; the message names the field (a ValueError too, for plain callers)."""
 
 
 class UnknownReward(RewardError):
@@ -27,3 +27,7 @@ class SourceFailed(RewardError):
 
 class Unavailable(RewardError):
     """The engine is shutting down or a remote dependency cannot be reached."""
+
+
+class Cancelled(RewardError):
+    """The caller cancelled the sample, or a retry of it on another stream superseded it."""

@@ -47,6 +47,12 @@ class RewardPipeline:
     async def score(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
         return await self.batcher.submit(inp, deadline=deadline, context=context)
 
+    def enqueue(
+        self, inp: RewardInput, *, deadline: float | None = None, context: object = None
+    ) -> asyncio.Future[Scored]:
+        """Queue one sample without awaiting it (see DynamicBatcher.enqueue)."""
+        return self.batcher.enqueue(inp, deadline=deadline, context=context)
+
     async def compute(self, batch: list[RewardInput]) -> BatchResult:
         if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
             per_source = [await self.sources[0].source.score_batch(batch)]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -14,12 +14,13 @@ from grpc import aio
 
 from client.telemetry import extract, span_context_in
 from client.tensors import ids_from
+from reward_engine.batcher import Scored
 from reward_engine.engine import RewardEngine
-from reward_engine.errors import InvalidInput, RewardError, Unavailable
+from reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from server.reward_telemetry import RewardTelemetry
-from server.status import status_proto
+from server.status import SAMPLE_ERRORS, status_proto
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _KINDS = {
 
 
 def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None) -> RewardInput:
-    """Decode and validate a Sample; ValueError/InvalidInput name the offending field."""
+    """Decode and validate a Sample; InvalidInput names the offending field."""
     prompt_ids = ids_from(sample.prompt_ids, "sample.prompt_ids")
     response_ids = ids_from(sample.response_ids, "sample.response_ids")
     mask = None
@@ -63,16 +64,69 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None) -> RewardI
     )
 
 
+_END = object()  # the client half-closed the stream
+_DRAIN = object()  # the server is draining: finish what is in flight, then end the stream
+
+
+class _Outbox:
+    """One stream's queue of finished results and sentinels, with one waiter: the stream's writer."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Any] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self) -> None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+
+class _Flight:
+    """A sample between arrival and result: who asked (its stream's outbox) and its queued batcher future."""
+
+    __slots__ = ("arrival_ns", "arrived", "deliver", "future", "owner", "parent", "reward", "sid")
+
+    def __init__(
+        self, sid: str, reward: str, deliver: Callable[[reward_pb2.RewardResult], None], owner: object, parent: Any
+    ) -> None:
+        self.sid = sid
+        self.reward = reward
+        self.deliver = deliver
+        self.owner = owner  # the stream (or ScoreBatch call) it came on
+        self.arrived = time.monotonic()
+        self.arrival_ns = time.time_ns()
+        self.parent = parent
+        self.future: asyncio.Future[Scored] | None = None
+
+
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Scores samples on a long-lived stream; one bad sample is that sample's error, never the stream's."""
 
-    def __init__(self, engine: RewardEngine, tokenizer: Any = None) -> None:
+    def __init__(self, engine: RewardEngine, tokenizer: Any = None, *, max_stream_unanswered: int = 2048) -> None:
+        if max_stream_unanswered < 1:
+            raise ValueError(f"max_stream_unanswered must be >= 1, got {max_stream_unanswered}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.telemetry = RewardTelemetry(engine)
-        self._in_flight: set[str] = set()
+        # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
+        # so gRPC flow control pushes back on a client that writes and never reads.
+        self.max_stream_unanswered = max_stream_unanswered
+        self._in_flight: dict[str, _Flight] = {}
+        self._outboxes: set[_Outbox] = set()
         self._draining = asyncio.Event()
         self.results_sent = 0
+        self.held = 0  # samples read on Score streams and not yet answered, over all streams
 
     @property
     def in_flight(self) -> int:
@@ -81,114 +135,220 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def drain(self) -> None:
         """Refuse new samples (UNAVAILABLE, so clients resend elsewhere) and wait for those in flight."""
         self._draining.set()
+        for box in self._outboxes:
+            box.put(_DRAIN)
         while self._in_flight:
             await asyncio.sleep(0.01)
 
-    async def score_one(
+    # -- one sample ---------------------------------------------------------------------------
+
+    def _begin(
         self,
         sample: common_pb2.Sample,
         reward: str,
         timeout_s: float | None,
-        trace_context: dict[str, str] | None = None,
-    ) -> reward_pb2.RewardResult:
-        arrived = time.monotonic()
-        arrival_ns = time.time_ns()
+        trace_context: Any,
+        deliver: Callable[[reward_pb2.RewardResult], None],
+        owner: object,
+    ) -> None:
+        """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens."""
         # Parsed once: the parent of this sample's queue/compute spans and the target of its batch span's link.
-        parent = extract(trace_context) if trace_context else None
+        parent = extract(dict(trace_context)) if trace_context else None
         sid = sample.sample_id
-        result = reward_pb2.RewardResult(sample_id=sid, reward=reward)
-        added = False
+        f = _Flight(sid, reward, deliver, owner, parent)
         try:
             if not sid:
                 raise InvalidInput("sample.sample_id is empty; give every sample a unique id")
-            if sid in self._in_flight:
-                raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this server; ids must be unique")
             if self._draining.is_set():
                 raise Unavailable("reward server is draining; send the sample to another reward target")
+            earlier = self._in_flight.get(sid)
+            if earlier is not None:
+                if earlier.owner is owner:
+                    raise InvalidInput(
+                        f"sample.sample_id '{sid}' is already in flight on this stream; ids must be unique"
+                    )
+                # A retry from another stream (the first attempt's caller failed over): the retry wins, the
+                # first attempt is answered CANCELLED, so the sample is scored once and never refused.
+                self._cancel(earlier, f"sample '{sid}' was sent again on another stream (a retry)")
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer)
-            deadline = arrived + timeout_s if timeout_s is not None else None
-            self._in_flight.add(sid)
-            added = True
-            scored = await pipeline.score(inp, deadline=deadline, context=span_context_in(parent))
-            result.score = scored.output.score
-            result.extras.update(scored.output.extras)
-            result.batch_size = scored.batch_size
-            result.timing.queue = scored.queue_s
-            result.timing.compute = scored.compute_s
-        except (RewardError, ValueError) as exc:
-            result.error.CopyFrom(status_proto(exc))
-        finally:
-            if added:
-                self._in_flight.discard(sid)
-        result.timing.total = time.monotonic() - arrived
-        self.telemetry.on_result(result, parent, arrival_ns)
-        return result
+            deadline = f.arrived + timeout_s if timeout_s is not None else None
+            f.future = pipeline.enqueue(inp, deadline=deadline, context=span_context_in(parent))
+        except SAMPLE_ERRORS as exc:
+            self._finish(f, error=exc)
+            return
+        self._in_flight[sid] = f
+        f.future.add_done_callback(lambda fut: self._settle(f, fut))
+
+    def _settle(self, f: _Flight, fut: asyncio.Future[Scored]) -> None:
+        ours = self._in_flight.get(f.sid) is f
+        if ours:
+            del self._in_flight[f.sid]
+        if fut.cancelled():
+            if ours:  # cancelled by something other than _cancel (which answers it itself)
+                self._finish(f, error=Cancelled(f"sample '{f.sid}' was cancelled"))
+            return
+        exc = fut.exception()
+        self._finish(f, error=exc) if exc is not None else self._finish(f, scored=fut.result())
+
+    def _cancel(self, f: _Flight, why: str) -> None:
+        if self._in_flight.get(f.sid) is f:
+            del self._in_flight[f.sid]
+        if f.future is not None and f.future.cancel():
+            self._finish(f, error=Cancelled(why))
+
+    def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
+        result = reward_pb2.RewardResult(sample_id=f.sid, reward=f.reward)
+        try:
+            if scored is not None:
+                result.score = scored.output.score
+                if scored.output.extras:
+                    result.extras.update(scored.output.extras)
+                result.batch_size = scored.batch_size
+                result.timing.queue = scored.queue_s
+                result.timing.compute = scored.compute_s
+        except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
+            error = exc
+        if error is not None:
+            result = reward_pb2.RewardResult(sample_id=f.sid, reward=f.reward, error=status_proto(error))
+        result.timing.total = time.monotonic() - f.arrived
+        self.telemetry.on_result(result, f.parent, f.arrival_ns)
+        f.deliver(result)
 
     @staticmethod
     def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
         return msg.timeout.ToTimedelta().total_seconds() if msg.HasField("timeout") else None
 
+    async def score_one(
+        self, sample: common_pb2.Sample, reward: str, timeout_s: float | None = None, trace_context: Any = None
+    ) -> reward_pb2.RewardResult:
+        """One sample, awaited (for in-process callers and tests)."""
+        done: asyncio.Future[reward_pb2.RewardResult] = asyncio.get_running_loop().create_future()
+        owner = object()
+        self._begin(sample, reward, timeout_s, trace_context, done.set_result, owner)
+        try:
+            return await done
+        finally:
+            if not done.done() and (f := self._in_flight.get(sample.sample_id)) is not None and f.owner is owner:
+                self._cancel(f, "the caller went away")
+
+    # -- RPCs ---------------------------------------------------------------------------------
+
     async def Score(
         self, request_iterator: AsyncIterator[reward_pb2.ScoreRequest], context: aio.ServicerContext
     ) -> AsyncIterator[reward_pb2.ScoreResponse]:
-        out: asyncio.Queue[reward_pb2.RewardResult | None] = asyncio.Queue()
-        pending: set[asyncio.Task[reward_pb2.RewardResult]] = set()
+        """One reader task feeds one outbox (results, END, DRAIN or the reader's exception); this loop writes."""
+        box = _Outbox()
+        unanswered = 0  # samples read and not yet written back
+        per_message = 1  # the client's max_results_per_message
+        room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
+        limit = self.max_stream_unanswered
 
-        def deliver(task: asyncio.Task[reward_pb2.RewardResult]) -> None:
-            pending.discard(task)
-            if not task.cancelled():
-                out.put_nowait(task.result())
+        def deliver(result: reward_pb2.RewardResult) -> None:
+            box.put(result)
+
+        def begin(req: reward_pb2.ScoreRequest) -> None:
+            nonlocal unanswered
+            unanswered += 1
+            self.held += 1
+            self._begin(req.sample, req.reward, self._timeout(req), req.trace_context, deliver, box)
 
         async def read() -> None:
-            async for req in request_iterator:
-                task = asyncio.create_task(
-                    self.score_one(req.sample, req.reward, self._timeout(req), dict(req.trace_context))
-                )
-                pending.add(task)
-                task.add_done_callback(deliver)
-            out.put_nowait(None)  # the client half-closed: finish what is pending, then end
+            nonlocal per_message, room
+            try:
+                async for req in request_iterator:
+                    if req.max_results_per_message > 0:
+                        per_message = req.max_results_per_message
+                    for sid in req.cancel_sample_ids:
+                        f = self._in_flight.get(sid)
+                        if f is not None and f.owner is box:
+                            self._cancel(f, f"sample '{sid}' was cancelled by the client")
+                    if req.items:
+                        for item in req.items:
+                            begin(item)
+                    elif req.HasField("sample"):
+                        begin(req)
+                    while unanswered >= limit:  # stop reading: flow control pushes back on the writer
+                        room = asyncio.get_running_loop().create_future()
+                        await room
+                box.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the stream broke: the writer re-raises it
+                box.put(exc)
 
+        self._outboxes.add(box)
+        if self._draining.is_set():
+            box.put(_DRAIN)
         reader = asyncio.create_task(read())
-        drained = asyncio.create_task(self._draining.wait())
-        reader_done = False
+        reader_done = draining = False
         try:
             while True:
-                if not out.empty():  # under load results queue up: take them without the wait machinery
-                    item = out.get_nowait()
-                else:
-                    if not pending and (reader_done or self._draining.is_set()):
-                        break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
-                    getter = asyncio.create_task(out.get())
-                    waiters: set[asyncio.Task[Any]] = {getter}
-                    waiters |= {t for t in (reader, drained) if not t.done()}
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                    if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                        raise reader.exception()  # type: ignore[misc]
-                    if not getter.done():
-                        getter.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await getter
-                        continue
-                    item = getter.result()
-                if item is None:
-                    reader_done = True
+                if not unanswered and (reader_done or draining):
+                    break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
+                if not box.items:
+                    await box.wait()
+                batch: list[reward_pb2.RewardResult] = []
+                items = box.items
+                while items:
+                    item = items.popleft()
+                    if isinstance(item, reward_pb2.RewardResult):
+                        batch.append(item)
+                    elif item is _END:
+                        reader_done = True
+                    elif item is _DRAIN:
+                        draining = True
+                    else:
+                        raise item
+                if not batch:
                     continue
-                self.results_sent += 1
-                yield reward_pb2.ScoreResponse(result=item)
+                for lo in range(0, len(batch), per_message):
+                    chunk = batch[lo : lo + per_message]
+                    if per_message > 1 and len(chunk) > 1:
+                        yield reward_pb2.ScoreResponse(results=chunk)
+                    else:
+                        yield reward_pb2.ScoreResponse(result=chunk[0])
+                    unanswered -= len(chunk)
+                    self.held -= len(chunk)
+                    self.results_sent += len(chunk)
+                    if room is not None and not room.done() and unanswered < limit:
+                        room.set_result(None)
         finally:
+            self.held -= unanswered
+            self._outboxes.discard(box)
             reader.cancel()
-            drained.cancel()
-            for task in pending:
-                task.cancel()
+            for f in [f for f in self._in_flight.values() if f.owner is box]:
+                self._cancel(f, "the stream ended")
 
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext
     ) -> reward_pb2.ScoreBatchResponse:
         timeout = self._timeout(request)
-        results = await asyncio.gather(*(self.score_one(s, request.reward, timeout) for s in request.samples))
-        self.results_sent += len(results)
-        return reward_pb2.ScoreBatchResponse(results=results)
+        slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
+        left = len(request.samples)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        owner = object()
+
+        def deliver_to(i: int) -> Callable[[reward_pb2.RewardResult], None]:
+            def deliver(result: reward_pb2.RewardResult) -> None:
+                nonlocal left
+                slots[i] = result
+                left -= 1
+                if not left and not done.done():
+                    done.set_result(None)
+
+            return deliver
+
+        for i, s in enumerate(request.samples):
+            self._begin(s, request.reward, timeout, None, deliver_to(i), owner)
+        try:
+            if left:
+                await done
+        finally:
+            for f in [f for f in self._in_flight.values() if f.owner is owner]:
+                self._cancel(f, "the call ended")
+        self.results_sent += len(slots)
+        return reward_pb2.ScoreBatchResponse(results=[r for r in slots if r is not None])
 
     async def ListRewards(
         self, request: reward_pb2.ListRewardsRequest, context: aio.ServicerContext

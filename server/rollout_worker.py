@@ -24,7 +24,7 @@ from client.tensors import ids_tensor, numpy_to_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 from server.agent_loop import AgentSettings, Rollout, run_agent_loop
 from server.backends.base import Backend, GenerationRequest
-from server.status import status_proto
+from server.status import SAMPLE_ERRORS, status_proto
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class RolloutWorker:
         try:
             sampling = replace(settings.sampling, seed=job.seed)
             rollout = await run_agent_loop(self.backend, job.prompt.ids, sampling, settings.agent, on_turn)
-        except (ValueError, RuntimeError) as exc:  # a backend failure is this sample's error, not the stream's
+        except SAMPLE_ERRORS as exc:  # any failure is this sample's error, not the stream's
             log.warning("sample %s failed in generation: %s", job.sample_id, exc)
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id)

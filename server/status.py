@@ -21,16 +21,22 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.SourceFailed, grpc.StatusCode.INTERNAL),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # decoding errors name their field
+    (errors.Cancelled, grpc.StatusCode.CANCELLED),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
+# What every per-sample path (Score, ScoreBatch, Generate) catches: anything but cancellation. A known
+# error keeps its code; anything unexpected (an OverflowError in a tokenizer, a bug) is that one sample's
+# INTERNAL error with the exception's type and message, never a lost result or a hung stream.
+SAMPLE_ERRORS: tuple[type[Exception], ...] = (Exception,)
+
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The code and message for an exception; bad input is `errors.InvalidInput` (a plain ValueError is a bug)."""
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code, str(exc) or cls.__name__
-    log.exception("unexpected error", exc_info=exc)
+    log.warning("unexpected error: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from client.weights import validate_weights
+from reward_engine.errors import InvalidInput
 from server.backends.base import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -103,24 +104,24 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
     """Reject what would otherwise fail inside a shared batch (and take its neighbours down with it)."""
     n = len(request.prompt_ids)
     if n == 0:
-        raise ValueError("prompt_ids is empty: the model needs at least one prompt token")
+        raise InvalidInput("prompt_ids is empty: the model needs at least one prompt token")
     if request.max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        raise InvalidInput(f"max_tokens must be at least 1, got {request.max_tokens}")
     if n + request.max_tokens > max_model_len:
-        raise ValueError(
+        raise InvalidInput(
             f"prompt length {n} + max_tokens {request.max_tokens} = {n + request.max_tokens} exceeds "
             f"max_model_len {max_model_len}; lower max_tokens to at most {max(max_model_len - n, 0)}"
         )
     if request.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+        raise InvalidInput(f"temperature must be >= 0, got {request.temperature}")
     if not 0 < request.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {request.top_p}")
+        raise InvalidInput(f"top_p must be in (0, 1], got {request.top_p}")
     if request.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: off), got {request.top_k}")
+        raise InvalidInput(f"top_k must be >= 0 (0: off), got {request.top_k}")
     if vocab_size is not None:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise InvalidInput(f"prompt_ids hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 # ------------------------------------------------------------------------------------------------ batching

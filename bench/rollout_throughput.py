@@ -1,0 +1,620 @@
+"""Benchmark: rollouts through the mesh against the bare engine, on the same prompts, in one run.
+
+    python -m bench.rollout_throughput [--modes instant,hf,vllm] [--json-out FILE]
+
+Every mode drives the whole mesh as a user would: `TrainerClient.generate_batch` in this process ->
+a rollout server in its own process -> a reward server in its own process (`rewardmesh serve reward`,
+the built-in `noop` or `first_number` pipeline) -> back. Modes alternate with their bare baseline
+round by round and medians are reported. CPU time per sample is read from /proc for each process.
+
+- `instant`: a stand-in engine that answers every request at once with a fixed response (no model).
+  What remains is the mesh's own cost per sample (Generate, agent loop, Score stream, batcher, protobuf
+  and tensor conversions, trainer assembly), reported as samples/s per CPU core (samples over the CPU
+  seconds of all three processes) and CPU microseconds per sample in each process. Runs anywhere.
+- `hf`: the tiny policy on the CPU through `rewardmesh serve rollout --backend hf` against a bare
+  transformers `generate` of the same batch in this process (same prompts, n, max_tokens, sampling,
+  torch threads); tokens/s and the ratio.
+- `vllm`: written for a GPU, skipped without CUDA or vllm: `rewardmesh serve rollout --backend vllm`
+  against vLLM's offline `LLM.generate` and against `AsyncLLM` with every request in flight at once.
+
+The rollout server with the instant engine is this module run as
+`python -m bench.rollout_throughput serve-instant --reward-target HOST:PORT`.
+
+Prints markdown tables and exits 0 whether or not targets are met: it is a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import ServerProcess, cpu_snapshot, cpu_usage, machine_info, markdown_table, progress
+
+REWARD_SERVICE = "rewardmesh.v1.RewardService"
+ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
+TARGET_MESH_VS_BARE = 0.9  # GPU target of the throughput issue
+
+
+# ------------------------------------------------------------------------------------------ instant engine
+
+
+class InstantBackend:
+    """A generation engine that costs nothing: every request is answered at once with `response_tokens`
+    fixed token ids (finish reason "length"), so only the mesh's own work is left to measure."""
+
+    name = "instant"
+
+    def __init__(self, tokenizer: Any, response_tokens: int, max_model_len: int = 4096) -> None:
+        import torch
+
+        self.tokenizer = tokenizer
+        self.model = "instant"
+        self.max_model_len = max_model_len
+        self.policy_version = 0
+        vocab = len(tokenizer)
+        self._ids = [5 + (i * 7) % max(1, vocab - 10) for i in range(response_tokens)]
+        self._weights = {"w": torch.zeros(1)}
+
+    @property
+    def running(self) -> int:
+        return 0
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def generate(self, request: Any) -> Any:
+        from server.backends.base import GenerationOutput
+
+        return GenerationOutput(list(self._ids[: request.max_tokens]), "length", 0, self.policy_version)
+
+    def weight_specs(self) -> dict[str, Any]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._weights.items()}
+
+    async def update_weights(self, tensors: dict[str, Any], version: int) -> None:
+        self.policy_version = version
+
+
+async def serve_instant(host: str, port: int, reward_target: str, response_tokens: int) -> None:
+    """A rollout server process with the instant engine (the tiny tokenizer, built in memory)."""
+    from demo.tiny_models import build_tokenizer
+    from server.rollout_server import RolloutServer
+    from server.serving import ServerOptions
+
+    backend = InstantBackend(build_tokenizer(), response_tokens)
+    targets = [t for t in reward_target.split(",") if t]
+    server = RolloutServer(backend, targets, ServerOptions(host=host, port=port, grace_s=2))
+    await server.start()
+    server.grpc.stop_on_signals()
+    await server.wait()
+    if server.rewards is not None:
+        await server.rewards.close()
+
+
+# ------------------------------------------------------------------------------------------- measurements
+
+
+@dataclass
+class Round:
+    """One timed pass of one path."""
+
+    path: str
+    samples: int
+    tokens: int
+    elapsed_s: float
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process role -> CPU seconds
+    other_cores: float | None = None
+    errors: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s
+
+
+async def timed(path: str, run: Callable[[], Awaitable[tuple[int, int, int]]], pids: dict[str, int]) -> Round:
+    """Run one pass and account the CPU of every named process (`pids`: role -> pid; 0 = this process)."""
+    real = {role: pid or os.getpid() for role, pid in pids.items()}
+    before = cpu_snapshot(list(real.values()))
+    t = time.perf_counter()
+    samples, tokens, errors = await run()
+    elapsed = time.perf_counter() - t
+    usage = cpu_usage(before, cpu_snapshot(list(real.values())))
+    r = Round(path, samples, tokens, elapsed, errors=errors)
+    if usage is not None:
+        r.cpu_s = {role: usage.process_s.get(pid, 0.0) for role, pid in real.items()}
+        r.other_cores = usage.other_cores
+    return r
+
+
+def prompt_specs(count: int, prompt_tokens: int, vocab: int, seed: int) -> list[Any]:
+    from client.trainer import PromptSpec
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, vocab - 1, size=(count, prompt_tokens), dtype=np.int32)
+    return [PromptSpec(token_ids=row.tolist(), ground_truth="0") for row in ids]
+
+
+async def mesh_pass(client: Any, prompts: Sequence[Any], n: int, reward: str, sampling: Any) -> tuple[int, int, int]:
+    batch = await client.generate_batch(prompts, n=n, reward=reward, sampling=sampling)
+    tokens = int(sum(len(s.response_ids) for s in batch.samples))
+    return len(batch.samples), tokens, sum(1 for s in batch.samples if s.error)
+
+
+def median_round(rounds: Sequence[Round]) -> Round:
+    ordered = sorted(rounds, key=lambda r: r.elapsed_s)
+    return ordered[len(ordered) // 2]
+
+
+def med(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+# ------------------------------------------------------------------------------------------------ instant
+
+
+async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from client.trainer import Sampling, TrainerClient
+    from demo.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    prompts = prompt_specs(args.prompts, args.prompt_tokens, len(tokenizer), args.seed)
+    sampling = Sampling(max_tokens=args.response_tokens)
+    reward = ServerProcess("reward-instant", reward_argv(), workdir)
+    reward.start()
+    rollout: ServerProcess | None = None
+    try:
+        await reward.wait_serving(REWARD_SERVICE)
+        rollout = ServerProcess(
+            "rollout-instant",
+            [
+                sys.executable,
+                "-m",
+                "bench.rollout_throughput",
+                "serve-instant",
+                "--reward-target",
+                reward.address,
+                "--response-tokens",
+                str(args.response_tokens),
+            ],
+            workdir,
+        )
+        rollout.start()
+        await rollout.wait_serving(ROLLOUT_SERVICE)
+        bare_engine = InstantBackend(tokenizer, args.response_tokens)
+
+        async def bare() -> tuple[int, int, int]:
+            from server.backends.base import GenerationRequest
+
+            reqs = [GenerationRequest(prompt_ids=list(p.token_ids), max_tokens=args.response_tokens)
+                    for p in prompts for _ in range(args.n)]  # fmt: skip
+            outs = await asyncio.gather(*(bare_engine.generate(r) for r in reqs))
+            return len(outs), sum(len(o.token_ids) for o in outs), 0
+
+        pids = {"trainer": 0, "rollout": rollout.pid, "reward": reward.pid}
+        rounds: dict[str, list[Round]] = {"bare": [], "mesh": []}
+        async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
+            await mesh_pass(client, prompts[: max(1, len(prompts) // 4)], args.n, "noop", sampling)  # warm up
+            for r in range(args.rounds):
+                rounds["bare"].append(await timed("bare", bare, {"trainer": 0}))
+                mesh = await timed("mesh", lambda: mesh_pass(client, prompts, args.n, "noop", sampling), pids)
+                rounds["mesh"].append(mesh)
+                cores = sum(mesh.cpu_s.values()) / mesh.elapsed_s
+                progress(
+                    f"instant round {r + 1}: mesh {mesh.samples_per_s:,.0f} samples/s, "
+                    f"{mesh.samples / max(1e-9, sum(mesh.cpu_s.values())):,.0f} samples/s per CPU core "
+                    f"({cores:.2f} cores busy; other processes {mesh.other_cores or 0:.2f} cores)"
+                )
+    finally:
+        if rollout is not None:
+            rollout.stop()
+        reward.stop()
+    return summarize_instant(rounds)
+
+
+def summarize_instant(rounds: dict[str, list[Round]]) -> dict[str, Any]:
+    mesh = rounds["mesh"]
+    per_core = [r.samples / sum(r.cpu_s.values()) for r in mesh if r.cpu_s]
+    roles = ("trainer", "rollout", "reward")
+    return {
+        "samples": mesh[0].samples,
+        "errors": sum(r.errors for r in mesh),
+        "bare_samples_per_s": med([r.samples_per_s for r in rounds["bare"]]),
+        "mesh_samples_per_s": med([r.samples_per_s for r in mesh]),
+        "samples_per_s_per_core": med(per_core),
+        "rounds_per_core": per_core,
+        "cpu_us_per_sample": {
+            role: med([r.cpu_s[role] / r.samples * 1e6 for r in mesh if role in r.cpu_s]) for role in roles
+        },
+        "total_cpu_us_per_sample": med([sum(r.cpu_s.values()) / r.samples * 1e6 for r in mesh if r.cpu_s]),
+        "other_cores": med([r.other_cores or 0.0 for r in mesh]),
+    }
+
+
+def render_instant(res: dict[str, Any], args: argparse.Namespace) -> str:
+    cpu = res["cpu_us_per_sample"]
+    rows = [
+        ["bare instant engine (in process)", f"{res['bare_samples_per_s']:,.0f}", "", ""],
+        [
+            "mesh: trainer -> rollout server -> reward server (`noop`) -> back",
+            f"{res['mesh_samples_per_s']:,.0f}",
+            f"{res['samples_per_s_per_core']:,.0f}",
+            f"{res['total_cpu_us_per_sample']:,.0f} µs (trainer {cpu['trainer']:,.0f} / rollout "
+            f"{cpu['rollout']:,.0f} / reward {cpu['reward']:,.0f})",
+        ],
+    ]
+    return "\n".join([
+        f"### Instant engine: the mesh's own cost ({args.prompts} prompts x n={args.n}, "
+        f"{args.prompt_tokens}-token prompts, {args.response_tokens}-token responses, {args.rounds} rounds, medians)",
+        "",
+        markdown_table(["path", "samples/s", "samples/s per CPU core", "CPU per sample (all processes)"], rows),
+        "",
+        f"Errors: {res['errors']}. CPU of other processes during the mesh rounds: {res['other_cores']:.2f} cores "
+        f"(median). Per-core rounds: {', '.join(f'{x:,.0f}' for x in res['rounds_per_core'])}.",
+    ])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ hf
+
+
+def reward_argv() -> list[str]:
+    return [sys.executable, "-m", "server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0",
+            "--grace-s", "2"]  # fmt: skip
+
+
+async def run_hf(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from client.trainer import Sampling, TrainerClient
+    from demo.tiny_models import build_tiny_models
+
+    paths = build_tiny_models(args.models)
+    policy = str(paths.policy)
+    batch = args.hf_prompts * args.hf_n
+    torch.set_num_threads(args.threads)
+    env_threads = {"OMP_NUM_THREADS": str(args.threads)}
+    tokenizer = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    prompts = prompt_specs(args.hf_prompts, args.prompt_tokens, len(tokenizer), args.seed)
+    sampling = Sampling(temperature=1.0, max_tokens=args.hf_max_tokens, seed=args.seed)
+    reward = ServerProcess("reward-hf", reward_argv(), workdir)
+    rollout_argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+                    "--backend", "hf", "--model", policy, "--device", "cpu", "--max-batch-size", str(batch),
+                    "--grace-s", "2"]  # fmt: skip
+    os.environ.update(env_threads)  # the rollout server's torch uses the same thread count as the bare run
+    reward.start()
+    rollout: ServerProcess | None = None
+    try:
+        await reward.wait_serving(REWARD_SERVICE)
+        rollout = ServerProcess("rollout-hf", [*rollout_argv, "--reward-target", reward.address], workdir)
+        rollout.start()
+        await rollout.wait_serving(ROLLOUT_SERVICE)
+        model: Any = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True, dtype=torch.float32)
+        model.eval()
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        input_ids = torch.tensor([p.token_ids for p in prompts], dtype=torch.long)  # equal lengths: no padding
+
+        async def bare() -> tuple[int, int, int]:
+            def gen() -> torch.Tensor:
+                with torch.inference_mode():
+                    return model.generate(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        do_sample=True,
+                        temperature=1.0,
+                        top_p=1.0,
+                        top_k=0,
+                        max_new_tokens=args.hf_max_tokens,
+                        num_return_sequences=args.hf_n,
+                        pad_token_id=pad,
+                        eos_token_id=eos,
+                    )
+
+            out = gen()[:, input_ids.shape[1] :]
+            tokens = 0
+            for row in out.tolist():  # count up to and including the first eos, as the backend does
+                tokens += (row.index(eos) + 1) if eos in row else len(row)
+            return out.shape[0], tokens, 0
+
+        pids = {"trainer": 0, "rollout": rollout.pid, "reward": reward.pid}
+        rounds: dict[str, list[Round]] = {"bare": [], "mesh": []}
+        async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
+            await mesh_pass(client, prompts, args.hf_n, "noop", sampling)
+            await bare()
+            for r in range(args.rounds):
+                rounds["bare"].append(await timed("bare", bare, {"trainer": 0}))
+                rounds["mesh"].append(
+                    await timed("mesh", lambda: mesh_pass(client, prompts, args.hf_n, "noop", sampling), pids)
+                )
+                progress(
+                    f"hf round {r + 1}: bare {rounds['bare'][-1].tokens_per_s:,.0f} tokens/s, "
+                    f"mesh {rounds['mesh'][-1].tokens_per_s:,.0f} tokens/s"
+                )
+    finally:
+        if rollout is not None:
+            rollout.stop()
+        reward.stop()
+    bare_tps = med([r.tokens_per_s for r in rounds["bare"]])
+    mesh_tps = med([r.tokens_per_s for r in rounds["mesh"]])
+    mesh = rounds["mesh"]
+    return {
+        "batch": batch,
+        "bare_tokens_per_s": bare_tps,
+        "mesh_tokens_per_s": mesh_tps,
+        "ratio": mesh_tps / bare_tps if bare_tps else 0.0,
+        "ratios": [m.tokens_per_s / b.tokens_per_s for m, b in zip(mesh, rounds["bare"], strict=True)],
+        "cpu_us_per_sample": {
+            role: med([r.cpu_s[role] / r.samples * 1e6 for r in mesh if role in r.cpu_s])
+            for role in ("trainer", "rollout", "reward")
+        },
+        "bare_cpu_us_per_sample": med([r.cpu_s["trainer"] / r.samples * 1e6 for r in rounds["bare"] if r.cpu_s]),
+        "errors": sum(r.errors for r in mesh),
+    }
+
+
+def render_hf(res: dict[str, Any], args: argparse.Namespace) -> str:
+    cpu = res["cpu_us_per_sample"]
+    rows = [
+        ["bare transformers `generate` (one batch, in process)", f"{res['bare_tokens_per_s']:,.0f}", "1.00",
+         f"{res['bare_cpu_us_per_sample']:,.0f} µs"],
+        ["mesh: TrainerClient -> `serve rollout --backend hf` -> `serve reward` (`noop`)",
+         f"{res['mesh_tokens_per_s']:,.0f}", f"{res['ratio']:.2f}",
+         f"trainer {cpu['trainer']:,.0f} / rollout {cpu['rollout']:,.0f} / reward {cpu['reward']:,.0f} µs"],
+    ]  # fmt: skip
+    return "\n".join([
+        f"### hf backend on the CPU ({args.hf_prompts} prompts x n={args.hf_n} = {res['batch']} samples, "
+        f"max_tokens {args.hf_max_tokens}, temperature 1, torch threads {args.threads}, {args.rounds} rounds, medians)",
+        "",
+        markdown_table(["path", "tokens/s", "ratio", "CPU per sample"], rows),
+        "",
+        f"Per-round ratios: {', '.join(f'{x:.2f}' for x in res['ratios'])}. Errors: {res['errors']}.",
+    ])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- vLLM
+
+
+def vllm_available() -> str:
+    """Empty when the vLLM mode can run here, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vllm is not installed (`pip install -e '.[vllm]'`)"
+    return ""
+
+
+async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Mesh vs vLLM offline `LLM.generate` vs `AsyncLLM` with every request in flight (GPU only)."""
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found,unused-ignore]
+    from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
+    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
+
+    from client.trainer import Sampling, TrainerClient
+
+    model = str(args.vllm_model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    prompts = prompt_specs(args.vllm_prompts, args.prompt_tokens, len(tokenizer), args.seed)
+    params = SamplingParams(n=args.vllm_n, temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed)
+    token_prompts = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
+    sampling = Sampling(temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed)
+    results: dict[str, list[float]] = {"offline": [], "async": [], "mesh": []}
+    mem = args.vllm_gpu_memory_utilization
+
+    # The three engines must not share the GPU at once: each path runs in its own phase.
+    llm = LLM(model=model, gpu_memory_utilization=mem, seed=args.seed)
+    llm.generate(token_prompts[:4], params, use_tqdm=False)
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        outs = llm.generate(token_prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        results["offline"].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
+    del llm
+    _free_gpu()
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, gpu_memory_utilization=mem, seed=args.seed))
+    try:
+
+        async def one(i: int, prompt: Any) -> int:
+            last = None
+            async for out in engine.generate(prompt, params, request_id=f"bench-{time.monotonic_ns()}-{i}"):
+                last = out
+            return sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
+
+        await one(-1, token_prompts[0])
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
+            results["async"].append(tokens / (time.perf_counter() - t))
+    finally:
+        engine.shutdown()
+    _free_gpu()
+
+    reward = ServerProcess("reward-vllm", reward_argv(), workdir)
+    reward.start()
+    rollout: ServerProcess | None = None
+    try:
+        await reward.wait_serving(REWARD_SERVICE)
+        rollout = ServerProcess(
+            "rollout-vllm",
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "rollout",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--backend",
+                "vllm",
+                "--model",
+                model,
+                "--reward-target",
+                reward.address,
+                "--grace-s",
+                "2",
+            ],
+            workdir,
+        )
+        rollout.start(timeout_s=900)
+        await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
+        async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
+            await mesh_pass(client, prompts[:4], args.vllm_n, "noop", sampling)
+            for _ in range(args.rounds):
+                t = time.perf_counter()
+                _, tokens, _ = await mesh_pass(client, prompts, args.vllm_n, "noop", sampling)
+                results["mesh"].append(tokens / (time.perf_counter() - t))
+    finally:
+        if rollout is not None:
+            rollout.stop()
+        reward.stop()
+    best = {k: max(v) for k, v in results.items()}
+    return {
+        "tokens_per_s": best,
+        "mesh_vs_offline": best["mesh"] / best["offline"],
+        "mesh_vs_async": best["mesh"] / best["async"],
+    }
+
+
+def _free_gpu() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
+    tps = res["tokens_per_s"]
+    rows = [
+        ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", ""],
+        ["vLLM `AsyncLLM`, all requests in flight", f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", ""],
+        ["mesh: TrainerClient -> `serve rollout --backend vllm` -> `serve reward` (`noop`)", f"{tps['mesh']:,.0f}",
+         f"{res['mesh_vs_offline']:.2f}", f"{res['mesh_vs_async']:.2f} of AsyncLLM; target >= {TARGET_MESH_VS_BARE}"],
+    ]  # fmt: skip
+    return "\n".join([
+        f"### vLLM on {machine_info()['device']} ({args.vllm_prompts} prompts x n={args.vllm_n}, "
+        f"max_tokens {args.vllm_max_tokens}, best of {args.rounds})",
+        "",
+        markdown_table(["path", "tokens/s", "vs offline", "notes"], rows),
+    ])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.rollout_throughput",
+        description="Rollouts through the mesh against the bare engine on the same prompts, in one run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--modes", default="instant,hf,vllm", help="comma-separated: instant, hf, vllm")
+    p.add_argument("--rounds", type=int, default=3, help="alternating bare/mesh rounds per mode (medians reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (random ids)")
+    p.add_argument("--prompts", type=int, default=128, help="instant mode: prompts per step")
+    p.add_argument("--n", type=int, default=8, help="instant mode: samples per prompt")
+    p.add_argument("--response-tokens", type=int, default=32, help="instant mode: tokens in every response")
+    p.add_argument("--hf-prompts", type=int, default=16, help="hf mode: prompts")
+    p.add_argument("--hf-n", type=int, default=4, help="hf mode: samples per prompt")
+    p.add_argument("--hf-max-tokens", type=int, default=32, help="hf mode: max new tokens")
+    p.add_argument("--threads", type=int, default=1, help="hf mode: torch threads, bare and rollout server alike")
+    p.add_argument(
+        "--models", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "rewardmesh" / "models", help="hf mode: where the tiny models are built (reused)",
+    )  # fmt: skip
+    p.add_argument("--vllm-model", type=Path, help="vllm mode: local model directory (a policy checkpoint)")
+    p.add_argument("--vllm-prompts", type=int, default=64)
+    p.add_argument("--vllm-n", type=int, default=8)
+    p.add_argument("--vllm-max-tokens", type=int, default=128)
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--json-out", type=Path, help="also write every number to this JSON file")
+    return p
+
+
+async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    report: dict[str, Any] = {"machine": machine_info(), "loadavg_at_start": os.getloadavg()[0]}
+    tables: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="rewardmesh-rollout-bench-") as tmp:
+        work = Path(tmp)
+        for mode in modes:
+            if mode == "instant":
+                report["instant"] = await run_instant(args, work)
+                tables.append(render_instant(report["instant"], args))
+            elif mode == "hf":
+                report["hf"] = await run_hf(args, work)
+                tables.append(render_hf(report["hf"], args))
+            elif mode == "vllm":
+                why = vllm_available() or ("" if args.vllm_model else "no --vllm-model given")
+                if why:
+                    progress(f"vllm mode skipped: {why}")
+                    tables.append(f"### vLLM: skipped ({why})")
+                    continue
+                report["vllm"] = await run_vllm(args, work)
+                tables.append(render_vllm(report["vllm"], args))
+            else:
+                raise SystemExit(f"unknown mode {mode!r}: choose from instant, hf, vllm")
+    m = report["machine"]
+    header = (
+        f"Machine: {m['cpu']}, {m['usable_cpus']} usable cores, {m['device']}, torch {m['torch']}, "
+        f"Python {m['python']}, grpcio {m['grpcio']}; load average at start {report['loadavg_at_start']:.2f} "
+        "(shared with other work: numbers are noisy)."
+    )
+    return report, [header, "", *tables]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-instant"]:
+        sp = argparse.ArgumentParser(prog="python -m bench.rollout_throughput serve-instant")
+        sp.add_argument("--host", default="127.0.0.1")
+        sp.add_argument("--port", type=int, default=0)
+        sp.add_argument("--reward-target", required=True)
+        sp.add_argument("--response-tokens", type=int, default=32)
+        a = sp.parse_args(argv[1:])
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        asyncio.run(serve_instant(a.host, a.port, a.reward_target, a.response_tokens))
+        return 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    report, lines = asyncio.run(run(args))
+    print("\n".join(lines), flush=True)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The Score stream's edges over real gRPC on 127.0.0.1: unexpected errors, cancel, retries, several samples per
+message, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from client.tensors import ids_tensor
+from demo.tiny_models import TinyModelPaths
+from rewardmesh.v1 import common_pb2, reward_pb2
+from server.reward_server import load_tokenizer
+from tests.support.servers import fn_pipeline, reward_server, reward_stub, sample
+
+CODE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def req(s: common_pb2.Sample, reward: str) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(sample=s, reward=reward)
+
+
+def ids_only(sid: str, response: list[int]) -> common_pb2.Sample:
+    """A sample as a rollout server without text would send it: the reward server decodes the ids."""
+    return common_pb2.Sample(sample_id=sid, prompt_ids=ids_tensor([5, 6]), response_ids=ids_tensor(response))
+
+
+async def results_of(call: aio.StreamStreamCall, n: int) -> tuple[list[reward_pb2.RewardResult], int]:
+    """Read n results (one or several per message); also returns how many messages carried them."""
+    out: list[reward_pb2.RewardResult] = []
+    messages = 0
+    while len(out) < n:
+        msg = await asyncio.wait_for(call.read(), 10)
+        assert msg is not aio.EOF, f"stream ended after {len(out)} of {n} results"
+        messages += 1
+        out += list(msg.results) if msg.results else [msg.result]
+    return out, messages
+
+
+async def test_negative_token_id_is_answered_invalid_not_a_hung_step(tiny_models: TinyModelPaths) -> None:
+    # Issue 17 item 1: the tokenizer's decode raised OverflowError, the result was dropped and the step hung.
+    tok = load_tokenizer(str(tiny_models.policy))
+    async with reward_server(tokenizer=tok) as server, reward_stub(server.address) as stub:
+        call = stub.Score()
+        await call.write(req(ids_only("negative", [7, -1]), "noop"))
+        await call.write(req(ids_only("fine", [7, 8]), "noop"))
+        await call.done_writing()
+        results, _ = await results_of(call, 2)
+        assert await call.read() is aio.EOF
+        batch = await stub.ScoreBatch(
+            reward_pb2.ScoreBatchRequest(reward="noop", samples=[ids_only("neg", [-5]), ids_only("ok", [9])])
+        )
+    by_id = {r.sample_id: r for r in results}
+    assert CODE[by_id["negative"].error.code] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sample.response_ids[1] is -1" in by_id["negative"].error.message
+    assert not by_id["fine"].HasField("error")
+    assert [r.sample_id for r in batch.results] == ["neg", "ok"]
+    assert CODE[batch.results[0].error.code] == grpc.StatusCode.INVALID_ARGUMENT
+    assert not batch.results[1].HasField("error")
+
+
+class _BrokenTokenizer:
+    """A tokenizer whose decode fails in a way nobody anticipated (as the real one did on negative ids)."""
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        raise OverflowError("number too small to fit in target type")
+
+
+async def test_any_unexpected_exception_is_that_samples_internal_error() -> None:
+    async with reward_server(tokenizer=_BrokenTokenizer()) as server, reward_stub(server.address) as stub:
+        call = stub.Score()
+        await call.write(req(ids_only("breaks", [7]), "noop"))
+        with_text = ids_only("has-text", [7])
+        with_text.prompt_text, with_text.response_text = "no decode", "needed"
+        await call.write(req(with_text, "noop"))
+        await call.done_writing()
+        results, _ = await results_of(call, 2)
+        assert await call.read() is aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+        batch = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="noop", samples=[ids_only("b", [3])]))
+    by_id = {r.sample_id: r for r in results}
+    err = by_id["breaks"].error
+    assert CODE[err.code] == grpc.StatusCode.INTERNAL and "OverflowError: number too small" in err.message
+    assert not by_id["has-text"].HasField("error")
+    assert CODE[batch.results[0].error.code] == grpc.StatusCode.INTERNAL
+    assert server.servicer.in_flight == 0
+
+
+async def test_cancel_on_the_stream_answers_cancelled_and_the_id_can_be_sent_again() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
+        call = stub.Score()
+        await call.write(req(sample("x", delay=30), "sleepy"))
+        await call.write(reward_pb2.ScoreRequest(cancel_sample_ids=["x", "never-sent"]))
+        (cancelled,), _ = await results_of(call, 1)
+        await call.write(req(sample("x", response="again", delay=0), "sleepy"))
+        (retried,), _ = await results_of(call, 1)
+        await call.done_writing()
+        assert await call.read() is aio.EOF
+    assert cancelled.sample_id == "x" and CODE[cancelled.error.code] == grpc.StatusCode.CANCELLED
+    assert retried.sample_id == "x" and not retried.HasField("error") and retried.score == len("again")
+
+
+async def test_a_retry_on_another_stream_is_never_refused_and_scored_once() -> None:
+    # Issue 17 item 3: failover re-sends a sample id whose first attempt is still in flight on this server.
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
+        first, second = stub.Score(), stub.Score()
+        await first.write(req(sample("s1", delay=30), "sleepy"))
+        while server.servicer.in_flight < 1:
+            await asyncio.sleep(0.01)
+        await second.write(req(sample("s1", response="retry", delay=0), "sleepy"))
+        (superseded,), _ = await results_of(first, 1)
+        (scored,), _ = await results_of(second, 1)
+        for call in (first, second):
+            await call.done_writing()
+            assert await call.read() is aio.EOF
+    assert CODE[superseded.error.code] == grpc.StatusCode.CANCELLED and "retry" in superseded.error.message
+    assert not scored.HasField("error") and scored.score == len("retry")
+
+
+async def test_several_samples_per_message_each_answered_once() -> None:
+    async with reward_server() as server, reward_stub(server.address) as stub:
+        call = stub.Score()
+        items = [req(sample(f"m{i}"), "noop") for i in range(40)]
+        await call.write(reward_pb2.ScoreRequest(items=items[:20], max_results_per_message=64))
+        await call.write(reward_pb2.ScoreRequest(items=items[20:]))  # the limit set earlier still holds
+        await call.write(req(sample("single"), "noop"))  # one sample per message stays valid
+        await call.done_writing()
+        results, messages = await results_of(call, 41)
+        assert await call.read() is aio.EOF
+    assert sorted(r.sample_id for r in results) == sorted([f"m{i}" for i in range(40)] + ["single"])
+    assert all(not r.HasField("error") for r in results)
+    assert messages < 41  # results that finished together shared messages
+
+
+async def test_one_result_per_message_for_clients_that_did_not_ask_for_more() -> None:
+    async with reward_server() as server, reward_stub(server.address) as stub:
+        call = stub.Score()
+        await call.write(reward_pb2.ScoreRequest(items=[req(sample(f"o{i}"), "noop") for i in range(10)]))
+        await call.done_writing()
+        seen = []
+        while (msg := await asyncio.wait_for(call.read(), 10)) is not aio.EOF:
+            assert not msg.results and msg.HasField("result")
+            seen.append(msg.result.sample_id)
+    assert sorted(seen) == sorted(f"o{i}" for i in range(10))
+
+
+async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound() -> None:
+    # Issue 17 item 4: the server read everything a non-reading client wrote and held every result.
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
+        server.servicer.max_stream_unanswered = 8
+        call = stub.Score()
+
+        async def flood() -> None:
+            for i in range(300):
+                await call.write(req(sample(f"f{i}", delay=30), "sleepy"))
+
+        writer = asyncio.create_task(flood())
+        while server.servicer.held < 8:
+            await asyncio.sleep(0.01)
+        for _ in range(20):  # give the server every chance to read on; it must not
+            await asyncio.sleep(0.01)
+        assert server.servicer.held == 8 and server.servicer.in_flight == 8
+        call.cancel()
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        while server.servicer.held:
+            await asyncio.sleep(0.01)
+        assert server.servicer.in_flight == 0  # the stream's samples were dropped with it
