@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--http-pipeline", dest="http_pipeline", help="pipeline of /get_reward requests naming none")
     reward.add_argument("--http-token-file", dest="http_token_file",
                         help="HTTP bearer token file (else REWARDMESH_HTTP_TOKEN; neither: no auth)")  # fmt: skip
+    reward.add_argument("--max-stream-unanswered", dest="max_stream_unanswered", type=int,
+                        help="samples read but not yet answered per Score stream before the server stops reading "
+                        "it (flow control then pushes back on the client; default 2048)")  # fmt: skip
     reward.add_argument(
         "--no-builtin-rules",
         dest="builtin_rules",

@@ -31,6 +31,8 @@ class RewardServerConfig(ServerOptions):
     http_pipeline: str = ""
     # Bearer token the gateway requires: this file's content, else REWARDMESH_HTTP_TOKEN; neither: no auth.
     http_token_file: str = ""
+    # Backpressure: a Score stream with this many samples read but not yet answered is not read further.
+    max_stream_unanswered: int = 2048
 
 
 def build_engine(pipelines: dict[str, Any] | None, *, builtin_rules: bool = True) -> RewardEngine:
@@ -55,7 +57,8 @@ class RewardServer(MeshServer):
     def __init__(self, engine: RewardEngine, options: ServerOptions | None = None, tokenizer: Any = None) -> None:
         self.engine = engine
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
-        self.servicer = RewardServicer(engine, tokenizer)
+        bound = getattr(self.options, "max_stream_unanswered", RewardServerConfig.max_stream_unanswered)
+        self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=bound)
         self.gateway: Any = None  # server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
