@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import ServerProcess, cpu_snapshot, cpu_usage, machine_info, markdown_table, progress
+from bench.common import cpu_snapshot, cpu_usage, machine_info, markdown_table, progress
+from demo.server_process import ServerProcess
 
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
 ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
@@ -90,7 +91,7 @@ class InstantBackend:
         self.policy_version = version
 
 
-async def serve_instant(host: str, port: int, reward_target: str, response_tokens: int) -> None:
+async def serve_instant(host: str, port: int, reward_target: str, response_tokens: int, port_file: str = "") -> None:
     """A rollout server process with the instant engine (the tiny tokenizer, built in memory)."""
     from demo.tiny_models import build_tokenizer
     from server.rollout_server import RolloutServer
@@ -98,7 +99,7 @@ async def serve_instant(host: str, port: int, reward_target: str, response_token
 
     backend = InstantBackend(build_tokenizer(), response_tokens)
     targets = [t for t in reward_target.split(",") if t]
-    server = RolloutServer(backend, targets, ServerOptions(host=host, port=port, grace_s=2))
+    server = RolloutServer(backend, targets, ServerOptions(host=host, port=port, grace_s=2, port_file=port_file))
     await server.start()
     server.grpc.stop_on_signals()
     await server.wait()
@@ -603,9 +604,10 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--port", type=int, default=0)
         sp.add_argument("--reward-target", required=True)
         sp.add_argument("--response-tokens", type=int, default=32)
+        sp.add_argument("--port-file", default="", help="write the bound port here once serving")
         a = sp.parse_args(argv[1:])
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        asyncio.run(serve_instant(a.host, a.port, a.reward_target, a.response_tokens))
+        asyncio.run(serve_instant(a.host, a.port, a.reward_target, a.response_tokens, a.port_file))
         return 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
