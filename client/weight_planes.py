@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from client.weights import Bucket, Entry, byte_view, views
+from reward_engine.errors import InvalidInput
 
 SHM_DIR = Path("/dev/shm")
 
@@ -95,7 +96,7 @@ def form_group(
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
-    raise ValueError(f"dist.backend: {backend!r} is not gloo or nccl")
+    raise InvalidInput(f"dist.backend: {backend!r} is not gloo or nccl")
 
 
 def _broadcast(group: Any, buf: torch.Tensor) -> Any:
@@ -188,16 +189,16 @@ def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict
     """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
     resolved = Path(path).resolve()
     if resolved.parent != SHM_DIR or not resolved.name.startswith("rewardmesh-weights-"):
-        raise ValueError(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
+        raise InvalidInput(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
     if len(offsets) != len(entries):
-        raise ValueError(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
+        raise InvalidInput(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
     end = max((off + e.nbytes for e, off in zip(entries, offsets, strict=True)), default=0)
     for e, off in zip(entries, offsets, strict=True):
         if off < 0 or off % e.dtype.itemsize:
-            raise ValueError(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
+            raise InvalidInput(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
     with open(resolved, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < end:
-            raise ValueError(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
+            raise InvalidInput(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)

@@ -21,7 +21,7 @@ import torch
 
 from client.weight_planes import dist_available, form_group, host_id, map_shm, receive_buckets
 from client.weights import WeightAssembler, check_manifest, layout
-from reward_engine.errors import Unavailable
+from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2
 from server.backends.base import Backend
 
@@ -91,14 +91,14 @@ class WeightReceiver:
         entries = check_manifest(request.tensors, self.backend.weight_specs(), request.total_bytes)
         which = request.WhichOneof("source")
         if which is None:
-            raise ValueError("source: set dist or shm (gRPC chunks go on UpdateWeights)")
+            raise InvalidInput("source: set dist or shm (gRPC chunks go on UpdateWeights)")
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
         timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else DEFAULT_TIMEOUT_S
         async with self._lock:
             if which == "shm":
                 if not self.host_id:
-                    raise ValueError("shm: this server has no usable /dev/shm")
+                    raise InvalidInput("shm: this server has no usable /dev/shm")
                 tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
             else:
                 tensors = await self._receive_dist(request.dist, entries, timeout_s)
@@ -115,13 +115,13 @@ class WeightReceiver:
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
     ) -> dict[str, torch.Tensor]:
         if not dist_available():
-            raise ValueError("dist: torch.distributed (gloo) is not available on this server")
+            raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
         if rdv.backend not in ("gloo", "nccl"):
-            raise ValueError(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
+            raise InvalidInput(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
         if not 0 < rdv.rank < rdv.world_size:
-            raise ValueError(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
+            raise InvalidInput(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
         if rdv.bucket_bytes < 1:
-            raise ValueError(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
+            raise InvalidInput(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
         device = self._device() if rdv.backend == "nccl" else torch.device("cpu")
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
