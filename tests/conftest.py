@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from demo.tiny_models import TinyModelPaths, build_tiny_models
+
+# tests/integrations/ drives verl, TRL and OpenRLHF, installed only in their own environment: `make test-integrations`.
+collect_ignore = [] if os.environ.get("REWARDMESH_INTEGRATIONS") else ["integrations"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,57 @@
+"""A real reward server (and its HTTP gateway) on 127.0.0.1 in a thread of its own, for framework code that
+runs its own event loops (verl's reward-loop worker, TRL's reward thread) or none at all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tests.support.servers import http_gateway, reward_server
+
+
+@dataclass
+class RunningServer:
+    address: str  # gRPC HOST:PORT
+    url: str  # HTTP gateway base URL
+
+
+@contextlib.contextmanager
+def server_thread(pipelines: dict[str, Any] | None = None, **gateway: Any) -> Iterator[RunningServer]:
+    """Start the reward server and gateway on a loop in a daemon thread; stop both on exit."""
+    ready: dict[str, Any] = {}
+    started = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        try:
+            async with reward_server(pipelines) as server, http_gateway(server, **gateway) as gw:
+                ready["server"] = RunningServer(server.address, gw.url)
+                started.set()
+                await stop.wait()
+        except BaseException as exc:
+            ready["error"] = exc
+            started.set()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    if not started.wait(120) or "error" in ready:
+        raise RuntimeError(f"reward server did not start: {ready.get('error')}")
+    try:
+        yield ready["server"]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        loop.close()
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

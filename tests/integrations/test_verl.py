@@ -1,0 +1,148 @@
+"""verl 0.9.1's own RewardLoopWorker, built from verl's real Hydra config (no Ray, no GPU), scoring a
+hand-built DataProto through the `rewardmesh` reward manager (found through the verl.plugins entry point)
+and through verl's naive manager with our async compute_score."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
+from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls  # noqa: E402
+
+from client.integrations.verl import FIXED_KEYS, RewardMeshError, RewardMeshRewardManager  # noqa: E402
+from demo.tiny_models import TinyModelPaths  # noqa: E402
+from tests.integrations.support import closed_port, server_thread  # noqa: E402
+from tests.support.servers import fn_pipeline  # noqa: E402
+
+PIPELINES = {"sleepy": fn_pipeline("sleepy")}
+
+
+def verl_config(policy: Path, *overrides: str) -> Any:
+    """verl's ppo_trainer config, composed by Hydra from the installed package's YAML."""
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(
+            config_name="ppo_trainer",
+            overrides=[f"actor_rollout_ref.model.path={policy}", "reward.num_workers=1", *overrides],
+        )
+
+
+def rewardmesh_config(policy: Path, target: str, pipeline: str, *extra: str) -> Any:
+    return verl_config(
+        policy,
+        "reward.reward_manager.name=rewardmesh",
+        f"+reward.rewardmesh.target={target}",
+        f"+reward.rewardmesh.pipeline={pipeline}",
+        "+reward.rewardmesh.timeout_s=20",
+        *extra,
+    )
+
+
+def batch(tokenizer: Any, rows: list[tuple[str, str, str]], extra_info: list[dict[str, Any]] | None = None) -> Any:
+    """A DataProto as verl's trainer hands it over: prompts left-padded, responses right-padded."""
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p, _, _ in rows]
+    responses = [tokenizer.encode(r, add_special_tokens=False) for _, r, _ in rows]
+    plen, rlen = max(map(len, prompts)) + 2, max(map(len, responses)) + 3
+    n = len(rows)
+    prompt_t = torch.zeros(n, plen, dtype=torch.long)
+    response_t = torch.zeros(n, rlen, dtype=torch.long)
+    mask = torch.zeros(n, plen + rlen, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_t[i, plen - len(p) :] = torch.tensor(p)
+        response_t[i, : len(r)] = torch.tensor(r)
+        mask[i, plen - len(p) : plen + len(r)] = 1
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompt_t,
+            "responses": response_t,
+            "attention_mask": mask,
+            "input_ids": torch.cat([prompt_t, response_t], dim=1),
+            "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0),
+        },
+        non_tensors={
+            "data_source": np.array(["openai/gsm8k"] * n, dtype=object),
+            "reward_model": np.array([{"ground_truth": t, "style": "rule"} for _, _, t in rows], dtype=object),
+            "extra_info": np.array(extra_info or [{"index": i} for i in range(n)], dtype=object),
+        },
+    )
+
+
+def test_the_plugin_registers_the_manager_under_its_name() -> None:
+    assert get_reward_manager_cls("rewardmesh") is RewardMeshRewardManager
+
+
+def test_reward_loop_worker_scores_with_fixed_extra_keys(tiny_models: TinyModelPaths) -> None:
+    rows = [("What is 2 + 2?", "#### 4", "4"), ("What is 3 + 4?", "I think #### 8", "7"), ("1+1=", "#### 2", "2")]
+    with server_thread(PIPELINES) as server:
+        worker = RewardLoopWorker(rewardmesh_config(tiny_models.policy, server.address, "gsm8k"))
+        assert isinstance(worker.reward_manager, RewardMeshRewardManager)
+        data = batch(worker.input_tokenizer, rows)
+        # Two separate event loops, as a worker's lifetime may see: the client is made inside each.
+        outputs = asyncio.run(worker.compute_score_batch(data))
+        again = asyncio.run(worker.compute_score_batch(data[:1]))
+    assert [o["reward_score"] for o in outputs] == [1.0, 0.0, 1.0]
+    assert again[0]["reward_score"] == 1.0
+    keys = [list(o["reward_extra_info"]) for o in outputs]
+    assert all(k == keys[0] for k in keys) and set(FIXED_KEYS) <= set(keys[0]) and "acc" in keys[0]
+    first = outputs[0]["reward_extra_info"]
+    assert first["rewardmesh/error"] == 0.0 and first["rewardmesh/batch_size"] >= 1
+    # verl's own assembly puts each score on the last valid response token.
+    rm = RewardMeshRewardManager.assemble_rm_scores(data, [o["reward_score"] for o in outputs])
+    assert rm.sum(dim=1).tolist() == [1.0, 0.0, 1.0]
+    last = data.batch["attention_mask"][:, data.batch["prompts"].shape[1] :].sum(dim=1) - 1
+    assert rm[torch.arange(3), last].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_a_failed_sample_fails_the_step_or_scores_error_score_with_the_code(tiny_models: TinyModelPaths) -> None:
+    rows = [("p", "four", ""), ("p", "four", "")]
+    extra = [{"delay": 0}, {"delay": "oops"}]  # the checker raises on the second sample
+    with server_thread(PIPELINES) as server:
+        strict = RewardLoopWorker(rewardmesh_config(tiny_models.policy, server.address, "sleepy"))
+        data = batch(strict.input_tokenizer, rows, extra)
+        with pytest.raises(RewardMeshError, match=r"INTERNAL.*oops"):
+            asyncio.run(strict.compute_score_batch(data))
+        lenient = RewardLoopWorker(
+            rewardmesh_config(tiny_models.policy, server.address, "sleepy", "+reward.rewardmesh.error_score=-1")
+        )
+        outputs = asyncio.run(lenient.compute_score_batch(data))
+    assert [o["reward_score"] for o in outputs] == [4.0, -1.0]
+    assert list(outputs[0]["reward_extra_info"]) == list(outputs[1]["reward_extra_info"])
+    assert outputs[1]["reward_extra_info"]["rewardmesh/error"] == 13.0  # INTERNAL
+
+
+def test_reward_server_down_is_a_clear_error_not_a_hang(tiny_models: TinyModelPaths) -> None:
+    worker = RewardLoopWorker(rewardmesh_config(tiny_models.policy, f"127.0.0.1:{closed_port()}", "gsm8k"))
+    data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4")])
+
+    async def run() -> Any:
+        return await asyncio.wait_for(worker.compute_score_batch(data), 60)
+
+    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+        asyncio.run(run())
+
+
+def test_async_compute_score_through_verls_naive_manager(tiny_models: TinyModelPaths) -> None:
+    with server_thread(PIPELINES) as server:
+        config = verl_config(
+            tiny_models.policy,
+            "reward.custom_reward_function.path=pkg://client.integrations.verl",
+            "reward.custom_reward_function.name=compute_score",
+            f"+reward.custom_reward_function.reward_kwargs.target={server.address}",
+            "+reward.custom_reward_function.reward_kwargs.pipeline=gsm8k",
+        )
+        worker = RewardLoopWorker(config)
+        data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4"), ("2+3=", "#### 6", "5")])
+        # verl's naive manager runs the tokenizer on the loop it saw when built: the worker's (a Ray actor's) loop.
+        outputs = worker.loop.run_until_complete(worker.compute_score_batch(data))
+    assert [o["reward_score"] for o in outputs] == [1.0, 0.0]
+    assert outputs[0]["reward_extra_info"]["rewardmesh/error"] == 0.0
