@@ -349,6 +349,11 @@ class EchoRewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ListRewardsResponse:
         return reward_pb2.ListRewardsResponse()
 
+    async def KeepTraces(
+        self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
+    ) -> reward_pb2.KeepTracesResponse:
+        return reward_pb2.KeepTracesResponse()  # it records no traces
+
 
 async def serve_echo(host: str, port: int, port_file: str = "") -> None:
     """Run the echo server (same channel options as a reward server, plus health) until SIGTERM/SIGINT."""

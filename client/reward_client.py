@@ -271,6 +271,22 @@ class RewardClient:
         assert last is not None
         raise last
 
+    async def keep_traces(self, sample_ids: Sequence[str]) -> int:
+        """Ask every reward target to export these samples' span trees; returns the spans exported in all.
+
+        Which target scored a sample is not tracked, so all are asked (targets skip ids they do not know).
+        """
+        request = reward_pb2.KeepTracesRequest(sample_ids=sample_ids)
+
+        async def one(stream: _TargetStream) -> int:
+            try:
+                return (await stream.stub.KeepTraces(request, timeout=10.0)).exported_spans
+            except aio.AioRpcError as exc:  # traces are best effort: never fail a caller for them
+                log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
+                return 0
+
+        return sum(await asyncio.gather(*(one(s) for s in self.streams)))
+
     async def list_rewards(self) -> reward_pb2.ListRewardsResponse:
         (first, *_) = await self.pool.wait_for_members()
         return await first.stub.ListRewards(reward_pb2.ListRewardsRequest())

@@ -3,8 +3,16 @@
 Nothing is exported unless asked for: with OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER unset (or
 "none") the API's no-op providers stay in place and a span costs a function call. Exporters:
 `otlp` (needs the `rewardmesh[otlp]` extra), `console`, and `prometheus` for metrics (a scrape
-endpoint, `rewardmesh[prometheus]`). Sampling follows OTEL_TRACES_SAMPLER(_ARG). Resource
-attributes: service name (OTEL_SERVICE_NAME, else rewardmesh-<role>), role, host, pod.
+endpoint, `rewardmesh[prometheus]`). Resource attributes: service name (OTEL_SERVICE_NAME, else
+rewardmesh-<role>), role, host, pod.
+
+Per-sample spans are not built in the hot path: each process keeps its samples' timelines in a flight
+recorder (`client.flight_recorder`) and exports a sample's spans only when the sample is kept: head-sampled
+(a random fraction of prompt groups, decided by the trainer and carried in the trace flags:
+OTEL_TRACES_SAMPLER=traceidratio / parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG, always_on = every
+sample, always_off = none; unset: DEFAULT_HEAD_RATIO), failed, or among its step's slowest
+(REWARDMESH_TRACE_KEEP_SLOWEST, default 4, announced by the trainer with KeepTraces). Step and RPC spans are
+ordinary SDK spans; a step span is always recorded, so the kept trees of a step hang under it.
 """
 
 from __future__ import annotations
@@ -26,10 +34,48 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult, SpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+from client import batched_metrics
+from client.flight_recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "rewardmesh"
+DEFAULT_HEAD_RATIO = 0.01
+# tracestate key carrying the step span's id, so a kept sample of an unsampled group hangs under its step.
+STEP_KEY = "rewardmesh"
+
+
+@dataclass
+class TraceConfig:
+    """Which samples' span trees are exported (the rest are only in metrics and the flight recorder)."""
+
+    head_ratio: float = DEFAULT_HEAD_RATIO  # random fraction of prompt groups traced in full
+    keep_slowest: int = 4  # per step, the slowest samples' trees (KeepTraces)
+    ring_size: int = 32768  # samples each process remembers for a later keep decision
+
+    @classmethod
+    def from_env(cls) -> TraceConfig:
+        sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+        arg = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+        ratio = DEFAULT_HEAD_RATIO
+        if sampler in ("always_on", "parentbased_always_on"):
+            ratio = 1.0
+        elif sampler in ("always_off", "parentbased_always_off"):
+            ratio = 0.0
+        elif sampler in ("traceidratio", "parentbased_traceidratio"):
+            try:
+                ratio = float(arg) if arg else 1.0
+            except ValueError:
+                raise SystemExit(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: not a number") from None
+        keep = os.environ.get("REWARDMESH_TRACE_KEEP_SLOWEST", "4")
+        ring = os.environ.get("REWARDMESH_TRACE_RING_SIZE", "32768")
+        try:
+            return cls(min(1.0, max(0.0, ratio)), max(0, int(keep)), max(1, int(ring)))
+        except ValueError:
+            raise SystemExit(f"REWARDMESH_TRACE_KEEP_SLOWEST={keep!r} / REWARDMESH_TRACE_RING_SIZE={ring!r}") from None
 
 
 @dataclass
@@ -41,6 +87,8 @@ class Telemetry:
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
     processors: list[SpanProcessor] = field(default_factory=list)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    recorder: FlightRecorder | None = None
 
     def shutdown(self) -> None:
         if self.tracer_provider is not None:
@@ -133,10 +181,11 @@ def setup_telemetry(
         env_metrics = [x.strip() for x in os.environ.get("OTEL_METRICS_EXPORTER", "none").split(",")]
         exporters = [*_span_exporters(env_traces), *span_exporters]
         readers = [*_metric_readers(env_metrics, prometheus_port), *metric_readers]
-        telemetry = Telemetry()
+        telemetry = Telemetry(trace=TraceConfig.from_env())
         res = resource(role, **resource_attributes)
         if exporters or span_processors:
-            provider = TracerProvider(resource=res)  # sampler from OTEL_TRACES_SAMPLER
+            # Step and RPC spans: roots always, children as their parent. Per-sample trees follow TraceConfig.
+            provider = TracerProvider(resource=res, sampler=ParentBased(ALWAYS_ON))
             for exporter in exporters:
                 processor = BatchSpanProcessor(exporter)
                 provider.add_span_processor(processor)
@@ -146,8 +195,10 @@ def setup_telemetry(
                 telemetry.processors.append(sp)
             trace.set_tracer_provider(provider)
             telemetry.tracing, telemetry.tracer_provider = True, provider
+            telemetry.recorder = FlightRecorder(telemetry.processors, res, telemetry.trace.ring_size)
         if readers:
-            meter_provider = MeterProvider(resource=res, metric_readers=list(readers))
+            meter_provider = MeterProvider(resource=res, metric_readers=list(readers), views=batched_metrics.views())
+            batched_metrics.mark_views_installed()
             metrics.set_meter_provider(meter_provider)
             telemetry.metrics, telemetry.meter_provider = True, meter_provider
         _installed = telemetry
@@ -156,6 +207,35 @@ def setup_telemetry(
 
 def tracing_enabled() -> bool:
     return _installed is not None and _installed.tracing
+
+
+def metrics_enabled() -> bool:
+    return _installed is not None and _installed.metrics
+
+
+def recorder() -> FlightRecorder | None:
+    """This process's flight recorder; None when tracing is off (record nothing then)."""
+    return _installed.recorder if _installed is not None else None
+
+
+def trace_config() -> TraceConfig:
+    return _installed.trace if _installed is not None else TraceConfig()
+
+
+def group_context(step: trace.Span, sampled: bool) -> otel_context.Context | None:
+    """The context a prompt group's calls run in: the step span, with the group's head-sampling decision in
+    the trace flags and the step's span id in the tracestate (None when the step is not recorded)."""
+    ctx = step.get_span_context()
+    if not ctx.is_valid or not step.is_recording():
+        return None
+    span_ctx = SpanContext(
+        ctx.trace_id,
+        ctx.span_id,
+        is_remote=False,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT),
+        trace_state=TraceState([(STEP_KEY, f"{ctx.span_id:016x}")]),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(span_ctx))
 
 
 # Fetched once: get_tracer() builds a new Tracer on every call. Before setup these are proxies that
@@ -186,18 +266,6 @@ def extract(carrier: Any) -> otel_context.Context:
     if not isinstance(carrier, dict):
         carrier = {k: v for k, v in carrier if isinstance(v, str)}
     return propagate.extract(carrier)
-
-
-def span_context_in(ctx: otel_context.Context | None) -> trace.SpanContext | None:
-    """The valid span context a context carries, if any (what a span link points at)."""
-    if ctx is None:
-        return None
-    span_ctx = trace.get_current_span(ctx).get_span_context()
-    return span_ctx if span_ctx.is_valid else None
-
-
-def traceparent(span: trace.Span) -> dict[str, str]:
-    return inject(trace.set_span_in_context(span))
 
 
 def _not_score() -> Any:

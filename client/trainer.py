@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -37,10 +39,10 @@ from client.batch import (
 )
 from client.channels import open_channel
 from client.targets import Member, Resolve, TargetPool
-from client.telemetry import tracer
+from client.telemetry import group_context, recorder, trace_config, tracer
 from client.tensors import ids_tensor
 from client.weight_sync import SyncResult, WeightSync
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,7 @@ class TrainerClient:
         self.last_weight_sync: SyncResult | None = None
         self.groups_started = 0
         self._step = 0
+        self._keeping: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> TrainerClient:
         return self
@@ -173,6 +176,8 @@ class TrainerClient:
 
     async def close(self) -> None:
         """Close every channel (calls in flight on a pod that left the pool finish or fail first)."""
+        if self._keeping:  # the last steps' KeepTraces calls (each has its own deadline)
+            await asyncio.gather(*self._keeping, return_exceptions=True)
         self.weight_sync.close()
         await self.pool.close()
 
@@ -249,13 +254,21 @@ class TrainerClient:
             "rewardmesh.policy_version": self.policy_version})  # fmt: skip
         launched = _Launched(asyncio.Queue(), [], len(prompts) * n, time.perf_counter(), span)
         token = otel_context.attach(trace.set_span_in_context(span))  # the tasks (and their RPCs) inherit it
+        ratio = trace_config().head_ratio
         try:
             for i, spec in enumerate(prompts):
                 group = spec.group_id or f"{stamp}-{i}"
                 ids = [f"{group}/{k}" for k in range(n)]
                 run = self._run_group(spec, group, ids, self.reward if reward is None else reward,
                                       sampling or self.sampling, launched.out, launched.started)  # fmt: skip
-                launched.tasks.append(asyncio.create_task(run))
+                # Head sampling per prompt group, decided here and carried in the trace flags.
+                ctx = group_context(span, random.random() < ratio)
+                group_token = otel_context.attach(ctx) if ctx is not None else None
+                try:
+                    launched.tasks.append(asyncio.create_task(run))
+                finally:
+                    if group_token is not None:
+                        otel_context.detach(group_token)
         finally:
             otel_context.detach(token)
         self.groups_started += len(prompts)
@@ -314,7 +327,7 @@ class TrainerClient:
                 log.warning("every group of a step had a failed sample and was dropped (%d samples)", launched.total)
                 return None
             batch = self._batch(samples, time.perf_counter() - launched.started, launched.dropped)
-            _close_step_span(launched.span, batch.samples, batch.metrics)
+            self._end_step(launched.span, batch.samples, batch.metrics)
             return batch
         finally:
             launched.span.end()
@@ -350,9 +363,32 @@ class TrainerClient:
             if ready:
                 yield self._batch(ready, time.perf_counter() - launched.started, launched.dropped)
             if seen:
-                _close_step_span(launched.span, seen, _metrics(seen, time.perf_counter() - launched.started))
+                self._end_step(launched.span, seen, _metrics(seen, time.perf_counter() - launched.started))
         finally:
             launched.span.end()
+
+    def _end_step(self, span: trace.Span, samples: Sequence[ScoredSample], metrics: Mapping[str, float]) -> None:
+        """The step span's slowest-sample breakdown, and the step's slowest samples' span trees kept everywhere."""
+        _close_step_span(span, samples, metrics)
+        k = trace_config().keep_slowest
+        if not samples or not k or recorder() is None or not span.is_recording():
+            return
+        ids = [s.sample_id for s in heapq.nlargest(k, samples, key=lambda s: s.total_time)]
+        task = asyncio.get_running_loop().create_task(self._keep_traces(ids))
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
+
+    async def _keep_traces(self, sample_ids: list[str]) -> None:
+        """KeepTraces on every rollout server (each forwards to its reward targets); best effort."""
+        request = reward_pb2.KeepTracesRequest(sample_ids=sample_ids)
+
+        async def one(t: _Target) -> None:
+            try:
+                await t.stub.KeepTraces(request, timeout=10.0)
+            except aio.AioRpcError as exc:
+                log.debug("KeepTraces on %s failed: %s", t.address, exc.code().name)
+
+        await asyncio.gather(*(one(t) for t in self.targets))
 
     def _batch(
         self, samples: list[ScoredSample], gen_seconds: float, dropped: Sequence[ScoredSample] = ()

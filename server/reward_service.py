@@ -12,7 +12,6 @@ from typing import Any
 from google.protobuf import json_format
 from grpc import aio
 
-from client.telemetry import extract, span_context_in
 from client.tensors import ids_from
 from reward_engine.batcher import Scored
 from reward_engine.engine import RewardEngine
@@ -152,8 +151,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         owner: object,
     ) -> None:
         """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens."""
-        # Parsed once: the parent of this sample's queue/compute spans and the target of its batch span's link.
-        parent = extract(dict(trace_context)) if trace_context else None
+        # This sample's timeline in the flight recorder (None when tracing is off), carried through its batch.
+        parent = self.telemetry.begin(trace_context)
         sid = sample.sample_id
         f = _Flight(sid, reward, deliver, owner, parent)
         try:
@@ -173,7 +172,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer)
             deadline = f.arrived + timeout_s if timeout_s is not None else None
-            f.future = pipeline.enqueue(inp, deadline=deadline, context=span_context_in(parent))
+            f.future = pipeline.enqueue(inp, deadline=deadline, context=parent)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
             return
@@ -349,6 +348,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 self._cancel(f, "the call ended")
         self.results_sent += len(slots)
         return reward_pb2.ScoreBatchResponse(results=[r for r in slots if r is not None])
+
+    async def KeepTraces(
+        self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
+    ) -> reward_pb2.KeepTracesResponse:
+        kept, exported = self.telemetry.keep(request.sample_ids)
+        return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 
     async def ListRewards(
         self, request: reward_pb2.ListRewardsRequest, context: aio.ServicerContext

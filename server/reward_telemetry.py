@@ -1,15 +1,27 @@
-"""Reward-side spans (reward.queue, reward.compute, reward.batch with links) and metrics, per pipeline."""
+"""Reward-side telemetry per pipeline: metrics for every sample, spans for the samples kept.
+
+Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms and
+`rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected in lists and handed to the SDK
+once per batch (`client.batched_metrics`): exact counts and bucket shape at a fraction of the cost.
+
+Spans: each sample's reward.queue / reward.compute and its batch's reward.batch (linked to the samples it
+served) are recorded as plain fields in the flight recorder and built only when the sample is kept: its
+traceparent says head-sampled, it failed here, or a KeepTraces call names it (a step's slowest).
+"""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable, Mapping
+
 import grpc
-from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.util.types import AttributeValue
 
-from client.telemetry import meter, tracer
+from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
+from client.flight_recorder import FlightRecorder, link_to, new_span_id, new_trace_id, parse_traceparent
+from client.telemetry import meter, metrics_enabled, recorder
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2
@@ -24,77 +36,173 @@ _REJECTED = {
     )
 }
 _TIMED_OUT = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+_ODD_HEX = frozenset("13579bdfBDF")
+
+
+class _Batch:
+    """One executed batch, as its span would show it (built only if one of its samples is kept)."""
+
+    __slots__ = ("info", "members", "pipeline", "span_id")
+
+    def __init__(self, pipeline: str, info: BatchInfo, members: list[SampleRecord]) -> None:
+        self.pipeline = pipeline
+        self.info = info
+        self.members = members
+        self.span_id = 0  # set when exported (once)
+
+
+class SampleRecord:
+    """One sample's reward timeline on this server; also the batcher's per-sample context."""
+
+    __slots__ = ("arrival_ns", "batch", "exported", "result", "traceparent")
+
+    def __init__(self, traceparent: str) -> None:
+        self.traceparent = traceparent
+        self.arrival_ns = 0
+        self.result: reward_pb2.RewardResult | None = None
+        self.batch: _Batch | None = None
+        self.exported = False
+
+    @property
+    def sampled(self) -> bool:
+        return self.traceparent[-1:] in _ODD_HEX  # the low bit of the trace flags
+
+    def spans(self, rec: FlightRecorder) -> list[ReadableSpan]:
+        parsed = parse_traceparent(self.traceparent)
+        result = self.result
+        if parsed is None or result is None:
+            return []
+        trace_id, parent_id = parsed[0], parsed[1]
+        attrs: dict[str, AttributeValue] = {
+            "rewardmesh.sample_id": result.sample_id,
+            "rewardmesh.pipeline": result.reward,
+            "rewardmesh.batch.size": result.batch_size,
+        }
+        t0 = self.arrival_ns
+        if result.HasField("error"):
+            end = t0 + int(result.timing.total * 1e9)
+            return [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs,
+                             error=result.error.message)]  # fmt: skip
+        queue_end = t0 + int(result.timing.queue * 1e9)
+        compute_end = queue_end + int(result.timing.compute * 1e9)
+        out = [
+            rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
+            rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
+                     {**attrs, "rewardmesh.score": result.score}),
+        ]  # fmt: skip
+        batch = self.batch
+        if batch is not None and not batch.span_id:
+            batch.span_id = new_span_id()
+            info = batch.info
+            links = [link for m in batch.members if (link := link_to(m.traceparent)) is not None]
+            batch_attrs: dict[str, AttributeValue] = {
+                "rewardmesh.pipeline": batch.pipeline,
+                "rewardmesh.batch.size": info.size,
+                "rewardmesh.batch.padded_tokens": info.padded_tokens,
+                "rewardmesh.batch.real_tokens": info.real_tokens,
+            }
+            # Its own trace: a batch serves many samples, so it links to them rather than having a parent.
+            out.append(rec.span("reward.batch", new_trace_id(), batch.span_id, None, info.start_time_ns,
+                                info.end_time_ns, batch_attrs, links=links))  # fmt: skip
+        return out
+
+
+_LIVE: weakref.WeakSet[RewardTelemetry] = weakref.WeakSet()
+
+
+def _observe_all(options: CallbackOptions) -> list[Observation]:
+    """Runs at every collection: first hand over what the hot paths collected, so the collection includes it."""
+    out = []
+    for t in list(_LIVE):
+        t.pending.flush()
+        out += [Observation(p.batcher.queue_depth, {"pipeline": name}) for name, p in t.engine.pipelines.items()]
+    return out
 
 
 class RewardTelemetry:
-    """Cheap when OpenTelemetry is off: the API's no-op tracer and meter do nothing."""
+    """Hook points for the servicer: `begin` when a sample arrives, `on_result` when it is answered, `keep`."""
 
     def __init__(self, engine: RewardEngine) -> None:
         self.engine = engine
         m = meter()
         self.latency = m.create_histogram(
-            "rewardmesh.reward.latency", unit="s", description="arrival to result on the reward server"
+            "rewardmesh.reward.latency",
+            unit="s",
+            description="arrival to result on the reward server",
+            explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
         )
-        self.queue_time = m.create_histogram("rewardmesh.reward.queue_time", unit="s")
-        self.compute_time = m.create_histogram("rewardmesh.reward.compute_time", unit="s")
-        self.batch_size = m.create_histogram("rewardmesh.reward.batch_size", unit="{sample}")
+        self.queue_time = m.create_histogram(
+            "rewardmesh.reward.queue_time", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS
+        )
+        self.compute_time = m.create_histogram(
+            "rewardmesh.reward.compute_time", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS
+        )
+        self.batch_size = m.create_histogram(
+            "rewardmesh.reward.batch_size", unit="{sample}", explicit_bucket_boundaries_advisory=SIZE_BUCKETS
+        )
         self.scored = m.create_counter("rewardmesh.reward.scored", unit="{sample}")
         self.failed = m.create_counter("rewardmesh.reward.failed", unit="{sample}")
         self.rejected = m.create_counter("rewardmesh.reward.rejected", unit="{sample}")
         self.timed_out = m.create_counter("rewardmesh.reward.timed_out", unit="{sample}")
-        m.create_observable_gauge("rewardmesh.reward.queue_depth", [self._queue_depth], unit="{sample}")
+        # One callback per process (a second registration of the name is ignored), for every live server.
+        m.create_observable_gauge("rewardmesh.reward.queue_depth", [_observe_all], unit="{sample}")
+        self.pending = HistogramBatch()
         engine.batch_listeners.append(self.on_batch)
+        _LIVE.add(self)
 
-    def _queue_depth(self, options: CallbackOptions) -> list[Observation]:
-        return [Observation(p.batcher.queue_depth, {"pipeline": name}) for name, p in self.engine.pipelines.items()]
+    def begin(self, trace_context: Mapping[str, str] | None) -> SampleRecord | None:
+        """A sample arrived with its own trace context: its record (the batcher's context for it), if tracing."""
+        if not trace_context or recorder() is None:
+            return None
+        tp = trace_context.get("traceparent")
+        return SampleRecord(tp) if tp else None
 
-    def on_result(self, result: reward_pb2.RewardResult, parent: Context | None, arrival_ns: int) -> None:
-        """Record the sample's counters and histograms, and its queue/compute spans under its own context."""
-        attrs = {"pipeline": result.reward}
-        if result.HasField("error"):
-            code = result.error.code
-            counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
-            counter.add(1, attrs)
+    def on_result(self, result: reward_pb2.RewardResult, record: SampleRecord | None, arrival_ns: int) -> None:
+        """Count and time the sample; export its spans now if kept, else remember them for a KeepTraces."""
+        if metrics_enabled():
+            pending, pipeline = self.pending, result.reward
+            if result.HasField("error"):
+                code = result.error.code
+                counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
+                pending.count(counter, pipeline)
+            else:
+                timing = result.timing
+                pending.count(self.scored, pipeline)
+                pending.add(self.latency, pipeline, timing.total)
+                pending.add(self.queue_time, pipeline, timing.queue)
+                pending.add(self.compute_time, pipeline, timing.compute)
+        if record is None:
+            return
+        rec = recorder()
+        if rec is None:
+            return
+        record.result = result
+        record.arrival_ns = arrival_ns
+        if record.sampled or result.HasField("error"):
+            record.exported = True
+            rec.export(record.spans(rec))
         else:
-            self.scored.add(1, attrs)
-            self.latency.record(result.timing.total, attrs)
-            self.queue_time.record(result.timing.queue, attrs)
-            self.compute_time.record(result.timing.compute, attrs)
-        if parent is None:
-            return
-        span_attrs: dict[str, AttributeValue] = {
-            "rewardmesh.sample_id": result.sample_id,
-            "rewardmesh.pipeline": result.reward,
-            "rewardmesh.batch.size": result.batch_size,
-        }
-        queue_end = arrival_ns + int(result.timing.queue * 1e9)
-        queue = tracer().start_span("reward.queue", context=parent, start_time=arrival_ns, attributes=span_attrs)
-        if result.HasField("error"):
-            queue.set_status(Status(StatusCode.ERROR, result.error.message))
-            queue.end(end_time=arrival_ns + int(result.timing.total * 1e9))
-            return
-        queue.end(end_time=queue_end)
-        compute = tracer().start_span(
-            "reward.compute",
-            context=parent,
-            start_time=queue_end,
-            attributes={**span_attrs, "rewardmesh.score": result.score},
-        )
-        compute.end(end_time=queue_end + int(result.timing.compute * 1e9))
+            rec.remember((id(self), result.sample_id), record)
 
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
-        self.batch_size.record(info.size, {"pipeline": pipeline})
-        links = [Link(ctx) for ctx in info.contexts if isinstance(ctx, trace.SpanContext)]
-        span = tracer().start_span(
-            "reward.batch",
-            context=trace.set_span_in_context(trace.INVALID_SPAN),  # its own trace: it serves many samples
-            start_time=info.start_time_ns,
-            links=links,
-            attributes={
-                "rewardmesh.pipeline": pipeline,
-                "rewardmesh.batch.size": info.size,
-                "rewardmesh.batch.padded_tokens": info.padded_tokens,
-                "rewardmesh.batch.real_tokens": info.real_tokens,
-            },
-        )
-        span.end(end_time=info.end_time_ns)
+        if metrics_enabled():
+            self.pending.add(self.batch_size, pipeline, info.size)
+            self.pending.flush()  # the previous batch's samples (this one's are answered right after)
+        members = [c for c in info.contexts if isinstance(c, SampleRecord)]
+        if members:
+            batch = _Batch(pipeline, info, members)
+            for m in members:
+                m.batch = batch
+
+    def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
+        """Export the trees of these samples still in the ring: (samples known, spans exported)."""
+        rec = recorder()
+        if rec is None:
+            return 0, 0
+        found = rec.recall((id(self), sid) for sid in sample_ids)
+        exported = 0
+        for record in found:
+            if isinstance(record, SampleRecord) and not record.exported:
+                record.exported = True
+                exported += rec.export(record.spans(rec))
+        return len(found), exported

@@ -15,7 +15,7 @@ from grpc import aio
 
 from client.tensors import ids_from, ids_tensor
 from reward_engine.errors import InvalidInput
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
 from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
@@ -132,6 +132,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.TransferWeightsRequest, context: aio.ServicerContext
     ) -> rollout_pb2.TransferWeightsResponse:
         return await self.weights.transfer(request)
+
+    async def KeepTraces(self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext) -> Any:
+        """Export these samples' trees here and on every reward target (a step's slowest, named by the trainer)."""
+        kept, exported = await self.worker.keep_traces(request.sample_ids)
+        return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest, context: aio.ServicerContext) -> Any:
         rewards = self.worker.rewards

@@ -10,20 +10,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from client.reward_client import RewardClient
-from client.telemetry import inject, traceparent, tracer
 from client.tensors import ids_tensor, numpy_to_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 from server.agent_loop import AgentSettings, Rollout, run_agent_loop
 from server.backends.base import Backend, GenerationRequest
+from server.rollout_telemetry import NoTrace, RolloutTelemetry, SampleTrace
 from server.status import SAMPLE_ERRORS, status_proto
 
 log = logging.getLogger(__name__)
@@ -75,6 +73,7 @@ class RolloutWorker:
         self.running_samples = 0
         self.pending_rewards = 0
         self.active_requests = 0
+        self.traces = RolloutTelemetry()  # sample timelines; span trees only for the samples kept
 
     def load(self) -> rollout_pb2.RolloutLoad:
         return rollout_pb2.RolloutLoad(
@@ -92,6 +91,13 @@ class RolloutWorker:
         finally:
             self.active_requests -= 1
 
+    async def keep_traces(self, sample_ids: Sequence[str]) -> tuple[int, int]:
+        """Export these samples' span trees here and on every reward target: (samples known, spans exported)."""
+        kept, exported = self.traces.keep(sample_ids)
+        if self.rewards is not None and kept:
+            await self.rewards.keep_traces(sample_ids)
+        return kept, exported
+
     async def run(self, job: Job, settings: RunSettings) -> rollout_pb2.GenerateResponse:
         """One sample, generated and (if asked) scored; a generation failure is this sample's error."""
         attrs: dict[str, AttributeValue] = {
@@ -99,23 +105,22 @@ class RolloutWorker:
             "rewardmesh.group_id": job.prompt.group_id,
             "rewardmesh.prompt_length": len(job.prompt.ids),
         }
-        with tracer().start_as_current_span("rollout.sample", attributes=attrs) as span:
+        span = self.traces.begin(job.sample_id, attrs)
+        response = None
+        try:
             response = await self._run(job, settings, span)
-            response.trace_context.update(traceparent(span))
             return response
+        finally:
+            self.traces.finish(span, response)
 
-    async def _run(self, job: Job, settings: RunSettings, span: trace.Span) -> rollout_pb2.GenerateResponse:
-        def on_turn(kind: str, name: str, start_ns: int, end_ns: int) -> None:
-            attrs = {"rewardmesh.tool": name} if kind == "tool_call" else {"rewardmesh.turn": name}
-            tracer().start_span(kind, start_time=start_ns, attributes=attrs).end(end_time=end_ns)
-
+    async def _run(self, job: Job, settings: RunSettings, span: SampleTrace | NoTrace) -> rollout_pb2.GenerateResponse:
         self.running_samples += 1
         try:
             sampling = replace(settings.sampling, seed=job.seed)
-            rollout = await run_agent_loop(self.backend, job.prompt.ids, sampling, settings.agent, on_turn)
+            rollout = await run_agent_loop(self.backend, job.prompt.ids, sampling, settings.agent, span.turn)
         except SAMPLE_ERRORS as exc:  # any failure is this sample's error, not the stream's
             log.warning("sample %s failed in generation: %s", job.sample_id, exc)
-            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            span.failed(str(exc))
             failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id)
             return rollout_pb2.GenerateResponse(
                 sample=failed, result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc))
@@ -125,7 +130,7 @@ class RolloutWorker:
         response = rollout_pb2.GenerateResponse()
         sample = response.sample  # built in place: the response is the one Sample this call keeps
         self._fill(sample, job, rollout)
-        span.set_attributes(
+        span.annotate(
             {
                 "rewardmesh.response_length": len(rollout.response_ids),
                 "rewardmesh.num_preempted": rollout.num_preempted,
@@ -138,19 +143,16 @@ class RolloutWorker:
         self.pending_rewards += 1
         started = time.perf_counter()
         try:
-            with tracer().start_as_current_span("reward", attributes={"rewardmesh.pipeline": settings.reward}) as rs:
-                result = await self.rewards.submit(
-                    sample, settings.reward, timeout=settings.reward_timeout, trace_context=inject()
-                )
-                rs.set_attributes({"rewardmesh.score": result.score, "rewardmesh.batch.size": result.batch_size})
-                if result.HasField("error"):
-                    rs.set_status(Status(StatusCode.ERROR, result.error.message))
+            ctx = span.reward_context(settings.reward)
+            result = await self.rewards.submit(
+                sample, settings.reward, timeout=settings.reward_timeout, trace_context=ctx
+            )
+            span.reward_done(result)
         finally:
             self.pending_rewards -= 1
         sample.timing.reward = time.perf_counter() - started
         sample.timing.reward_queue = result.timing.queue
         sample.timing.reward_compute = result.timing.compute
-        span.set_attribute("rewardmesh.score", result.score)
         response.result.CopyFrom(result)
         return response
 

@@ -47,7 +47,7 @@ def test_contract_names_other_tools_rely_on() -> None:
     assert {"sample", "reward"} <= set(reward_pb2.ScoreRequest.DESCRIPTOR.fields_by_name)
     assert reward_pb2.ScoreBatchRequest and reward_pb2.ListRewardsRequest
     rollout = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
-    assert set(rollout) == {"Generate", "UpdateWeights", "GetInfo", "TransferWeights"}
+    assert set(rollout) == {"Generate", "UpdateWeights", "GetInfo", "TransferWeights", "KeepTraces"}
     # Every enum starts with an _UNSPECIFIED zero value (buf's rule).
     for module in (common_pb2, reward_pb2, rollout_pb2):
         for enum in module.DESCRIPTOR.enum_types_by_name.values():

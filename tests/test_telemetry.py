@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,28 @@ def tool_script(text: str, turn: int) -> tuple[str, float]:
 
 def metric_points(name: str) -> list[Any]:
     data = METRICS.get_metrics_data()
-    assert data is not None
+    if data is None:  # nothing recorded yet in this process
+        return []
     return [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name
             for p in m.data.data_points]  # fmt: skip
 
 
-async def test_one_trace_per_step_across_three_services(telemetry: Telemetry, tiny_models: TinyModelPaths) -> None:
+@pytest.fixture
+def head_ratio(telemetry: Telemetry) -> Iterator[Callable[[float], None]]:
+    """Set the head-sampling ratio for one test (what OTEL_TRACES_SAMPLER_ARG sets for a process)."""
+    before = telemetry.trace.head_ratio
+
+    def set_ratio(ratio: float) -> None:
+        telemetry.trace.head_ratio = ratio
+
+    yield set_ratio
+    telemetry.trace.head_ratio = before
+
+
+async def test_one_trace_per_step_across_three_services(
+    telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
+) -> None:
+    head_ratio(1.0)  # every sample traced in full, RPC spans included
     tok = load_tokenizer(str(tiny_models.policy))
     SPANS.clear()
     pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
@@ -148,3 +165,50 @@ def test_otlp_json_lines_exporter(tmp_path: Path, telemetry: Telemetry) -> None:
     assert out["inner"]["parentSpanId"] == out["outer"]["spanId"] and len(out["outer"]["traceId"]) == 32
     assert {a["key"]: a["value"] for a in out["outer"]["attributes"]}["n"] == {"intValue": "3"}
     assert any(a["key"] == "service.name" for a in otlp["resource"]["attributes"])
+
+
+async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
+    telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
+) -> None:
+    """No group is head-sampled, yet the step's slowest samples (KeepTraces, k=4) have their whole tree."""
+    head_ratio(0.0)
+    tok = load_tokenizer(str(tiny_models.policy))
+    SPANS.clear()
+
+    def scored() -> int:
+        points = metric_points("rewardmesh.reward.latency")
+        return sum(p.count for p in points if p.attributes["pipeline"] == "gsm8k_batched")
+
+    before = scored()
+    pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
+                                   "batching": {"max_batch_size": 4, "max_queue_delay_ms": 5}}}  # fmt: skip
+    agent = rollout_pb2.AgentLoopConfig(max_turns=3, tools=["calculator"])
+    async with reward_server(pipelines) as rs, rollout_server(ScriptedBackend(tok, tool_script), [rs.address]) as ro:
+        async with TrainerClient([ro.address], reward="gsm8k_batched", agent=agent,
+                                 sampling=Sampling(max_tokens=128)) as client:  # fmt: skip
+            texts = ["fast a", "fast b", "fast c", "slow one"]
+            batch = await client.generate_batch([PromptSpec(token_ids=tok.encode(t), ground_truth="4") for t in texts],
+                                                n=2)  # fmt: skip
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    spans = list(SPANS.get_finished_spans())
+    by_id = {s.context.span_id: s for s in spans}
+    kept = sorted(batch.samples, key=lambda s: s.total_time)[-4:]
+    samples = {s.attributes["rewardmesh.sample_id"]: s for s in spans if s.name == "rollout.sample"}
+    assert set(samples) == {s.sample_id for s in kept}  # only the slowest 4 of 8: nothing else was built
+    assert not [s for s in spans if (s.attributes or {}).get("rpc.method") == "Generate"]  # not head-sampled
+    (step,) = [s for s in spans if s.name == "trainer.step"]
+    (event,) = [e for e in step.events if e.name == "slowest_sample"]
+    slowest = samples[event.attributes["rewardmesh.sample_id"]]
+    assert event.attributes["span_id"] == f"{slowest.context.span_id:016x}"  # the event points at an exported span
+    for sample in samples.values():
+        assert sample.parent is not None and by_id[sample.parent.span_id] is step  # hangs under its step
+        children = [s for s in spans if s.parent and s.parent.span_id == sample.context.span_id]
+        assert sorted(c.name for c in children) == ["generate", "generate", "reward", "tool_call"]
+        (reward,) = [c for c in children if c.name == "reward"]
+        remote = sorted(s.name for s in spans if s.parent and s.parent.span_id == reward.context.span_id)
+        assert remote == ["reward.compute", "reward.queue"]
+        batches = [b for b in spans if b.name == "reward.batch" and any(
+            link.context.span_id == reward.context.span_id for link in b.links)]  # fmt: skip
+        assert len(batches) == 1 and batches[0].attributes["rewardmesh.batch.size"] == len(batches[0].links)
+    # Metrics still count every sample, kept or not.
+    assert scored() - before == 8

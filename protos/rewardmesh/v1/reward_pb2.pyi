@@ -155,3 +155,17 @@ class RewardPipeline(_message.Message):
     batching: BatchingConfig
     description: str
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[RewardSource, _Mapping]]] = ..., batching: _Optional[_Union[BatchingConfig, _Mapping]] = ..., description: _Optional[str] = ...) -> None: ...
+
+class KeepTracesRequest(_message.Message):
+    __slots__ = ("sample_ids",)
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepTracesResponse(_message.Message):
+    __slots__ = ("kept_samples", "exported_spans")
+    KEPT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    kept_samples: int
+    exported_spans: int
+    def __init__(self, kept_samples: _Optional[int] = ..., exported_spans: _Optional[int] = ...) -> None: ...

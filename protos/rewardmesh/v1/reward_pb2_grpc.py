@@ -50,6 +50,11 @@ class RewardServiceStub:
                 request_serializer=rewardmesh_dot_v1_dot_reward__pb2.ListRewardsRequest.SerializeToString,
                 response_deserializer=rewardmesh_dot_v1_dot_reward__pb2.ListRewardsResponse.FromString,
                 _registered_method=True)
+        self.KeepTraces = channel.unary_unary(
+                '/rewardmesh.v1.RewardService/KeepTraces',
+                request_serializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.SerializeToString,
+                response_deserializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -78,6 +83,15 @@ class RewardServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepTraces(self, request, context):
+        """Export the recorded span trees (reward.queue, reward.compute, reward.batch) of these samples: a trainer
+        decides when a step ends which samples explain it (its slowest), after they were scored. Samples this
+        server did not score, or no longer remembers, are skipped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.ListRewards,
                     request_deserializer=rewardmesh_dot_v1_dot_reward__pb2.ListRewardsRequest.FromString,
                     response_serializer=rewardmesh_dot_v1_dot_reward__pb2.ListRewardsResponse.SerializeToString,
+            ),
+            'KeepTraces': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepTraces,
+                    request_deserializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.FromString,
+                    response_serializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class RewardService:
             '/rewardmesh.v1.RewardService/ListRewards',
             rewardmesh_dot_v1_dot_reward__pb2.ListRewardsRequest.SerializeToString,
             rewardmesh_dot_v1_dot_reward__pb2.ListRewardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepTraces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rewardmesh.v1.RewardService/KeepTraces',
+            rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.SerializeToString,
+            rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,11 @@ class RewardServiceStub:
     """Unary convenience for simple callers: one result per sample, in request order."""
     ListRewards: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]
     """The pipelines this server offers."""
+    KeepTraces: _grpc.UnaryUnaryMultiCallable[_reward_pb2.KeepTracesRequest, _reward_pb2.KeepTracesResponse]
+    """Export the recorded span trees (reward.queue, reward.compute, reward.batch) of these samples: a trainer
+    decides when a step ends which samples explain it (its slowest), after they were scored. Samples this
+    server did not score, or no longer remembers, are skipped.
+    """
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
@@ -55,6 +60,11 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """Unary convenience for simple callers: one result per sample, in request order."""
     ListRewards: _aio.UnaryUnaryMultiCallable[_reward_pb2.ListRewardsRequest, _reward_pb2.ListRewardsResponse]  # type: ignore[assignment]
     """The pipelines this server offers."""
+    KeepTraces: _aio.UnaryUnaryMultiCallable[_reward_pb2.KeepTracesRequest, _reward_pb2.KeepTracesResponse]  # type: ignore[assignment]
+    """Export the recorded span trees (reward.queue, reward.compute, reward.batch) of these samples: a trainer
+    decides when a step ends which samples explain it (its slowest), after they were scored. Samples this
+    server did not score, or no longer remembers, are skipped.
+    """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     """Scores samples with named reward pipelines (rules, custom functions, reward models, LLM judges)."""
@@ -84,5 +94,16 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reward_pb2.ListRewardsResponse, _abc.Awaitable[_reward_pb2.ListRewardsResponse]]:
         """The pipelines this server offers."""
+
+    @_abc_1.abstractmethod
+    def KeepTraces(
+        self,
+        request: _reward_pb2.KeepTracesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reward_pb2.KeepTracesResponse, _abc.Awaitable[_reward_pb2.KeepTracesResponse]]:
+        """Export the recorded span trees (reward.queue, reward.compute, reward.batch) of these samples: a trainer
+        decides when a step ends which samples explain it (its slowest), after they were scored. Samples this
+        server did not score, or no longer remembers, are skipped.
+        """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from rewardmesh.v1 import reward_pb2 as rewardmesh_dot_v1_dot_reward__pb2
 from rewardmesh.v1 import rollout_pb2 as rewardmesh_dot_v1_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,11 @@ class RolloutServiceStub:
                 request_serializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.SerializeToString,
                 response_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.FromString,
                 _registered_method=True)
+        self.KeepTraces = channel.unary_unary(
+                '/rewardmesh.v1.RolloutService/KeepTraces',
+                request_serializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.SerializeToString,
+                response_deserializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -91,6 +97,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepTraces(self, request, context):
+        """Export the recorded span trees of these samples (rollout.sample with its generate, tool_call and reward
+        spans) and ask this server's reward targets for their parts: the trainer keeps a step's slowest samples.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +127,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.TransferWeights,
                     request_deserializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.FromString,
                     response_serializer=rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.SerializeToString,
+            ),
+            'KeepTraces': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepTraces,
+                    request_deserializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.FromString,
+                    response_serializer=rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +243,33 @@ class RolloutService:
             '/rewardmesh.v1.RolloutService/TransferWeights',
             rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsRequest.SerializeToString,
             rewardmesh_dot_v1_dot_rollout__pb2.TransferWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepTraces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rewardmesh.v1.RolloutService/KeepTraces',
+            rewardmesh_dot_v1_dot_reward__pb2.KeepTracesRequest.SerializeToString,
+            rewardmesh_dot_v1_dot_reward__pb2.KeepTracesResponse.FromString,
             options,
             channel_credentials,
             insecure,

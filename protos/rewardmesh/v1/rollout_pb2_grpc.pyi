@@ -5,6 +5,7 @@ The rollout service: prompts in, scored samples streamed out as each finishes.""
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from rewardmesh.v1 import reward_pb2 as _reward_pb2
 from rewardmesh.v1 import rollout_pb2 as _rollout_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -44,6 +45,10 @@ class RolloutServiceStub:
     broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
     Returns once the new weights are applied (or nothing was applied and the call failed).
     """
+    KeepTraces: _grpc.UnaryUnaryMultiCallable[_reward_pb2.KeepTracesRequest, _reward_pb2.KeepTracesResponse]
+    """Export the recorded span trees of these samples (rollout.sample with its generate, tool_call and reward
+    spans) and ask this server's reward targets for their parts: the trainer keeps a step's slowest samples.
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -60,6 +65,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
     broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
     Returns once the new weights are applied (or nothing was applied and the call failed).
+    """
+    KeepTraces: _aio.UnaryUnaryMultiCallable[_reward_pb2.KeepTracesRequest, _reward_pb2.KeepTracesResponse]  # type: ignore[assignment]
+    """Export the recorded span trees of these samples (rollout.sample with its generate, tool_call and reward
+    spans) and ask this server's reward targets for their parts: the trainer keeps a step's slowest samples.
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -98,6 +107,16 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         """Control plane of a weight update whose bytes travel on another data plane (a torch.distributed
         broadcast or shared memory): the manifest, the version and the rendezvous in, the outcome out.
         Returns once the new weights are applied (or nothing was applied and the call failed).
+        """
+
+    @_abc_1.abstractmethod
+    def KeepTraces(
+        self,
+        request: _reward_pb2.KeepTracesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reward_pb2.KeepTracesResponse, _abc.Awaitable[_reward_pb2.KeepTracesResponse]]:
+        """Export the recorded span trees of these samples (rollout.sample with its generate, tool_call and reward
+        spans) and ask this server's reward targets for their parts: the trainer keeps a step's slowest samples.
         """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,135 @@
+"""Histograms fed per batch: exact counts and bucket shape, one SDK call per batch instead of one per sample.
+
+The OpenTelemetry SDK spends tens of microseconds of Python on every `Histogram.record` (measurement
+object, exemplar filter, attribute hashing, locks); at thousands of samples per second that is most of a
+cheap reward rule's cost. `HistogramBatch` collects values in plain lists and hands them to the SDK as one
+measurement; the view installed by `setup_telemetry` (`BatchedHistogramAggregation`) unpacks it into the
+same explicit-bucket aggregation (count, sum, min, max, buckets) that per-value calls would have built.
+Without that view (a MeterProvider installed by someone else) values are recorded one by one.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from typing import Any
+
+from opentelemetry.metrics import Counter, Histogram
+from opentelemetry.sdk.metrics import Histogram as SdkHistogram
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+try:  # the SDK's explicit-bucket aggregation; if a future SDK moves it, values are recorded one by one
+    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
+except ImportError:  # pragma: no cover
+    _ExplicitBucketHistogramAggregation = None  # type: ignore[assignment,misc]
+
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class _Values(float):
+    """Several values passed through `Histogram.record` as one measurement (the float itself is their sum)."""
+
+    values: list[float]
+
+    def __new__(cls, values: list[float]) -> _Values:
+        obj = super().__new__(cls, sum(values))
+        obj.values = values
+        return obj
+
+
+if _ExplicitBucketHistogramAggregation is not None:
+
+    class _BucketsWithBatches(_ExplicitBucketHistogramAggregation):
+        def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
+            values = getattr(measurement.value, "values", None)
+            if values is None:
+                super().aggregate(measurement, should_sample_exemplar)
+                return
+            if not values:
+                return
+            bounds = self._boundaries
+            with self._lock:
+                counts: list[int] = self._value if self._value is not None else self._get_empty_bucket_counts()
+                self._value = counts  # type: ignore[assignment]
+                for v in values:
+                    counts[bisect_left(bounds, v)] += 1
+                self._sum += float(measurement.value)  # type: ignore[assignment]
+                if self._record_min_max:
+                    self._min = min(self._min, min(values))
+                    self._max = max(self._max, max(values))
+
+
+class BatchedHistogramAggregation(ExplicitBucketHistogramAggregation):
+    """The SDK's explicit-bucket histogram, also accepting a batch of values as one measurement."""
+
+    def _create_aggregation(self, *args: Any, **kwargs: Any) -> Any:
+        agg = super()._create_aggregation(*args, **kwargs)
+        if _ExplicitBucketHistogramAggregation is not None and type(agg) is _ExplicitBucketHistogramAggregation:
+            agg.__class__ = _BucketsWithBatches  # same state, one more way in
+        return agg
+
+
+def views() -> list[View]:
+    """Views for setup_telemetry's MeterProvider: rewardmesh's histograms take batches."""
+    if _ExplicitBucketHistogramAggregation is None:  # pragma: no cover
+        return []
+    return [
+        View(instrument_name="rewardmesh.*", instrument_type=SdkHistogram, aggregation=BatchedHistogramAggregation())
+    ]
+
+
+_views_installed = False
+
+
+def mark_views_installed() -> None:
+    global _views_installed
+    _views_installed = _ExplicitBucketHistogramAggregation is not None
+
+
+class HistogramBatch:
+    """Values and counts collected per attribute set and flushed to the SDK in one call each.
+
+    `add`/`count` are plain list appends under a lock (the metric reader's thread flushes too, at
+    collection time, so nothing recorded before a collection is missing from it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[tuple[Histogram, str], list[float]] = {}
+        self._counts: dict[tuple[Counter, str], int] = {}
+        self._attrs: dict[str, dict[str, str]] = {}
+
+    def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
+        key = (histogram, pipeline)
+        with self._lock:
+            values = self._values.get(key)
+            if values is None:
+                self._values[key] = [value]
+            else:
+                values.append(value)
+
+    def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
+        key = (counter, pipeline)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + n
+
+    def flush(self) -> None:
+        with self._lock:
+            values, self._values = self._values, {}
+            counts, self._counts = self._counts, {}
+        for (hist, pipeline), vs in values.items():
+            attrs = self._attributes(pipeline)
+            if _views_installed:
+                hist.record(_Values(vs), attrs)
+            else:
+                for v in vs:
+                    hist.record(v, attrs)
+        for (counter, pipeline), n in counts.items():
+            counter.add(n, self._attributes(pipeline))
+
+    def _attributes(self, pipeline: str) -> dict[str, str]:
+        attrs = self._attrs.get(pipeline)
+        if attrs is None:
+            attrs = self._attrs[pipeline] = {"pipeline": pipeline}
+        return attrs

@@ -1,0 +1,144 @@
+"""Flight recorder: every sample's timeline in a bounded ring; span trees built only for the samples kept.
+
+Building and exporting an SDK span costs far more Python than the work a cheap reward rule does, so the
+hot path records plain tuples (phase, start, end, ids) and nothing else. A sample's spans are materialized
+(`ReadableSpan`s with their real start and end times and ids agreed when the sample started) only when the
+sample is kept: head-sampled (the trace flags), failed (decided where it failed), or named later by a
+`KeepTraces` call (a step's slowest samples, decided by the trainer when the step ends). Each process
+exports its own part under its own resource; ids travel in the W3C traceparent as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.util.types import Attributes
+
+log = logging.getLogger(__name__)
+
+_SCOPE = InstrumentationScope("rewardmesh")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_OK = Status(StatusCode.UNSET)
+_getrandbits = random.getrandbits
+
+
+def new_span_id() -> int:
+    return _getrandbits(64) or 1
+
+
+def new_trace_id() -> int:
+    return _getrandbits(128) or 1
+
+
+def traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
+    """The W3C traceparent header value for these ids."""
+    return f"00-{trace_id:032x}-{span_id:016x}-{'01' if sampled else '00'}"
+
+
+def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
+    """(trace id, span id, sampled) of a W3C traceparent, None when it is not one."""
+    parts = value.split("-")
+    if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3][:2], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(flags & 1)
+
+
+def link_to(value: str) -> Link | None:
+    parsed = parse_traceparent(value)
+    if parsed is None:
+        return None
+    return Link(SpanContext(parsed[0], parsed[1], True, TraceFlags(int(parsed[2]))))
+
+
+class FlightRecorder:
+    """A bounded ring of per-sample records (whatever the caller records) and the export of kept spans.
+
+    `remember` costs a dict insert; the oldest records fall out once `capacity` is reached, so a keep
+    decision must come within the last `capacity` samples (a step or two at the default).
+    """
+
+    def __init__(self, processors: Sequence[SpanProcessor], resource: Resource, capacity: int = 32768) -> None:
+        self.processors = list(processors)
+        self.resource = resource
+        self.capacity = max(1, capacity)
+        self._ring: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()  # KeepTraces may run on another thread than the hot path
+        self.exported_spans = 0
+
+    def remember(self, key: Hashable, record: Any) -> None:
+        """Keep `record` under `key` (owners in one process, e.g. an in-process mesh, use distinct keys)."""
+        ring = self._ring
+        with self._lock:
+            ring[key] = record
+            if len(ring) > self.capacity:
+                ring.popitem(last=False)
+
+    def recall(self, keys: Iterable[Hashable]) -> list[Any]:
+        """The records still in the ring for these keys (unknown or evicted keys are skipped)."""
+        with self._lock:
+            return [r for k in keys if (r := self._ring.get(k)) is not None]
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def span(
+        self,
+        name: str,
+        trace_id: int,
+        span_id: int,
+        parent_id: int | None,
+        start_ns: int,
+        end_ns: int,
+        attributes: Attributes = None,
+        *,
+        error: str | None = None,
+        links: Sequence[Link] = (),
+        kind: SpanKind = SpanKind.INTERNAL,
+    ) -> ReadableSpan:
+        """A finished span with exactly these ids and times (nothing is sampled or exported here)."""
+        parent = SpanContext(trace_id, parent_id, False, _SAMPLED) if parent_id else None
+        return ReadableSpan(
+            name,
+            SpanContext(trace_id, span_id, False, _SAMPLED),
+            parent,
+            self.resource,
+            attributes,
+            links=links,
+            kind=kind,
+            status=_OK if error is None else Status(StatusCode.ERROR, error),
+            start_time=start_ns,
+            end_time=max(end_ns, start_ns),
+            instrumentation_scope=_SCOPE,
+        )
+
+    def export(self, spans: Sequence[ReadableSpan]) -> int:
+        """Hand finished spans to the span processors (batching, exporters) as if they had just ended."""
+        for s in spans:
+            for p in self.processors:
+                try:
+                    p.on_end(s)
+                except Exception:  # an exporter's failure must never fail a sample
+                    log.debug("span processor failed on %s", s.name, exc_info=True)
+        self.exported_spans += len(spans)
+        return len(spans)
+
+
+def current_span_context() -> SpanContext | None:
+    ctx = trace.get_current_span().get_span_context()
+    return ctx if ctx.is_valid else None
