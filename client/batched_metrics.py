@@ -90,11 +90,14 @@ def mark_views_installed() -> None:
 class HistogramBatch:
     """Values and counts collected per attribute set and flushed to the SDK in one call each.
 
-    `add`/`count` are plain list appends under a lock (the metric reader's thread flushes too, at
-    collection time, so nothing recorded before a collection is missing from it).
+    `add`/`count` are plain list appends under a lock. The owner flushes at every metric collection (so
+    nothing recorded before a collection is missing from it) and `add` flushes every `max_pending` values
+    (bounded memory between collections).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_pending: int = 4096) -> None:
+        self.max_pending = max_pending
+        self._pending = 0
         self._lock = threading.Lock()
         self._values: dict[tuple[Histogram, str], list[float]] = {}
         self._counts: dict[tuple[Counter, str], int] = {}
@@ -108,6 +111,10 @@ class HistogramBatch:
                 self._values[key] = [value]
             else:
                 values.append(value)
+            self._pending += 1
+            full = self._pending >= self.max_pending
+        if full:
+            self.flush()
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
         key = (counter, pipeline)
@@ -118,6 +125,7 @@ class HistogramBatch:
         with self._lock:
             values, self._values = self._values, {}
             counts, self._counts = self._counts, {}
+            self._pending = 0
         for (hist, pipeline), vs in values.items():
             attrs = self._attributes(pipeline)
             if _views_installed:

@@ -37,9 +37,13 @@ def _read(var: str) -> bytes | None:
         raise ValueError(f"{var}={path}: cannot read it: {exc}") from None
 
 
-def open_channel(address: str, *, server_name: str = "", max_message_mb: int = 64) -> aio.Channel:
+def open_channel(
+    address: str, *, server_name: str = "", max_message_mb: int = 64, rpc_spans: bool = True
+) -> aio.Channel:
+    """`rpc_spans=False`: no OpenTelemetry interceptors, for channels whose traffic is a hot stream (grpc.aio
+    routes every message of every call on an intercepted channel through extra Python, filtered or not)."""
     options = channel_options(max_message_mb)
-    interceptors = client_interceptors()
+    interceptors = client_interceptors() if rpc_spans else []
     ca = _read("REWARDMESH_TLS_CA")
     if ca is None:
         return aio.insecure_channel(address, options=options, interceptors=interceptors)

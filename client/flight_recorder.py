@@ -47,6 +47,12 @@ def traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
 
 def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
     """(trace id, span id, sampled) of a W3C traceparent, None when it is not one."""
+    if len(value) == 55 and value[2] == value[35] == value[52] == "-":  # version 00: the fixed layout
+        try:
+            trace_id, span_id, flags = int(value[3:35], 16), int(value[36:52], 16), int(value[53:55], 16)
+        except ValueError:
+            return None
+        return (trace_id, span_id, bool(flags & 1)) if trace_id and span_id else None
     parts = value.split("-")
     if len(parts) < 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
         return None
@@ -126,6 +132,15 @@ class FlightRecorder:
             end_time=max(end_ns, start_ns),
             instrumentation_scope=_SCOPE,
         )
+
+    def export_tree(self, record: Any) -> int:
+        """Build a kept record's spans (`record.spans(self)`) and export them; never raises: telemetry must
+        not cost a sample its result."""
+        try:
+            return self.export(record.spans(self))
+        except Exception:
+            log.debug("could not build the spans of a kept sample", exc_info=True)
+            return 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> int:
         """Hand finished spans to the span processors (batching, exporters) as if they had just ended."""

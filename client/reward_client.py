@@ -42,7 +42,8 @@ class _TargetStream(Member):
     def __init__(self, owner: RewardClient, address: str, server_name: str, max_message_mb: int) -> None:
         super().__init__(address, server_name)
         self.owner = owner
-        self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb)
+        # No RPC spans: the Score stream is the hot path, and each sample carries its own trace context.
+        self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
         self._outbox: asyncio.Queue[reward_pb2.ScoreRequest | None] | None = None

@@ -2,7 +2,8 @@
 
 Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms and
 `rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected in lists and handed to the SDK
-once per batch (`client.batched_metrics`): exact counts and bucket shape at a fraction of the cost.
+in one call per instrument at each metric collection (`client.batched_metrics`): exact counts and bucket
+shape at a fraction of the per-sample cost.
 
 Spans: each sample's reward.queue / reward.compute and its batch's reward.batch (linked to the samples it
 served) are recorded as plain fields in the flight recorder and built only when the sample is kept: its
@@ -17,10 +18,11 @@ from collections.abc import Iterable, Mapping
 import grpc
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import FlightRecorder, link_to, new_span_id, new_trace_id, parse_traceparent
+from client.flight_recorder import FlightRecorder, link_to, new_span_id, new_trace_id
 from client.telemetry import meter, metrics_enabled, recorder
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
@@ -54,25 +56,32 @@ class _Batch:
 class SampleRecord:
     """One sample's reward timeline on this server; also the batcher's per-sample context."""
 
-    __slots__ = ("arrival_ns", "batch", "exported", "result", "traceparent")
+    __slots__ = ("_link", "arrival_ns", "batch", "exported", "result", "traceparent")
 
     def __init__(self, traceparent: str) -> None:
         self.traceparent = traceparent
+        self._link: Link | bool | None = False  # parsed on first use
         self.arrival_ns = 0
         self.result: reward_pb2.RewardResult | None = None
         self.batch: _Batch | None = None
         self.exported = False
+
+    def link(self) -> Link | None:
+        """A span link to this sample's reward span (what a reward.batch span points at)."""
+        if self._link is False:
+            self._link = link_to(self.traceparent)
+        return self._link  # type: ignore[return-value]
 
     @property
     def sampled(self) -> bool:
         return self.traceparent[-1:] in _ODD_HEX  # the low bit of the trace flags
 
     def spans(self, rec: FlightRecorder) -> list[ReadableSpan]:
-        parsed = parse_traceparent(self.traceparent)
+        link = self.link()
         result = self.result
-        if parsed is None or result is None:
+        if link is None or result is None:
             return []
-        trace_id, parent_id = parsed[0], parsed[1]
+        trace_id, parent_id = link.context.trace_id, link.context.span_id
         attrs: dict[str, AttributeValue] = {
             "rewardmesh.sample_id": result.sample_id,
             "rewardmesh.pipeline": result.reward,
@@ -94,7 +103,7 @@ class SampleRecord:
         if batch is not None and not batch.span_id:
             batch.span_id = new_span_id()
             info = batch.info
-            links = [link for m in batch.members if (link := link_to(m.traceparent)) is not None]
+            links = [link for m in batch.members if (link := m.link()) is not None]
             batch_attrs: dict[str, AttributeValue] = {
                 "rewardmesh.pipeline": batch.pipeline,
                 "rewardmesh.batch.size": info.size,
@@ -180,14 +189,13 @@ class RewardTelemetry:
         record.arrival_ns = arrival_ns
         if record.sampled or result.HasField("error"):
             record.exported = True
-            rec.export(record.spans(rec))
+            rec.export_tree(record)
         else:
             rec.remember((id(self), result.sample_id), record)
 
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
         if metrics_enabled():
             self.pending.add(self.batch_size, pipeline, info.size)
-            self.pending.flush()  # the previous batch's samples (this one's are answered right after)
         members = [c for c in info.contexts if isinstance(c, SampleRecord)]
         if members:
             batch = _Batch(pipeline, info, members)
@@ -204,5 +212,5 @@ class RewardTelemetry:
         for record in found:
             if isinstance(record, SampleRecord) and not record.exported:
                 record.exported = True
-                exported += rec.export(record.spans(rec))
+                exported += rec.export_tree(record)
         return len(found), exported

@@ -158,7 +158,7 @@ class RolloutTelemetry:
             response.trace_context["traceparent"] = st.traceparent()
         if st.sampled or st.error is not None or st.reward_error is not None:
             st.exported = True
-            rec.export(st.spans(rec))
+            rec.export_tree(st)
         else:
             rec.remember((id(self), st.sample_id), st)
 
@@ -172,5 +172,5 @@ class RolloutTelemetry:
         for st in found:
             if not st.exported:
                 st.exported = True
-                exported += rec.export(st.spans(rec))
+                exported += rec.export_tree(st)
         return len(found), exported
