@@ -9,6 +9,7 @@ is treated the same way).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -28,16 +29,32 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+MAX_ITEMS_PER_MESSAGE = 256  # samples coalesced into one ScoreRequest when many are queued at once
+MAX_RESULTS_PER_MESSAGE = 256  # asked of the server: results that finish together share a message
+
+
 @dataclass(eq=False)
 class _Pending:
     request: reward_pb2.ScoreRequest
     future: asyncio.Future[reward_pb2.RewardResult]
+    deadline: float  # time.monotonic() by which a result must have come (end to end, retries included)
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
+    stream: _TargetStream | None = None  # where it is pending now
+
+    @property
+    def sample_id(self) -> str:
+        return self.request.sample.sample_id
 
 
 class _TargetStream(Member):
-    """The long-lived Score stream to one target, reopened on demand after a failure."""
+    """The long-lived Score stream to one target, reopened on demand after a failure.
+
+    Whatever is queued when the stream can write goes out in one message (`ScoreRequest.items`, or one
+    sample on its own), cancellations ride along (`cancel_sample_ids`), and the server is asked for
+    several results per message: nothing waits to fill a message, a message takes what is ready.
+    """
 
     def __init__(self, owner: RewardClient, address: str, server_name: str, max_message_mb: int) -> None:
         super().__init__(address, server_name)
@@ -46,7 +63,10 @@ class _TargetStream(Member):
         self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
-        self._outbox: asyncio.Queue[reward_pb2.ScoreRequest | None] | None = None
+        self._queued: collections.deque[reward_pb2.ScoreRequest] = collections.deque()
+        self._cancels: list[str] = []
+        self._wake: asyncio.Future[None] | None = None
+        self._open = False  # the request stream is open (its writer waits on _wake)
         self._task: asyncio.Task[None] | None = None
         self._call: Any = None
         self._closed = False
@@ -58,33 +78,76 @@ class _TargetStream(Member):
     def usable(self, now: float) -> bool:
         return self.owner.pool.usable(self, now)
 
+    def _poke(self) -> None:
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
     def send(self, p: _Pending) -> None:
-        if self._outbox is None:
-            self._outbox = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._outbox))
-        self.pending[p.request.sample.sample_id] = p
-        self._outbox.put_nowait(p.request)
+        if self._task is None:
+            self._open = True
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        p.stream = self
+        self.pending[p.sample_id] = p
+        self._queued.append(p.request)
+        self._poke()
 
-    async def _run(self, outbox: asyncio.Queue[reward_pb2.ScoreRequest | None]) -> None:
-        async def requests() -> AsyncIterator[reward_pb2.ScoreRequest]:
-            while (req := await outbox.get()) is not None:
-                yield req
+    def cancel(self, p: _Pending) -> None:
+        """The caller gave up on p: forget it here and tell the server to drop it (if it was sent)."""
+        if self.pending.get(p.sample_id) is not p:
+            return
+        del self.pending[p.sample_id]
+        p.stream = None
+        with contextlib.suppress(ValueError):
+            self._queued.remove(p.request)  # never sent: nothing to tell the server
+            return
+        if self._open:
+            self._cancels.append(p.sample_id)
+            self._poke()
 
+    async def _requests(self) -> AsyncIterator[reward_pb2.ScoreRequest]:
+        first = True
+        queued, loop = self._queued, asyncio.get_running_loop()
+        while self._open:
+            if not queued and not self._cancels:
+                self._wake = loop.create_future()
+                await self._wake
+                self._wake = None
+                continue
+            if len(queued) == 1 and not self._cancels:
+                msg = queued.popleft()
+            else:
+                take = min(len(queued), MAX_ITEMS_PER_MESSAGE)
+                msg = reward_pb2.ScoreRequest(items=[queued.popleft() for _ in range(take)])
+                if self._cancels:
+                    msg.cancel_sample_ids.extend(self._cancels)
+                    self._cancels.clear()
+            if first:  # read by the server on every message; the last value set wins
+                msg = _with_results_limit(msg)
+                first = False
+            yield msg
+
+    async def _run(self) -> None:
         reason = "the server ended the stream"
         answered = False
+        on_result = self.owner._on_result
         try:
-            self._call = call = self.stub.Score(requests())
+            self._call = call = self.stub.Score(self._requests())
             async for response in call:
                 if not answered:
                     answered = True
                     self.owner.pool.mark_ok(self)
-                self.owner._on_result(self, response.result)
+                if response.results:
+                    for result in response.results:
+                        on_result(self, result)
+                else:
+                    on_result(self, response.result)
         except aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
-            self._outbox = self._task = self._call = None
+            self._reset()
             raise
-        self._outbox = self._task = self._call = None
+        self._reset()
         if self._closed:
             return
         orphans = list(self.pending.values())
@@ -92,19 +155,37 @@ class _TargetStream(Member):
         self.owner.pool.mark_failed(self, f"{reason}; re-sending its {len(orphans)} unanswered samples")
         self.owner._reroute(orphans, self, reason)
 
+    def _reset(self) -> None:
+        self._open = False
+        self._poke()
+        self._queued.clear()
+        self._cancels.clear()
+        self._task = self._call = None
+
     async def close(self) -> None:
         """End the request stream, cancel the call and wait for the reader: nothing is left pending."""
         if self._closed:
             return
         self._closed = True
-        if self._outbox is not None:
-            self._outbox.put_nowait(None)
+        task = self._task
+        self._open = False
+        self._poke()
         if self._call is not None:
             self._call.cancel()
-        if self._task is not None:
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self.channel.close(grace=None)
+
+
+def _with_results_limit(msg: reward_pb2.ScoreRequest) -> reward_pb2.ScoreRequest:
+    if msg.items:
+        msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
+        return msg
+    # A queued single request may be a caller's object: set the limit on a copy's envelope, not on it.
+    out = reward_pb2.ScoreRequest(max_results_per_message=MAX_RESULTS_PER_MESSAGE)
+    out.MergeFrom(msg)
+    return out
 
 
 class RewardClient:
@@ -119,7 +200,14 @@ class RewardClient:
         max_message_mb: int = 64,
         resolve: Resolve | None = None,
         resolve_interval_s: float = 30.0,
+        result_timeout_s: float = 600.0,
     ) -> None:
+        if result_timeout_s <= 0:
+            raise ValueError(f"result_timeout_s must be > 0, got {result_timeout_s}")
+        # End to end, retries included: a result that never comes is DEADLINE_EXCEEDED, never a hang.
+        self.result_timeout_s = result_timeout_s
+        self._live: dict[_Pending, None] = {}  # unanswered samples in submission order = deadline order
+        self._sweeper: asyncio.Task[None] | None = None
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
         self.max_message_mb = max_message_mb
@@ -159,6 +247,10 @@ class RewardClient:
 
     async def close(self) -> None:
         """Close every stream; samples still waiting for a target or a result are cancelled."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._live.clear()
         for p, timer in self._waiting.items():
             timer.cancel()
             p.future.cancel()
@@ -179,15 +271,68 @@ class RewardClient:
         timeout: float | None = None,
         trace_context: dict[str, str] | None = None,
     ) -> asyncio.Future[reward_pb2.RewardResult]:
-        """Send one sample now; the future resolves with its result (errors are in `result.error`)."""
+        """Send one sample now; the future resolves with its result (errors are in `result.error`).
+
+        Cancelling the future cancels the sample on the reward server. `timeout` bounds its wait in the
+        server's queue; the client's own `result_timeout_s` bounds the whole wait.
+        """
         request = reward_pb2.ScoreRequest(sample=sample, reward=reward)
         if trace_context:  # even an empty dict costs a Python-level map update per sample
             request.trace_context.update(trace_context)
         if timeout is not None:
             request.timeout.FromNanoseconds(int(timeout * 1e9))
-        p = _Pending(request, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        p = _Pending(request, loop.create_future(), time.monotonic() + self.result_timeout_s)
+        p.future.add_done_callback(lambda fut: self._on_done(p, fut))
+        self._live[p] = None
+        if self._sweeper is None:
+            self._sweeper = loop.create_task(self._sweep())
         self._dispatch(p, avoid=None)
         return p.future
+
+    def _on_done(self, p: _Pending, fut: asyncio.Future[reward_pb2.RewardResult]) -> None:
+        self._live.pop(p, None)
+        if not fut.cancelled():
+            return
+        if p.stream is not None:
+            p.stream.cancel(p)
+        timer = self._waiting.pop(p, None)
+        if timer is not None:
+            timer.cancel()
+
+    async def _sweep(self) -> None:
+        """Fail samples whose end-to-end deadline passed (one task per client, not a timer per sample)."""
+        live = self._live
+        try:
+            while live:
+                now = time.monotonic()
+                while live and (p := next(iter(live))).deadline <= now:
+                    del live[p]
+                    if not p.future.done():
+                        self._expire(p)
+                if live:
+                    await asyncio.sleep(min(1.0, max(0.01, next(iter(live)).deadline - now)))
+        finally:
+            self._sweeper = None
+
+    def _expire(self, p: _Pending) -> None:
+        where = p.stream.address if p.stream is not None else "no reward target"
+        if p.stream is not None:
+            p.stream.cancel(p)
+        timer = self._waiting.pop(p, None)
+        if timer is not None:
+            timer.cancel()
+        p.future.set_result(
+            reward_pb2.RewardResult(
+                sample_id=p.sample_id,
+                reward=p.request.reward,
+                error=common_pb2.Status(
+                    code=DEADLINE_EXCEEDED,
+                    message=f"no result for sample '{p.sample_id}' within {self.result_timeout_s:g}s "
+                    f"(last sent to {where}, {p.attempts + 1} attempt(s))",
+                ),
+            )
+        )
 
     async def score(
         self, samples: Iterable[common_pb2.Sample], reward: str, *, timeout: float | None = None
@@ -216,9 +361,10 @@ class RewardClient:
 
     def _on_result(self, stream: _TargetStream, result: reward_pb2.RewardResult) -> None:
         p = stream.pending.pop(result.sample_id, None)
-        if p is None:
+        if p is None:  # cancelled or expired here meanwhile
             log.debug("result for unknown sample %s from %s ignored", result.sample_id, stream.address)
             return
+        p.stream = None
         if result.HasField("error") and result.error.code == UNAVAILABLE:
             self._reroute([p], stream, result.error.message)
         elif not p.future.done():
@@ -226,12 +372,13 @@ class RewardClient:
 
     def _reroute(self, orphans: list[_Pending], failed: _TargetStream, reason: str) -> None:
         for p in orphans:
+            p.stream = None
             if p.future.done():
                 continue
             p.attempts += 1
             p.errors.append(f"{failed.address}: {reason}")
             if p.attempts >= self.max_attempts:
-                sid = p.request.sample.sample_id
+                sid = p.sample_id
                 p.future.set_result(
                     reward_pb2.RewardResult(
                         sample_id=sid,

@@ -258,15 +258,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 async for req in request_iterator:
                     if req.max_results_per_message > 0:
                         per_message = req.max_results_per_message
-                    for sid in req.cancel_sample_ids:
-                        f = self._in_flight.get(sid)
-                        if f is not None and f.owner is box:
-                            self._cancel(f, f"sample '{sid}' was cancelled by the client")
                     if req.items:
                         for item in req.items:
                             begin(item)
                     elif req.HasField("sample"):
                         begin(req)
+                    for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
+                        f = self._in_flight.get(sid)
+                        if f is not None and f.owner is box:
+                            self._cancel(f, f"sample '{sid}' was cancelled by the client")
                     while unanswered >= limit:  # stop reading: flow control pushes back on the writer
                         room = asyncio.get_running_loop().create_future()
                         await room

@@ -168,3 +168,47 @@ async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound()
         while server.servicer.held:
             await asyncio.sleep(0.01)
         assert server.servicer.in_flight == 0  # the stream's samples were dropped with it
+
+
+# -- the client's side of the stream -------------------------------------------------------------------
+
+
+async def test_client_coalesces_a_burst_and_gets_every_result_once() -> None:
+    from client.reward_client import RewardClient
+
+    async with reward_server() as server, RewardClient(server.address) as client:
+        futures = [client.submit(sample(f"b{i}"), "noop") for i in range(300)]  # queued together: few messages
+        results = await asyncio.wait_for(asyncio.gather(*futures), 30)
+    assert [r.sample_id for r in results] == [f"b{i}" for i in range(300)]
+    assert all(not r.HasField("error") for r in results)
+    assert server.servicer.results_sent == 300
+
+
+async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_the_server() -> None:
+    # Issue 17 item 1, client side: every wait has an end-to-end deadline.
+    from client.reward_client import RewardClient
+
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
+        async with RewardClient(server.address, result_timeout_s=0.3) as client:
+            slow = client.submit(sample("stuck", delay=30), "sleepy")
+            fast = client.submit(sample("quick", delay=0), "sleepy")
+            stuck, quick = await asyncio.wait_for(asyncio.gather(slow, fast), 10)
+            while server.servicer.in_flight:  # the client told the server to drop it
+                await asyncio.sleep(0.01)
+    assert CODE[stuck.error.code] == grpc.StatusCode.DEADLINE_EXCEEDED and "within 0.3s" in stuck.error.message
+    assert not quick.HasField("error")
+
+
+async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retry_is_scored() -> None:
+    # Issue 17 item 3: a cancelled Generate cancels its pending rewards; the same id may be sent again.
+    from client.reward_client import RewardClient
+
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, RewardClient(server.address) as client:
+        first = client.submit(sample("again", delay=30), "sleepy")
+        while server.servicer.in_flight < 1:
+            await asyncio.sleep(0.01)
+        first.cancel()
+        while server.servicer.in_flight:
+            await asyncio.sleep(0.01)
+        retry = await asyncio.wait_for(client.submit(sample("again", response="xy", delay=0), "sleepy"), 10)
+    assert not retry.HasField("error") and retry.score == 2.0
