@@ -110,8 +110,9 @@ class RewardEngine:
             raise ValueError(f"pipeline '{pipeline.name}' is defined twice")
         self.pipelines[pipeline.name] = pipeline
 
-    def add_builtin_rules(self) -> None:
-        """One pipeline per built-in rule, named after the rule."""
+    def add_builtin_rules(self, **rule_options: Any) -> None:
+        """One pipeline per built-in rule, named after the rule; ``rule_options`` (timeout_s, memory_mb,
+        workers) set the isolation budget of those that run in worker processes, started on first use."""
         from reward_engine.sources.rules import RULES, RuleSource
 
         for rule in sorted(RULES):
@@ -119,7 +120,7 @@ class RewardEngine:
                 self.add(
                     RewardPipeline(
                         rule,
-                        [WeightedSource(RuleSource(name=rule, rule=rule))],
+                        [WeightedSource(RuleSource(name=rule, rule=rule, prestart=False, **rule_options))],
                         batcher_config(rule, "rule", None),
                         description=f"built-in rule '{rule}'",
                         on_batch=self._on_batch,

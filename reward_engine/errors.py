@@ -31,3 +31,12 @@ class Unavailable(RewardError):
 
 class Cancelled(RewardError):
     """The caller cancelled the sample, or a retry of it on another stream superseded it."""
+
+
+class ResourceExhausted(RewardError):
+    """A sample went over a budget (memory while scoring it) or a size limit the server enforces."""
+
+
+class DependencyFailed(RewardError):
+    """A dependency the sample needs (a judge endpoint) is failing; another reward server would fail it
+    the same way, so clients must not re-route it (UNAVAILABLE means only "try another server")."""

@@ -33,13 +33,20 @@ class RewardServerConfig(ServerOptions):
     http_token_file: str = ""
     # Backpressure: a Score stream with this many samples read but not yet answered is not read further.
     max_stream_unanswered: int = 2048
+    # The isolation budget of the built-in rules that run in worker processes (math, auto): running time
+    # and memory growth per sample, and worker processes per rule (configured sources set their own).
+    rule_timeout_s: float = 10.0
+    rule_memory_mb: int = 1024
+    rule_workers: int = 2
 
 
-def build_engine(pipelines: dict[str, Any] | None, *, builtin_rules: bool = True) -> RewardEngine:
+def build_engine(
+    pipelines: dict[str, Any] | None, *, builtin_rules: bool = True, rule_options: dict[str, Any] | None = None
+) -> RewardEngine:
     engine = RewardEngine()
     engine.add_from_config(pipelines or {})
     if builtin_rules:
-        engine.add_builtin_rules()
+        engine.add_builtin_rules(**(rule_options or {}))
     return engine
 
 
@@ -86,7 +93,9 @@ class RewardServer(MeshServer):
 
 async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None) -> None:
     """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains."""
-    server = RewardServer(build_engine(pipelines, builtin_rules=cfg.builtin_rules), cfg, load_tokenizer(cfg.tokenizer))
+    rule_options = {"timeout_s": cfg.rule_timeout_s, "memory_mb": cfg.rule_memory_mb, "workers": cfg.rule_workers}
+    engine = build_engine(pipelines, builtin_rules=cfg.builtin_rules, rule_options=rule_options)
+    server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer))
     await server.start()
     if cfg.http_port:
         from server.http_gateway import HttpGateway, load_token, server_ssl_context

@@ -22,6 +22,9 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.SourceFailed, grpc.StatusCode.INTERNAL),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.Cancelled, grpc.StatusCode.CANCELLED),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.DependencyFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # decoding errors name their field
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reward_engine.errors import DeadlineExceeded, SourceFailed, Unavailable
+from reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
 from reward_engine.sources.custom import FunctionSource
 from reward_engine.types import RewardInput, RewardOutput
 
@@ -129,8 +129,8 @@ async def test_async_function_in_every_executor(executor: str) -> None:
 async def test_cpu_heavy_work_runs_in_other_processes() -> None:
     async with function_source(function=f"{FILE}:cpu_heavy", max_workers=2) as source:
         await source.warmup()
-        assert source._pool is not None
-        workers = set(source._pool.pids)
+        assert source.pool is not None
+        workers = set(source.pool.pids)
         assert len(workers) == 2 and os.getpid() not in workers
         results = await source.score_batch([sample(str(i), n=200_000) for i in range(4)])
     pids = {r.extras["pid"] for r in results if isinstance(r, RewardOutput)}
@@ -158,26 +158,41 @@ async def test_bad_return_type_is_source_failed(executor: str) -> None:
     assert "returned str" in str(result) and "returns_text" in str(result)
 
 
-async def test_process_timeout_recycles_the_pool_and_kills_the_stuck_worker() -> None:
+async def test_process_timeout_replaces_only_the_stuck_worker() -> None:
     async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=2) as source:
         await source.warmup()
-        assert source._pool is not None
-        first_pool = source._pool
-        first_workers = set(first_pool.pids)
+        assert source.pool is not None
+        first_workers = set(source.pool.pids)
         started = time.monotonic()
         results = await source.score_batch([sample("fine", sleep_s=0.2), sample("hung", sleep_s=60)])
         assert time.monotonic() - started < 10
         assert isinstance(results[0], RewardOutput) and results[0].score == 1.0
         assert isinstance(results[1], DeadlineExceeded)
         assert str(results[1]) == f"function '{FILE}:sleepy' timed out after 1s"
+        hung_pid = (first_workers - {int(results[0].extras["pid"])}).pop()
 
-        # The source keeps working, on a fresh pool...
+        # The stuck worker is killed and replaced; the source keeps working on two warm workers.
+        await asyncio_wait_until(lambda: hung_pid not in {p.pid for p in multiprocessing.active_children()})
         again = await source.score_batch([sample("a"), sample("b", sleep_s=0.1)])
         assert all(isinstance(r, RewardOutput) and r.score == 1.0 for r in again)
-        assert source._pool is not first_pool and first_pool.retired
-        assert not first_workers & {r.extras["pid"] for r in again if isinstance(r, RewardOutput)}
-        # ...and the worker stuck in the 60 s sleep is terminated, not left holding a slot.
-        await asyncio_wait_until(lambda: not first_workers & {p.pid for p in multiprocessing.active_children()})
+        assert hung_pid not in {r.extras["pid"] for r in again if isinstance(r, RewardOutput)}
+        assert len(source.pool.pids) == 2 and hung_pid not in source.pool.pids
+
+
+async def test_calls_behind_a_hung_one_run_on_a_fresh_worker() -> None:
+    """Several calls share a round trip; the ones queued behind a hung call are not failed with it."""
+    async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=1) as source:
+        await source.warmup()
+        results = await source.score_batch([sample("a"), sample("hung", sleep_s=60), sample("b"), sample("c")])
+        assert isinstance(results[1], DeadlineExceeded)
+        assert [r.score for r in results if isinstance(r, RewardOutput)] == [1.0, 1.0, 1.0]
+
+
+async def test_memory_budget_is_resource_exhausted_and_the_worker_is_replaced() -> None:
+    async with function_source(function=f"{FILE}:hog", memory_mb=200, max_workers=1) as source:
+        results = await source.score_batch([sample("small", mb=10), sample("huge", mb=4000), sample("small", mb=10)])
+        assert results[0] == RewardOutput(1.0, {}) and results[2] == RewardOutput(1.0, {})
+        assert isinstance(results[1], ResourceExhausted) and "ran out of memory" in str(results[1])
 
 
 async def test_thread_timeout_then_next_calls_succeed() -> None:
@@ -199,7 +214,7 @@ async def test_async_timeout_cancels_only_that_sample() -> None:
 
 
 async def test_dead_worker_fails_its_sample_only() -> None:
-    """A worker that dies breaks its pool; the sample is retried once, then fails; others go on."""
+    """A worker that dies fails only the call it was running; the others go on on a fresh worker."""
     async with function_source(function=f"{FILE}:crash", max_workers=1) as source:
         results = await source.score_batch([sample("ok"), sample("crash"), sample("ok")])
         assert results[0] == RewardOutput(1.0, {}) and results[2] == RewardOutput(1.0, {})
@@ -225,7 +240,7 @@ async def asyncio_wait_until(condition: Any, timeout_s: float = 10.0) -> None:
 
 async def test_cancelled_call_keeps_its_slot_until_the_worker_is_free() -> None:
     """A cancelled caller does not free the only worker while it still runs the call; the call's
-    timeout recycles the pool, and the next call gets a fresh worker instead of queueing."""
+    timeout replaces the worker, and the next call runs on the fresh one."""
     async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=1) as source:
         await source.warmup()
         with pytest.raises(TimeoutError):

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reward_engine.errors import DeadlineExceeded, InvalidInput, SourceFailed, Unavailable
+from reward_engine.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
 from reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
 from reward_engine.types import RewardInput, RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
@@ -192,7 +192,7 @@ async def test_client_error_status_is_source_failed() -> None:
     assert len(server.requests) == 1
 
 
-async def test_connection_refused_is_retried_then_unavailable() -> None:
+async def test_connection_refused_is_retried_then_dependency_failed() -> None:
     source = judge(f"http://127.0.0.1:{closed_port()}", max_retries=3, retry_backoff_s=0.05)
     try:
         started = time.monotonic()
@@ -200,7 +200,7 @@ async def test_connection_refused_is_retried_then_unavailable() -> None:
         elapsed = time.monotonic() - started
     finally:
         await source.close()
-    assert isinstance(result, Unavailable)
+    assert isinstance(result, DependencyFailed)  # not UNAVAILABLE: another reward server fails the same way
     assert "after 4 attempt(s)" in str(result)
     assert elapsed >= 0.05 + 0.1 + 0.2 - 0.02  # the three backoffs between the four attempts
 
@@ -212,7 +212,7 @@ async def test_dropped_connections_are_retried_exactly_max_retries_times() -> No
             (result,) = await source.score_batch([sample("x")])
         finally:
             await source.close()
-    assert isinstance(result, Unavailable) and "after 3 attempt(s)" in str(result)
+    assert isinstance(result, DependencyFailed) and "after 3 attempt(s)" in str(result)
     assert server.connections == 3
 
 
@@ -295,3 +295,47 @@ def test_bad_config_names_the_key(config: dict[str, Any], key: str) -> None:
     url = config.pop("url", "http://127.0.0.1:1")
     with pytest.raises(ValueError, match=key.replace("{", r"\{").replace("}", r"\}")):
         judge(url, **config)
+
+
+async def test_circuit_breaker_fails_samples_fast_during_an_outage_and_recovers() -> None:
+    async with DroppingServer() as server:
+        source = judge(
+            server.url, max_retries=1, retry_backoff_s=0.01, breaker_failures=3, breaker_open_s=30, max_concurrency=2
+        )
+        try:
+            results = await source.score_batch([sample(str(i), sid=str(i)) for i in range(20)])
+            assert all(isinstance(r, DependencyFailed) for r in results)
+            # The breaker opened after 3 failed attempts: the other samples never reached the endpoint.
+            assert server.connections <= 3 + 2  # attempts already in flight when it opened may finish
+            assert any("circuit open" in str(r) for r in results)
+        finally:
+            await source.close()
+
+
+async def test_circuit_breaker_half_open_probe_closes_it_when_the_judge_is_back() -> None:
+    async with FakeOpenAI(reply=Reply(status=503, raw_body="overloaded")) as server:
+        source = judge(server.url, breaker_failures=2, breaker_open_s=0.3, max_concurrency=1)
+        try:
+            first = await source.score_batch([sample("a"), sample("b"), sample("c")])
+            assert [type(r) for r in first] == [SourceFailed, SourceFailed, DependencyFailed]
+            assert len(server.requests) == 2
+            server.reply = "Score: 8"
+            await asyncio.sleep(0.35)
+            assert await source.score_batch([sample("d")]) == [judged(0.8, 8.0)]  # the probe
+            assert await source.score_batch([sample("e")]) == [judged(0.8, 8.0)]  # closed again
+        finally:
+            await source.close()
+
+
+async def test_hostile_reply_for_the_score_regex_is_that_sample_s_deadline() -> None:
+    """A catastrophically backtracking score_regex on a judge reply is stopped by the parser's budget."""
+    reply = "a" * 40 + "!"
+
+    async with FakeOpenAI(reply=lambda body: reply if "evil" in body["messages"][-1]["content"] else "aaaa1") as server:
+        source = judge(server.url, prompt_template="{response}", score_regex=r"(?:a+)+(\d)", parse_timeout_s=0.5)
+        try:
+            results = await source.score_batch([sample("evil"), sample("fine")])
+        finally:
+            await source.close()
+    assert isinstance(results[0], DeadlineExceeded) and "parser timed out" in str(results[0])
+    assert results[1] == judged(0.1, 1.0)

@@ -13,11 +13,20 @@ import math
 import os
 import re
 import string
+import time
 from typing import Any
 
 import aiohttp
 
-from reward_engine.errors import DeadlineExceeded, InvalidInput, RewardError, SourceFailed, Unavailable
+from reward_engine.errors import (
+    DeadlineExceeded,
+    DependencyFailed,
+    InvalidInput,
+    RewardError,
+    SourceFailed,
+    Unavailable,
+)
+from reward_engine.isolation import Call, IsolatedPool
 from reward_engine.sources.verl_compat import describe_exception
 from reward_engine.types import BatchResult, RewardInput, RewardOutput
 
@@ -88,6 +97,89 @@ class RateLimiter:
 class _HTTPFailure(Exception):
     """A reply we will not retry (HTTP error status, unusable body)."""
 
+    def __init__(self, message: str, *, server_error: bool = False) -> None:
+        super().__init__(message)
+        self.server_error = server_error  # a 5xx: counts against the endpoint's circuit breaker
+
+
+class CircuitBreaker:
+    """Fails calls to an endpoint fast while it is down, instead of every sample paying every retry.
+
+    Closed: calls go through; ``failures`` consecutive failures (connection errors, timeouts, HTTP 5xx)
+    open it. Open: calls fail at once for ``open_s``. Then half-open: one call goes through as a probe;
+    its success closes the breaker, its failure opens it again. Any answer but a 5xx is a success: the
+    endpoint is up. One breaker per endpoint URL, shared by every source that calls it.
+    """
+
+    def __init__(self, failures: int, open_s: float) -> None:
+        self.threshold = failures
+        self.open_s = open_s
+        self.consecutive = 0
+        self.opened_at: float | None = None
+        self.probing = False
+        self.last_error = ""
+
+    def allow(self) -> bool:
+        if self.opened_at is None:
+            return True
+        if self.probing or time.monotonic() - self.opened_at < self.open_s:
+            return False
+        self.probing = True  # half-open: this caller is the probe
+        return True
+
+    def success(self) -> None:
+        self.consecutive, self.opened_at, self.probing = 0, None, False
+
+    def failure(self, error: str) -> None:
+        self.consecutive += 1
+        self.last_error = error
+        if self.probing or self.consecutive >= self.threshold:
+            self.opened_at, self.probing = time.monotonic(), False
+
+    def describe(self, endpoint: str) -> str:
+        return (
+            f"judge {endpoint} is failing: circuit open after {self.consecutive} consecutive failure(s), "
+            f"retrying it in at most {self.open_s:g}s; last error: {self.last_error}"
+        )
+
+
+_BREAKERS: dict[str, CircuitBreaker] = {}
+
+
+def breaker_for(endpoint: str, failures: int, open_s: float) -> CircuitBreaker:
+    breaker = _BREAKERS.get(endpoint)
+    if breaker is None:
+        breaker = _BREAKERS[endpoint] = CircuitBreaker(failures, open_s)
+    return breaker
+
+
+# The score sits at the end of a reply; a regex never sees more than this many of its last characters.
+_PARSE_CLIP_CHARS = 8192
+
+
+_PARSER = "reward_engine.sources.judge:parse_reply"
+
+
+def parse_reply(reply: str, pattern: str, scale: float) -> RewardOutput:
+    """The judge's number from its reply (the last match of ``pattern``), times ``scale``.
+
+    Runs in an isolated worker: the pattern is the user's and the reply is the judge's answer to what
+    a policy wrote, so a pathological pair could backtrack for hours.
+    """
+    score_re = re.compile(pattern)
+    matches = list(score_re.finditer(reply[-_PARSE_CLIP_CHARS:]))
+    if not matches:
+        raise SourceFailed(f"judge reply has no score matching {pattern!r}: {_snippet(reply)}")
+    last = matches[-1]
+    text = last.group(1) if score_re.groups else last.group(0)
+    try:
+        raw = float(text)
+    except (TypeError, ValueError):
+        raise SourceFailed(f"judge score {text!r} is not a number; reply: {_snippet(reply)}") from None
+    if not math.isfinite(raw):
+        raise SourceFailed(f"judge score {text!r} is not finite; reply: {_snippet(reply)}")
+    return RewardOutput(score=raw * scale, extras={"judge_raw": raw})
+
 
 def _snippet(text: str) -> str:
     return repr(text[:_SNIPPET_CHARS] + ("..." if len(text) > _SNIPPET_CHARS else ""))
@@ -115,8 +207,12 @@ class JudgeSource:
       requests_per_minute: request starts per minute, retries included (0 = unlimited).
       timeout_s: per HTTP attempt -> DeadlineExceeded (not retried: the judge is slow, not away).
       max_retries, retry_backoff_s: connection errors only (refused, reset, DNS) are retried, with
-        backoff retry_backoff_s * 2**n, then Unavailable. HTTP errors are never retried: a 4xx
-        will not improve and a 5xx judge under load should not get extra traffic from us.
+        backoff retry_backoff_s * 2**n, then DependencyFailed (FAILED_PRECONDITION: another reward
+        server would fail the same way, so clients do not re-route it). HTTP errors are never retried:
+        a 4xx will not improve and a 5xx judge under load should not get extra traffic from us.
+      breaker_failures, breaker_open_s: the endpoint's circuit breaker (see CircuitBreaker): after this
+        many consecutive failures, samples fail at once with DependencyFailed for breaker_open_s.
+      parse_timeout_s: time budget for parsing one reply in the isolated parser worker.
       temperature, max_tokens, system_prompt: sent as is.
       api_key_env: environment variable holding a bearer token, read when the session opens
         (unset or empty = no Authorization header).
@@ -141,6 +237,9 @@ class JudgeSource:
         max_tokens: int = 256,
         api_key_env: str = "OPENAI_API_KEY",
         system_prompt: str = "",
+        breaker_failures: int = 5,
+        breaker_open_s: float = 10.0,
+        parse_timeout_s: float = 2.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("judge source: 'name' must be a non-empty string")
@@ -176,6 +275,12 @@ class JudgeSource:
             raise ValueError(f"{where}: 'api_key_env' must be a string, got {api_key_env!r}")
         if not isinstance(system_prompt, str):
             raise ValueError(f"{where}: 'system_prompt' must be a string")
+        if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or breaker_failures < 1:
+            raise ValueError(f"{where}: 'breaker_failures' must be an integer >= 1, got {breaker_failures!r}")
+        if not _positive(breaker_open_s):
+            raise ValueError(f"{where}: 'breaker_open_s' must be a positive number, got {breaker_open_s!r}")
+        if not _positive(parse_timeout_s):
+            raise ValueError(f"{where}: 'parse_timeout_s' must be a positive number, got {parse_timeout_s!r}")
 
         self.name = name
         self.target = url
@@ -195,6 +300,15 @@ class JudgeSource:
         self._limiter = RateLimiter(float(requests_per_minute))
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self.breaker = breaker_for(self.endpoint, breaker_failures, float(breaker_open_s))
+        self._score_pattern = score_regex
+        # The default regex is linear-time on a clipped reply: parsed inline. A user's regex may backtrack
+        # for hours on some reply, so it is parsed in an isolated worker under parse_timeout_s.
+        self._parser: IsolatedPool | None = None
+        if score_regex != DEFAULT_SCORE_REGEX:
+            self._parser = IsolatedPool(
+                f"judge-{name}", workers=1, timeout_s=float(parse_timeout_s), memory_mb=256, preload=(_PARSER,)
+            )
 
     @staticmethod
     def _check_template(where: str, template: Any) -> None:
@@ -249,7 +363,10 @@ class JudgeSource:
         async with self._session_now().post(self.endpoint, json=body) as response:
             raw = await response.text(errors="replace")
             if not 200 <= response.status < 300:
-                raise _HTTPFailure(f"judge {self.endpoint} answered HTTP {response.status}: {_snippet(raw)}")
+                raise _HTTPFailure(
+                    f"judge {self.endpoint} answered HTTP {response.status}: {_snippet(raw)}",
+                    server_error=response.status >= 500,
+                )
         try:
             content = json.loads(raw)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
@@ -258,19 +375,18 @@ class JudgeSource:
             raise _HTTPFailure(f"judge {self.endpoint} sent a completion without text content: {_snippet(raw)}")
         return content
 
-    def _parse(self, reply: str) -> RewardOutput:
-        matches = list(self._score_re.finditer(reply))
-        if not matches:
-            raise SourceFailed(f"judge reply has no score matching {self._score_re.pattern!r}: {_snippet(reply)}")
-        last = matches[-1]
-        text = last.group(1) if self._score_re.groups else last.group(0)
-        try:
-            raw = float(text)
-        except (TypeError, ValueError):
-            raise SourceFailed(f"judge score {text!r} is not a number; reply: {_snippet(reply)}") from None
-        if not math.isfinite(raw):
-            raise SourceFailed(f"judge score {text!r} is not finite; reply: {_snippet(reply)}")
-        return RewardOutput(score=raw * self.score_scale, extras={"judge_raw": raw})
+    async def _parse(self, reply: str) -> RewardOutput | RewardError:
+        args = (reply, self._score_pattern, self.score_scale)
+        if self._parser is None:
+            try:
+                return parse_reply(*args)
+            except RewardError as exc:
+                return exc
+        what = f"judge {self.name!r} reply parser"
+        call = Call(_PARSER, {}, what, args=args)
+        (result,) = await self._parser.run([call])
+        out: RewardOutput | RewardError = result
+        return out
 
     async def _score_one(self, sample: RewardInput) -> RewardOutput | BaseException:
         try:
@@ -287,18 +403,30 @@ class JudgeSource:
                     return Unavailable(f"judge source {self.name!r} is closed")
                 async with self._semaphore:
                     await self._limiter.acquire()
+                    if not self.breaker.allow():  # checked last: the breaker may have opened while we queued
+                        return DependencyFailed(self.breaker.describe(self.endpoint))
                     try:
                         async with asyncio.timeout(self.timeout_s):
                             reply = await self._post(body)
-                        return self._parse(reply)
+                        self.breaker.success()
                     except TimeoutError:  # before ClientConnectionError: aiohttp's timeouts subclass both
+                        self.breaker.failure(f"no answer within {self.timeout_s:g}s")
                         return DeadlineExceeded(f"judge {self.endpoint} did not answer within {self.timeout_s:g}s")
                     except aiohttp.ClientConnectionError as exc:
+                        self.breaker.failure(describe_exception(exc))
                         last_error = exc
+                    except _HTTPFailure as exc:
+                        if exc.server_error:
+                            self.breaker.failure(str(exc))
+                        else:
+                            self.breaker.success()
+                        raise
+                    else:
+                        return await self._parse(reply)
                 # Back off outside the semaphore: a sample waiting to retry holds no concurrency slot.
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self.retry_backoff_s * 2**attempt)
-            return Unavailable(
+            return DependencyFailed(
                 f"judge {self.endpoint} unreachable after {attempts} attempt(s): "
                 f"{describe_exception(last_error) if last_error else 'no attempt made'}"
             )
@@ -310,10 +438,18 @@ class JudgeSource:
             return SourceFailed(f"judge {self.endpoint} request failed: {describe_exception(exc)}")
 
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        if self._parser is not None:
+            self._parser.start()  # spawns the parser's worker while the first requests are in flight
         return list(await asyncio.gather(*(self._score_one(sample) for sample in batch)))
+
+    async def warmup(self) -> None:
+        if self._parser is not None:
+            await self._parser.warmup()
 
     async def close(self) -> None:
         self._closed = True
+        if self._parser is not None:
+            await self._parser.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

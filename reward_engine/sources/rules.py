@@ -16,17 +16,28 @@ from collections.abc import Callable
 from typing import Any
 
 from reward_engine.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
+from reward_engine.isolation import Call, IsolatedPool, spec_of
 from reward_engine.sources.verl_compat import describe_exception, to_output
 from reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
 RULES: dict[str, RuleFn] = {}
+# Rules whose parsing is bounded and linear-time (clipped input, simple regexes, no evaluation): they run
+# inline on the event loop, where a worker round trip would cost more than the rule. Every other rule
+# runs isolated in worker processes under a time and memory budget (see reward_engine.isolation).
+INLINE_SAFE: set[str] = set()
+# Warm-up hooks ("module:function()") a worker runs as it starts, for rules with a costly first import.
+PRELOAD: dict[str, tuple[str, ...]] = {}
 
 
-def register_rule(name: str, *, replace: bool = False) -> Callable[[RuleFn], RuleFn]:
+def register_rule(
+    name: str, *, replace: bool = False, isolate: bool = True, preload: tuple[str, ...] = ()
+) -> Callable[[RuleFn], RuleFn]:
     """Decorator adding a rule under ``name``; a duplicate name is an error unless ``replace``,
-    so two modules cannot silently shadow each other's rule."""
+    so two modules cannot silently shadow each other's rule. ``isolate=False`` declares the rule's
+    work bounded and linear in a clipped input, so it may run inline; leave it True for anything
+    that parses or evaluates what a policy wrote."""
     if not name or not isinstance(name, str):
         raise ValueError("rule name must be a non-empty string")
 
@@ -34,6 +45,10 @@ def register_rule(name: str, *, replace: bool = False) -> Callable[[RuleFn], Rul
         if name in RULES and RULES[name] is not fn and not replace:
             raise ValueError(f"rule {name!r} is already registered (pass replace=True to override it)")
         RULES[name] = fn
+        INLINE_SAFE.discard(name)
+        if not isolate:
+            INLINE_SAFE.add(name)
+        PRELOAD[name] = preload
         return fn
 
     return decorator
@@ -105,7 +120,7 @@ def gsm8k_score(
     return {"score": float(value), "acc": 1.0 if correct else 0.0, "format": 1.0 if has_format else 0.0}
 
 
-@register_rule("gsm8k")
+@register_rule("gsm8k", isolate=False)
 def gsm8k(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -113,7 +128,7 @@ def gsm8k(
     return gsm8k_score(solution_str, ground_truth, method="strict")
 
 
-@register_rule("gsm8k_flexible")
+@register_rule("gsm8k_flexible", isolate=False)
 def gsm8k_flexible(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -148,14 +163,18 @@ def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
         return _math_fns
 
 
+_MATH_WARMUP = "reward_engine.sources.rules:_math_verify()"
+
+
 def math_score(solution_str: str, ground_truth: str) -> dict[str, float]:
     """Compare the response's final answer (e.g. ``\\boxed{...}``) with ground_truth via math-verify.
 
     Thread safety: math-verify's default timeouts use ``signal.alarm``, which raises ValueError
     outside the main thread and would fire into whatever the main thread (the event loop) is doing
     inside it. We always pass ``parsing_timeout=None`` / ``timeout_seconds=None`` to turn them off,
-    so this runs in any thread; the price is no internal time limit on pathological inputs: run
-    untrusted, possibly huge answers through a FunctionSource with executor="process" and a timeout.
+    so this runs in any thread; the price is no internal time limit on pathological inputs
+    (``\\boxed{9^{9^{9}}}`` runs for hours), which is why a RuleSource runs this rule in an isolated
+    worker process under a time and memory budget.
     """
     parse, verify = _math_verify()
     gold_text = ground_truth.strip()
@@ -175,7 +194,7 @@ def math_score(solution_str: str, ground_truth: str) -> dict[str, float]:
     }
 
 
-@register_rule("math")
+@register_rule("math", preload=(_MATH_WARMUP,))
 def math_rule(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -188,7 +207,7 @@ def math_rule(
 _BOXED_RE = re.compile(r"\\boxed\s*\{\s*[^\s}]")
 
 
-@register_rule("format")
+@register_rule("format", isolate=False)
 def format_rule(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -202,19 +221,19 @@ def format_rule(
     }
 
 
-@register_rule("noop")
+@register_rule("noop", isolate=False)
 def noop(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
     """0.0 without looking at the sample: measures transport and batching cost alone."""
     return 0.0
 
 
-@register_rule("length")
+@register_rule("length", isolate=False)
 def length(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
     """-len(response)/1000: a trivial, input-dependent score for tests and smoke runs."""
     return -len(solution_str) / 1000.0
 
 
-@register_rule("first_number")
+@register_rule("first_number", isolate=False)
 def first_number(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -249,7 +268,7 @@ def rule_for_data_source(data_source: str) -> str:
     )
 
 
-@register_rule("auto")
+@register_rule("auto", preload=(_MATH_WARMUP,))
 def auto(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> float | dict[str, Any]:
@@ -260,43 +279,108 @@ def auto(
 
 # -------------------------------------------------------------------------------------------- source
 
-# Rules run on the event loop; yield to it at least this often so a big batch of slow rules (math)
-# does not stall the server's other requests.
+# Inline rules run on the event loop; yield to it at least this often so a big batch does not stall
+# the server's other requests.
 _YIELD_EVERY_S = 0.02
+ISOLATION_MODES = ("auto", "process", "inline")
 
 
 class RuleSource:
-    """Runs a registered rule inline on each sample: rules are cheap, so a pool would cost more
-    than the work. A rule that can hang belongs in a FunctionSource, which has timeouts."""
+    """Runs a registered rule on each sample: isolated in warm worker processes (a pool per source,
+    several samples per round trip), or inline for rules registered as bounded (``isolate=False``).
+
+    Config keys:
+      rule: the registered name.
+      isolation: "auto" (the rule's registration decides), "process" or "inline" (on the event loop,
+        no budget: only for rules you trust to be cheap on any input).
+      timeout_s: running time per sample in a worker; over it the worker is killed and replaced and
+        the sample is DeadlineExceeded.
+      memory_mb: how much one sample may grow its worker's memory; over it ResourceExhausted (0: no limit).
+      workers: worker processes for this source.
+      prestart: start the workers when the server starts (else on the first sample; the server's
+        built-in rule pipelines start theirs on first use, so unused rules cost nothing).
+    A rule that a worker cannot import (defined inside a function or in ``__main__``) runs inline under
+    "auto" and is refused under "process".
+    """
 
     kind = "rule"
 
-    def __init__(self, name: str, rule: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        rule: str,
+        isolation: str = "auto",
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        workers: int = 2,
+        prestart: bool = True,
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("rule source: 'name' must be a non-empty string")
+        where = f"rule source {name!r}"
         if not isinstance(rule, str) or not rule:
-            raise ValueError(f"rule source {name!r}: 'rule' must be a non-empty string")
+            raise ValueError(f"{where}: 'rule' must be a non-empty string")
         try:
             self._fn = get_rule(rule)
         except UnknownReward as exc:
-            raise ValueError(f"rule source {name!r}: 'rule': {exc}") from exc
+            raise ValueError(f"{where}: 'rule': {exc}") from exc
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"{where}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}; got {isolation!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise ValueError(f"{where}: 'timeout_s' must be a positive number, got {timeout_s!r}")
+        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
+            raise ValueError(f"{where}: 'memory_mb' must be an integer >= 0 (0: no limit), got {memory_mb!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"{where}: 'workers' must be an integer >= 1, got {workers!r}")
         self.name = name
         self.target = rule
+        self._what = f"rule {rule!r}"
+        spec = spec_of(self._fn)
+        if isolation == "process" and spec is None:
+            raise ValueError(
+                f"{where}: rule {rule!r} cannot be imported by a worker process (define it at module level)"
+            )
+        isolate = isolation == "process" or (isolation == "auto" and rule not in INLINE_SAFE and spec is not None)
+        self._spec = spec
+        self.prestart = bool(prestart)
+        self.pool: IsolatedPool | None = None
+        if isolate and spec is not None:
+            preload = (spec, *PRELOAD.get(rule, ()))
+            self.pool = IsolatedPool(
+                f"rule-{name}", workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, preload=preload
+            )
+
+    @property
+    def mode(self) -> str:
+        """Where samples run: "process" or "inline"."""
+        return "inline" if self.pool is None else "process"
 
     def _score_one(self, sample: RewardInput) -> RewardOutput | BaseException:
-        what = f"rule {self.target!r}"
         try:
             value = self._fn(sample.data_source, sample.response_text, sample.ground_truth, sample.extra_info)
         except RewardError as exc:
             return exc  # already says what is wrong (unknown data_source, bad ground_truth)
         except Exception as exc:
-            return SourceFailed(f"{what} raised {describe_exception(exc)}")
+            return SourceFailed(f"{self._what} raised {describe_exception(exc)}")
         try:
-            return to_output(value, what)
+            return to_output(value, self._what)
         except SourceFailed as exc:
             return exc
 
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        if self.pool is not None:
+            assert self._spec is not None
+            calls = [
+                Call(
+                    self._spec,
+                    {},
+                    self._what,
+                    verl=True,
+                    args=(s.data_source, s.response_text, s.ground_truth, s.extra_info),
+                )
+                for s in batch
+            ]
+            return list(await self.pool.run(calls))
         results: BatchResult = []
         last_yield = time.monotonic()
         for sample in batch:
@@ -306,5 +390,11 @@ class RuleSource:
                 last_yield = time.monotonic()
         return results
 
+    async def warmup(self) -> None:
+        """Start the worker processes now, so the first batch does not wait for them."""
+        if self.pool is not None and self.prestart:
+            await self.pool.warmup()
+
     async def close(self) -> None:
-        return None
+        if self.pool is not None:
+            await self.pool.close()

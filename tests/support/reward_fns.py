@@ -95,3 +95,9 @@ def returns_text(
 
 
 NOT_CALLABLE = 42
+
+
+def hog(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """Allocates extra_info['mb'] MiB and touches it (a checker that blows up on a huge input)."""
+    block = bytearray(int((extra_info or {}).get("mb", 1)) * 1024 * 1024)
+    return float(len(block) > 0)

@@ -1,0 +1,146 @@
+"""Untrusted parsing runs isolated: a hostile answer costs its own sample its budget, nobody else anything.
+
+The regression test runs `rewardmesh serve reward` as a real process and scores, with the built-in `math`
+rule (math-verify), an answer that keeps sympy busy for hours: ``\\boxed{9^{9^{9}}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from reward_engine.errors import DeadlineExceeded, SourceFailed
+from reward_engine.isolation import Call, IsolatedPool
+from reward_engine.sources.rules import RuleSource
+from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.support.servers import sample
+from tests.test_cli import CLI, _wait_for_port
+
+HOSTILE = r"The answer is \boxed{9^{9^{9}}}"
+
+
+def _children(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (from /proc: no psutil needed)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within_grace() -> None:
+    grace_s = 30
+    env = {**os.environ, "REWARDMESH_RULE_TIMEOUT_S": "3", "REWARDMESH_GRACE_S": str(grace_s)}
+    proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1"],
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        port = _wait_for_port(proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            # Workers start (and import math-verify) on first use: not charged to any sample's budget.
+            warm = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("w", r"\boxed{4}")]))
+            assert warm.results[0].score == 1.0, warm
+            hostile = stub.ScoreBatch.future(
+                reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("hostile", HOSTILE)]), timeout=60
+            )
+            time.sleep(0.5)  # the hostile sample is being scored now
+            bystander = stub.ScoreBatch(
+                reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("bystander", "#### 4")]), timeout=20
+            )
+            # Answered while the hostile sample is still running: it did not wait for it.
+            assert bystander.results[0].score == 1.0 and not bystander.results[0].HasField("error")
+            assert not hostile.done()
+            (result,) = hostile.result().results
+            assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            assert "rule 'math' timed out after 3s" in result.error.message
+            # The server goes on: the next math sample gets a fresh worker.
+            again = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("a", r"\boxed{4}")]))
+            assert again.results[0].score == 1.0
+
+            # SIGTERM while a hostile sample runs: it is answered (over budget), the server exits within grace.
+            workers = _children(proc.pid)
+            assert workers
+            pending = stub.ScoreBatch.future(
+                reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("hostile-2", HOSTILE)]), timeout=60
+            )
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            (late,) = pending.result().results
+            assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert proc.wait(timeout=grace_s) == 0
+        assert not [pid for pid in workers if _alive(pid)], "worker processes outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _math(response: str, sid: str = "s") -> RewardInput:
+    return RewardInput(
+        sid, np.zeros(1, np.int32), np.zeros(1, np.int32), response_text=response, ground_truth="4", data_source="m"
+    )
+
+
+async def test_rule_source_isolates_math_and_keeps_cheap_rules_inline() -> None:
+    assert RuleSource(name="g", rule="gsm8k").mode == "inline"
+    source = RuleSource(name="m", rule="math", timeout_s=2.0, workers=1)
+    assert source.mode == "process"
+    try:
+        results = await source.score_batch([_math(r"\boxed{4}"), _math(HOSTILE), _math(r"\boxed{5}")])
+    finally:
+        await source.close()
+    assert isinstance(results[0], RewardOutput) and results[0].score == 1.0
+    assert isinstance(results[1], DeadlineExceeded) and "timed out after 2s" in str(results[1])
+    assert isinstance(results[2], RewardOutput) and results[2].score == 0.0  # behind the hung one, not failed
+
+
+async def test_pool_runs_many_calls_per_round_trip_and_reports_failures_per_call() -> None:
+    pool = IsolatedPool("t", workers=2, timeout_s=5.0)
+    try:
+        calls = [Call("builtins:divmod", {}, f"divmod {i}", args=(i, 3 - i % 4)) for i in range(40)]
+        await pool.warmup()
+        assert len(pool.pids) == 2 and os.getpid() not in pool.pids
+        results = await pool.run(calls)
+        assert pool.spawned == 2  # none was replaced: a call that raises fails alone
+    finally:
+        await pool.close()
+    for i, result in enumerate(results):
+        if 3 - i % 4 == 0:
+            assert isinstance(result, SourceFailed) and "ZeroDivisionError" in str(result)
+        else:
+            assert result == divmod(i, 3 - i % 4)
+
+
+async def test_closed_pool_kills_a_stuck_worker_at_once() -> None:
+    pool = IsolatedPool("t", workers=1, timeout_s=60.0)
+    call = asyncio.ensure_future(pool.run([Call("time:sleep", {}, "sleep", args=(60,))]))
+    await pool.warmup()
+    await asyncio.sleep(0.2)
+    (pid,) = pool.pids
+    await pool.close()
+    (result,) = await asyncio.wait_for(call, 10)
+    assert "closed" in str(result)
+    assert not _alive(pid)
