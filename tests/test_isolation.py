@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -17,13 +16,14 @@ import grpc
 import numpy as np
 import pytest
 
+from demo.server_process import ServerProcess
 from reward_engine.errors import DeadlineExceeded, SourceFailed
 from reward_engine.isolation import Call, IsolatedPool
 from reward_engine.sources.rules import RuleSource
 from reward_engine.types import RewardInput, RewardOutput
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import sample
-from tests.test_cli import CLI, _wait_for_port
+from tests.test_cli import CLI
 
 HOSTILE = r"The answer is \boxed{9^{9^{9}}}"
 
@@ -42,6 +42,13 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -51,13 +58,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within_grace() -> None:
+def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     grace_s = 30
-    env = {**os.environ, "REWARDMESH_RULE_TIMEOUT_S": "3", "REWARDMESH_GRACE_S": str(grace_s)}
-    proc = subprocess.Popen([*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1"],
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    monkeypatch.setenv("REWARDMESH_RULE_TIMEOUT_S", "3")
+    monkeypatch.setenv("REWARDMESH_GRACE_S", str(grace_s))
+    server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1"], tmp_path)
     try:
-        port = _wait_for_port(proc)
+        port = server.start(timeout_s=60)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             # Workers start (and import math-verify) on first use: not charged to any sample's budget.
@@ -81,21 +90,23 @@ def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within
             assert again.results[0].score == 1.0
 
             # SIGTERM while a hostile sample runs: it is answered (over budget), the server exits within grace.
-            workers = _children(proc.pid)
+            workers = _children(server.pid)
             assert workers
             pending = stub.ScoreBatch.future(
                 reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("hostile-2", HOSTILE)]), timeout=60
             )
             time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
+            server.signal(signal.SIGTERM)
             (late,) = pending.result().results
             assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-        assert proc.wait(timeout=grace_s) == 0
-        assert not [pid for pid in workers if _alive(pid)], "worker processes outlived the server"
+        assert server.proc is not None and server.proc.wait(timeout=grace_s) == 0
+        deadline = time.monotonic() + 10  # the orphans' exit is asynchronous to ours
+        while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {pid: _cmdline(pid) for pid in workers if _alive(pid)}
+        assert not left, f"processes outlived the server: {left}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.kill()
 
 
 def _math(response: str, sid: str = "s") -> RewardInput:
