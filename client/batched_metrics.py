@@ -88,10 +88,10 @@ def mark_views_installed() -> None:
 
 
 class HistogramBatch:
-    """Values and counts collected per attribute set and flushed to the SDK in one call each.
+    """Rows of values and counts collected per attribute set and flushed to the SDK in one call each.
 
-    `add`/`count` are plain list appends under a lock. The owner flushes at every metric collection (so
-    nothing recorded before a collection is missing from it) and `add` flushes every `max_pending` values
+    `add_row`/`count` are a list append under a lock. The owner flushes at every metric collection (so
+    nothing recorded before a collection is missing from it) and `add_row` flushes every `max_pending` rows
     (bounded memory between collections).
     """
 
@@ -99,22 +99,28 @@ class HistogramBatch:
         self.max_pending = max_pending
         self._pending = 0
         self._lock = threading.Lock()
-        self._values: dict[tuple[Histogram, str], list[float]] = {}
+        self._rows: dict[tuple[Counter | None, tuple[Histogram, ...], str], list[tuple[float, ...]]] = {}
         self._counts: dict[tuple[Counter, str], int] = {}
         self._attrs: dict[str, dict[str, str]] = {}
 
-    def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
-        key = (histogram, pipeline)
+    def add_row(
+        self, counter: Counter | None, histograms: tuple[Histogram, ...], pipeline: str, row: tuple[float, ...]
+    ) -> None:
+        """One sample: `counter` += 1 and row[i] recorded in histograms[i], all under `pipeline`."""
+        key = (counter, histograms, pipeline)
         with self._lock:
-            values = self._values.get(key)
-            if values is None:
-                self._values[key] = [value]
+            rows = self._rows.get(key)
+            if rows is None:
+                self._rows[key] = [row]
             else:
-                values.append(value)
+                rows.append(row)
             self._pending += 1
             full = self._pending >= self.max_pending
         if full:
             self.flush()
+
+    def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
+        self.add_row(None, (histogram,), pipeline, (value,))
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
         key = (counter, pipeline)
@@ -123,16 +129,20 @@ class HistogramBatch:
 
     def flush(self) -> None:
         with self._lock:
-            values, self._values = self._values, {}
+            all_rows, self._rows = self._rows, {}
             counts, self._counts = self._counts, {}
             self._pending = 0
-        for (hist, pipeline), vs in values.items():
+        for (counter, histograms, pipeline), rows in all_rows.items():
             attrs = self._attributes(pipeline)
-            if _views_installed:
-                hist.record(_Values(vs), attrs)
-            else:
-                for v in vs:
-                    hist.record(v, attrs)
+            for i, hist in enumerate(histograms):
+                values = [r[i] for r in rows]
+                if _views_installed:
+                    hist.record(_Values(values), attrs)
+                else:
+                    for v in values:
+                        hist.record(v, attrs)
+            if counter is not None:
+                counter.add(len(rows), attrs)
         for (counter, pipeline), n in counts.items():
             counter.add(n, self._attributes(pipeline))
 

@@ -297,6 +297,13 @@ def server_interceptors() -> list[Any]:
 
 
 def _value(v: Any) -> dict[str, Any]:
+    t = type(v)  # the common types first, by exact type (this runs for every attribute of every span)
+    if t is str:
+        return {"stringValue": v}
+    if t is int:
+        return {"intValue": str(v)}
+    if t is float:
+        return {"doubleValue": v}
     if isinstance(v, bool):
         return {"boolValue": v}
     if isinstance(v, int):
@@ -309,7 +316,13 @@ def _value(v: Any) -> dict[str, Any]:
 
 
 def _attrs(attributes: Any) -> list[dict[str, Any]]:
-    return [{"key": k, "value": _value(v)} for k, v in (attributes or {}).items()]
+    if not attributes:
+        return []
+    return [{"key": k, "value": _value(v)} for k, v in attributes.items()]
+
+
+_KIND = {k: int(k.value) + 1 for k in trace.SpanKind}  # OTLP numbers kinds from SPAN_KIND_INTERNAL = 1
+_STATUS = {c: int(c.value) for c in trace.StatusCode}
 
 
 def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
@@ -319,13 +332,15 @@ def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
         "traceId": f"{ctx.trace_id:032x}",
         "spanId": f"{ctx.span_id:016x}",
         "name": span.name,
-        "kind": int(span.kind.value) + 1,  # OTLP numbers kinds from SPAN_KIND_INTERNAL = 1
+        "kind": _KIND[span.kind],
         "startTimeUnixNano": str(span.start_time),
         "endTimeUnixNano": str(span.end_time),
         "attributes": _attrs(span.attributes),
         "events": [
             {"name": e.name, "timeUnixNano": str(e.timestamp), "attributes": _attrs(e.attributes)} for e in span.events
-        ],
+        ]
+        if span.events
+        else [],
         "links": [
             {
                 "traceId": f"{link.context.trace_id:032x}",
@@ -333,11 +348,14 @@ def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
                 "attributes": _attrs(link.attributes),
             }
             for link in span.links
-        ],
-        "status": {"code": int(span.status.status_code.value)},
+        ]
+        if span.links
+        else [],
+        "status": {"code": _STATUS[span.status.status_code]},
     }
-    if span.parent is not None:
-        out["parentSpanId"] = f"{span.parent.span_id:016x}"
+    parent = span.parent
+    if parent is not None:
+        out["parentSpanId"] = f"{parent.span_id:016x}"
     return out
 
 

@@ -155,6 +155,7 @@ class RewardTelemetry:
         self.timed_out = m.create_counter("rewardmesh.reward.timed_out", unit="{sample}")
         # One callback per process (a second registration of the name is ignored), for every live server.
         m.create_observable_gauge("rewardmesh.reward.queue_depth", [_observe_all], unit="{sample}")
+        self._timings = (self.latency, self.queue_time, self.compute_time)
         self.pending = HistogramBatch()
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
@@ -176,10 +177,7 @@ class RewardTelemetry:
                 pending.count(counter, pipeline)
             else:
                 timing = result.timing
-                pending.count(self.scored, pipeline)
-                pending.add(self.latency, pipeline, timing.total)
-                pending.add(self.queue_time, pipeline, timing.queue)
-                pending.add(self.compute_time, pipeline, timing.compute)
+                pending.add_row(self.scored, self._timings, pipeline, (timing.total, timing.queue, timing.compute))
         if record is None:
             return
         rec = recorder()

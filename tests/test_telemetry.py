@@ -212,3 +212,35 @@ async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
         assert len(batches) == 1 and batches[0].attributes["rewardmesh.batch.size"] == len(batches[0].links)
     # Metrics still count every sample, kept or not.
     assert scored() - before == 8
+
+
+def test_histograms_fed_per_batch_match_per_value_recording() -> None:
+    """Exact counts and bucket shape: a batch through the batched view equals the same values one by one."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from client import batched_metrics
+    from client.batched_metrics import SECONDS_BUCKETS, HistogramBatch
+
+    batched_metrics.mark_views_installed()
+    readers = InMemoryMetricReader(), InMemoryMetricReader()
+    batched = MeterProvider(metric_readers=[readers[0]], views=batched_metrics.views()).get_meter("t")
+    plain = MeterProvider(metric_readers=[readers[1]]).get_meter("t")
+    h1 = batched.create_histogram("rewardmesh.t", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+    h2 = plain.create_histogram("rewardmesh.t", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+    values = [0.0001 * (i % 97) + 0.003 * (i % 5) + (2.0 if i % 31 == 0 else 0.0) for i in range(1000)]
+    pending = HistogramBatch(max_pending=300)  # flushes on the way, like a busy server between collections
+    for v in values:
+        pending.add_row(None, (h1,), "p", (v,))
+        h2.record(v, {"pipeline": "p"})
+    pending.flush()
+
+    def point(reader: InMemoryMetricReader) -> Any:
+        data = reader.get_metrics_data()
+        assert data is not None
+        ((p,),) = [m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        return p
+
+    a, b = point(readers[0]), point(readers[1])
+    assert a.count == b.count == 1000 and a.bucket_counts == b.bucket_counts
+    assert a.explicit_bounds == b.explicit_bounds == SECONDS_BUCKETS and len(set(a.bucket_counts)) > 3
+    assert a.sum == pytest.approx(b.sum) and (a.min, a.max) == (b.min, b.max)
