@@ -35,7 +35,7 @@ COPY server/ server/
 COPY client/ client/
 COPY reward_engine/ reward_engine/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install ".[vllm,otlp]" "${VLLM_SPEC}" \
+    pip install ".[vllm,otlp,demo]" "${VLLM_SPEC}" \
     && python -c "import server.cli, client.trainer, rewardmesh.v1.reward_pb2_grpc" \
     && rewardmesh --help > /dev/null
 

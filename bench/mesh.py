@@ -25,6 +25,7 @@ from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 if TYPE_CHECKING:
     from client.trainer import PromptSpec
+    from demo.tiny_models import TinyModelPaths
 
 # ------------------------------------------------------------------------------------------ latency model
 
@@ -137,6 +138,17 @@ def judge_pipeline(function: str, concurrency: int, timeout_s: float = 120.0) ->
 def reward_model_pipeline(model: Path) -> dict[str, Any]:
     """The tiny sequence-classifier reward model with the engine's default model batching."""
     return {"description": "tiny reward model", "sources": [{"type": "model", "path": str(model), "device": "cpu"}]}
+
+
+def tiny_policy(models_dir: Path) -> tuple[TinyModelPaths, str, Any]:
+    """Quiet the logs, build (or reuse) the tiny models: their paths, the policy directory and its tokenizer."""
+    from demo.tiny_models import build_tiny_models
+    from server.reward_server import load_tokenizer
+
+    quiet_logs()
+    models = build_tiny_models(models_dir)
+    policy = str(models.policy)
+    return models, policy, load_tokenizer(policy)
 
 
 def quiet_logs() -> None:

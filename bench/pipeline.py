@@ -1,4 +1,5 @@
-"""Step time of the same GRPO training steps run three ways (issue 4's benchmark).
+"""Step time of the same GRPO training steps run three ways: synchronous, streaming rewards, and streaming plus
+mini-batch pipelining with one-step off-policy rollouts.
 
     python -m bench.pipeline [--steps 6 --prompts 16 --n 4 --rounds 2]
 
@@ -40,8 +41,8 @@ from bench.mesh import (
     judge_pipeline,
     machine_table,
     median,
-    quiet_logs,
     stop_token_ids,
+    tiny_policy,
     verdict,
     write_judge,
 )
@@ -52,10 +53,8 @@ from client.tensors import ids_tensor
 from client.trainer import PromptSpec, Sampling, TrainerClient
 from demo.mesh import local_mesh
 from demo.rl_demo import addition_prompts
-from demo.tiny_models import build_tiny_models
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.cli import default_models_dir
-from server.reward_server import load_tokenizer
 
 PIPELINE = "sim_judge"
 MODES = {
@@ -348,11 +347,8 @@ async def calibrate(addresses: list[str], prompts: list[PromptSpec], n: int, sam
 
 
 async def run(args: argparse.Namespace) -> int:
-    quiet_logs()
     started = time.perf_counter()
-    models = build_tiny_models(args.models)
-    policy = str(models.policy)
-    tokenizer = load_tokenizer(policy)
+    _, policy, tokenizer = tiny_policy(args.models)
     pad = tokenizer.pad_token_id or 0
     sampling = StopSampling(temperature=1.0, max_tokens=args.max_tokens)
     sampling.stop_token_ids = stop_token_ids(tokenizer, args.stop_tokens)

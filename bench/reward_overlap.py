@@ -1,4 +1,4 @@
-"""How much reward time the streaming mesh hides behind generation (issue 3's benchmark).
+"""How much reward time the streaming mesh hides behind generation: synchronous vs streaming vs an ideal queue.
 
     python -m bench.reward_overlap [--prompts 16 --n 4 --latency uniform:0.2:2.0 --repeats 15] [--reward-model]
 
@@ -49,20 +49,18 @@ from bench.mesh import (
     machine_table,
     make_jobs,
     median,
-    quiet_logs,
     reward_model_pipeline,
     run_generate,
     spread_max_tokens,
     stop_token_ids,
+    tiny_policy,
     verdict,
     write_judge,
 )
 from client.reward_client import RewardClient
 from demo.mesh import Mesh, local_mesh
 from demo.rl_demo import addition_prompts
-from demo.tiny_models import build_tiny_models
 from server.cli import default_models_dir
-from server.reward_server import load_tokenizer
 
 PIPELINE = "sim_judge"
 RM_PIPELINE = "tiny_rm"
@@ -251,11 +249,8 @@ async def one_repeat(
 
 
 async def run(args: argparse.Namespace) -> int:
-    quiet_logs()
     started = time.perf_counter()
-    models = build_tiny_models(args.models)
-    policy = str(models.policy)
-    tokenizer = load_tokenizer(policy)
+    models, policy, tokenizer = tiny_policy(args.models)
     rng = random.Random(args.seed)
     specs = addition_prompts(tokenizer, args.prompts, rng)
     for i, spec in enumerate(specs):

@@ -1,4 +1,4 @@
-"""What telemetry costs the reward service: throughput and CPU with telemetry on vs off (issue 15's benchmark).
+"""What telemetry costs the reward service: throughput and CPU with telemetry off, default, sampled and all on.
 
     python -m bench.tracing_overhead [--samples 6000 --repeats 5] [--reward-model]
 

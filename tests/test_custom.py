@@ -158,6 +158,7 @@ async def test_bad_return_type_is_source_failed(executor: str) -> None:
     assert "returned str" in str(result) and "returns_text" in str(result)
 
 
+@pytest.mark.slow
 async def test_process_timeout_replaces_only_the_stuck_worker() -> None:
     async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=2) as source:
         await source.warmup()
@@ -213,6 +214,7 @@ async def test_async_timeout_cancels_only_that_sample() -> None:
         assert await source.score_batch([sample("fast")]) == [RewardOutput(1.0, {})]
 
 
+@pytest.mark.slow
 async def test_dead_worker_fails_its_sample_only() -> None:
     """A worker that dies fails only the call it was running; the others go on on a fresh worker."""
     async with function_source(function=f"{FILE}:crash", max_workers=1) as source:

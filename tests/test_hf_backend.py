@@ -149,6 +149,7 @@ def reference_logprobs(
     return scaled.log_softmax(-1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 20), (0.0, 0)])
 async def test_logprobs_match_a_separate_forward_pass(
     backend: HFBackend, tiny_models: TinyModelPaths, temperature: float, top_k: int
@@ -171,7 +172,8 @@ async def test_logprobs_match_a_separate_forward_pass(
 
 async def test_logprobs_are_cut_with_a_stop_string(backend: HFBackend) -> None:
     request, tokens = await a_sample_without_eos(backend, PROMPTS[1])
-    stop = backend.tokenizer.decode(tokens[10:12], skip_special_tokens=True).strip()
+    tok: Any = backend.tokenizer
+    stop = tok.decode(tokens[10:12], skip_special_tokens=True).strip()
     assert stop
     out = await backend.generate(GenerationRequest(**{**vars(request), "stop": [stop], "logprobs": True}))
     assert out.finish_reason == "stop" and out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
@@ -194,6 +196,7 @@ async def test_concurrent_requests_share_steps_up_to_max_batch_size(tiny_models:
         await b.close()
 
 
+@pytest.mark.slow
 async def test_token_budget_bounds_the_running_batch(tiny_models: TinyModelPaths) -> None:
     b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_batch_tokens=40)
     try:
@@ -207,6 +210,7 @@ async def test_token_budget_bounds_the_running_batch(tiny_models: TinyModelPaths
         await b.close()
 
 
+@pytest.mark.slow
 async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBackend) -> None:
     done_at: dict[str, float] = {}
 
@@ -242,6 +246,7 @@ async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBa
     first.cancel()
 
 
+@pytest.mark.slow
 async def test_rows_joining_and_leaving_keep_every_row_exact(backend: HFBackend) -> None:
     """Seeded rows give the same tokens alone and when they join a batch at different steps."""
     requests = [sampled(backend, p, seed=20 + i, max_tokens=10 + 7 * i) for i, p in enumerate(PROMPTS)]
@@ -271,7 +276,7 @@ async def test_stop_token_ids_are_honoured(backend: HFBackend) -> None:
 
 async def test_stop_strings_are_honoured_and_not_returned(backend: HFBackend) -> None:
     request, tokens = await a_sample_without_eos(backend, PROMPTS[2])
-    tok = backend.tokenizer
+    tok: Any = backend.tokenizer
     text = tok.decode(tokens, skip_special_tokens=True)
     start = len(tok.decode(tokens[:4], skip_special_tokens=True))
     # a 2-character ASCII piece of what the model really writes, first seen after its fourth token
@@ -311,6 +316,7 @@ async def test_cancelling_aborts_the_row_and_stops_the_batch(backend: HFBackend)
     assert backend.steps <= steps + 1 < 400  # decoding stopped instead of going on for a row nobody awaits
 
 
+@pytest.mark.slow
 async def test_cancelling_one_row_leaves_its_neighbours_intact(backend: HFBackend) -> None:
     keep_request = sampled(backend, PROMPTS[1], seed=5, max_tokens=60)
     expected = await backend.generate(keep_request)
@@ -358,6 +364,7 @@ async def test_close_fails_pending_requests(tiny_models: TinyModelPaths) -> None
 # ------------------------------------------------------------------------------------------------ limits
 
 
+@pytest.mark.slow
 async def test_prompt_plus_max_tokens_beyond_max_model_len_is_rejected(
     backend: HFBackend, tiny_models: TinyModelPaths
 ) -> None:
@@ -438,6 +445,7 @@ async def test_update_weights_changes_output_and_version(backend: HFBackend, tin
     assert all(o.policy_version == 8 for o in restored)
 
 
+@pytest.mark.slow
 async def test_update_weights_lands_between_steps_and_tokens_say_which(
     backend: HFBackend, tiny_models: TinyModelPaths
 ) -> None:

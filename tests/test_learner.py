@@ -114,6 +114,7 @@ def test_rollout_log_probs_are_right_padded_like_responses() -> None:
     assert assemble_batch([a, failed]).rollout_log_probs is not None
 
 
+@pytest.mark.slow
 def test_learner_ratio_is_one_against_its_own_log_probs(tiny_models: TinyModelPaths) -> None:
     """Behaviour = current policy: the PPO loss against rollout log-probs is the on-policy loss, ratio 1."""
     policy = str(tiny_models.policy)

@@ -44,6 +44,9 @@ pytestmark = [
         reason="needs Linux, root and iproute2's `ip` to make network namespaces",
     ),
     pytest.mark.timeout(180),
+    pytest.mark.root,
+    pytest.mark.integration,
+    pytest.mark.slow,
 ]
 
 # The slow reward: marks each call's start and end in a directory the test watches, tagged with the host.

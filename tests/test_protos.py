@@ -39,13 +39,14 @@ def test_contract_names_other_tools_rely_on() -> None:
     for name in ["sample_id", "group_id", "prompt_ids", "response_ids", "prompt_text", "response_text",
                  "data_source", "ground_truth", "extra_info", "policy_version", "response_mask", "timing"]:  # fmt: skip
         assert name in sample, name
-    assert sample["prompt_ids"].message_type.full_name == "rewardmesh.v1.Tensor"
+    prompt_ids_type = sample["prompt_ids"].message_type
+    assert prompt_ids_type is not None and prompt_ids_type.full_name == "rewardmesh.v1.Tensor"
     result = reward_pb2.RewardResult.DESCRIPTOR.fields_by_name
     for name in ["sample_id", "score", "extras", "timing", "batch_size", "error"]:
         assert name in result, name
     assert set(common_pb2.Status.DESCRIPTOR.fields_by_name) == {"code", "message"}
     assert {"sample", "reward"} <= set(reward_pb2.ScoreRequest.DESCRIPTOR.fields_by_name)
-    assert reward_pb2.ScoreBatchRequest and reward_pb2.ListRewardsRequest
+    assert {"ScoreBatchRequest", "ListRewardsRequest"} <= set(reward_pb2.DESCRIPTOR.message_types_by_name)
     rollout = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert set(rollout) == {"Generate", "UpdateWeights", "GetInfo", "TransferWeights", "KeepTraces"}
     # Every enum starts with an _UNSPECIFIED zero value (buf's rule).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from demo.tiny_models import TinyModelPaths
 from reward_engine.sources.reward_model import ModelSource
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import load_tokenizer
-from tests.support.servers import FNS, fn_pipeline, reward_server, reward_stub, sample
+from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -28,11 +29,11 @@ def req(s: common_pb2.Sample, reward: str, timeout: float | None = None) -> rewa
     return r
 
 
-async def collect(call: aio.StreamStreamCall, n: int) -> list[reward_pb2.RewardResult]:
+async def collect(call: Any, n: int) -> list[reward_pb2.RewardResult]:
     out = []
     for _ in range(n):
         msg = await asyncio.wait_for(call.read(), 10)
-        assert msg is not aio.EOF
+        assert msg is not EOF
         out.append(msg.result)
     return out
 
@@ -44,7 +45,7 @@ async def test_results_stream_in_completion_order_matched_by_sample_id() -> None
         await call.write(req(sample("fast", response="quick", delay=0.0), "sleepy"))
         first, second = await collect(call, 2)
         await call.done_writing()
-        assert await call.read() is aio.EOF  # the server ends the stream once everything is answered
+        assert await call.read() is EOF  # the server ends the stream once everything is answered
         assert (first.sample_id, second.sample_id) == ("fast", "slow")
         assert first.score == len("quick") and second.score == len("slow one")
         assert second.extras["delay"] == pytest.approx(0.4)
@@ -89,10 +90,10 @@ async def test_every_bad_sample_gets_its_own_status_and_the_stream_goes_on() -> 
         await call.write(req(sample("good", response="#### 4", truth="4"), "gsm8k"))
         await call.done_writing()
         results = await collect(call, len(cases) + 3)
-        assert await call.read() is aio.EOF
+        assert await call.read() is EOF
     by_id: dict[str, list[reward_pb2.RewardResult]] = {}
-    for r in results:
-        by_id.setdefault(r.sample_id, []).append(r)
+    for result in results:
+        by_id.setdefault(result.sample_id, []).append(result)
     for r, code, text in cases:
         (res,) = by_id[r.sample.sample_id]
         assert res.HasField("error"), r.sample.sample_id
@@ -202,7 +203,7 @@ async def test_drain_finishes_in_flight_refuses_new_and_reports_not_serving() ->
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
         await call.write(req(sample("late"), "gsm8k"))
         results = {r.sample_id: r for r in await collect(call, 4)}
-        assert await call.read() is aio.EOF  # drained: the server ended the stream cleanly
+        assert await call.read() is EOF  # drained: the server ended the stream cleanly
         await stopping
     for i in range(3):
         r = results[f"inflight{i}"]
@@ -233,9 +234,7 @@ async def test_reward_model_pipeline_batches_concurrent_samples(tiny_models: Tin
         await call.done_writing()
         results = {r.sample_id: r for r in await collect(call, len(samples))}
     direct = ModelSource(name="rm", path=str(tiny_models.reward_model))
-    expected = direct.score_tokens(
-        [list(tok.encode(p)) + list(tok.encode(r)) for p, r in texts]  # type: ignore[misc]
-    )
+    expected = direct.score_tokens([list(tok.encode(p)) + list(tok.encode(r)) for p, r in texts])
     for i, s in enumerate(samples):
         r = results[s.sample_id]
         assert not r.HasField("error") and math.isfinite(r.score)

@@ -71,7 +71,7 @@ async def test_reward_overlaps_generation(tok: Any) -> None:
         finished.append(time.monotonic())
         return out
 
-    backend.generate = recording  # type: ignore[method-assign]
+    backend.generate = recording  # type: ignore[method-assign,assignment]
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as rs, rollout_server(backend, [rs.address]) as ro:
         async with rollout_stub(ro.address) as stub:
             prompts = [prompt(tok, f"wait {0.1 * (i + 1):.1f}", f"g{i}", extra_info=None) for i in range(6)]

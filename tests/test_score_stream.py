@@ -7,13 +7,12 @@ import asyncio
 from typing import Any
 
 import grpc
-from grpc import aio
 
 from client.tensors import ids_tensor
 from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import load_tokenizer
-from tests.support.servers import fn_pipeline, reward_server, reward_stub, sample
+from tests.support.servers import EOF, fn_pipeline, reward_server, reward_stub, sample
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -27,13 +26,13 @@ def ids_only(sid: str, response: list[int]) -> common_pb2.Sample:
     return common_pb2.Sample(sample_id=sid, prompt_ids=ids_tensor([5, 6]), response_ids=ids_tensor(response))
 
 
-async def results_of(call: aio.StreamStreamCall, n: int) -> tuple[list[reward_pb2.RewardResult], int]:
+async def results_of(call: Any, n: int) -> tuple[list[reward_pb2.RewardResult], int]:
     """Read n results (one or several per message); also returns how many messages carried them."""
     out: list[reward_pb2.RewardResult] = []
     messages = 0
     while len(out) < n:
         msg = await asyncio.wait_for(call.read(), 10)
-        assert msg is not aio.EOF, f"stream ended after {len(out)} of {n} results"
+        assert msg is not EOF, f"stream ended after {len(out)} of {n} results"
         messages += 1
         out += list(msg.results) if msg.results else [msg.result]
     return out, messages
@@ -48,7 +47,7 @@ async def test_negative_token_id_is_answered_invalid_not_a_hung_step(tiny_models
         await call.write(req(ids_only("fine", [7, 8]), "noop"))
         await call.done_writing()
         results, _ = await results_of(call, 2)
-        assert await call.read() is aio.EOF
+        assert await call.read() is EOF
         batch = await stub.ScoreBatch(
             reward_pb2.ScoreBatchRequest(reward="noop", samples=[ids_only("neg", [-5]), ids_only("ok", [9])])
         )
@@ -77,7 +76,7 @@ async def test_any_unexpected_exception_is_that_samples_internal_error() -> None
         await call.write(req(with_text, "noop"))
         await call.done_writing()
         results, _ = await results_of(call, 2)
-        assert await call.read() is aio.EOF
+        assert await call.read() is EOF
         assert await call.code() == grpc.StatusCode.OK
         batch = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="noop", samples=[ids_only("b", [3])]))
     by_id = {r.sample_id: r for r in results}
@@ -97,7 +96,7 @@ async def test_cancel_on_the_stream_answers_cancelled_and_the_id_can_be_sent_aga
         await call.write(req(sample("x", response="again", delay=0), "sleepy"))
         (retried,), _ = await results_of(call, 1)
         await call.done_writing()
-        assert await call.read() is aio.EOF
+        assert await call.read() is EOF
     assert cancelled.sample_id == "x" and CODE[cancelled.error.code] == grpc.StatusCode.CANCELLED
     assert retried.sample_id == "x" and not retried.HasField("error") and retried.score == len("again")
 
@@ -114,7 +113,7 @@ async def test_a_retry_on_another_stream_is_never_refused_and_scored_once() -> N
         (scored,), _ = await results_of(second, 1)
         for call in (first, second):
             await call.done_writing()
-            assert await call.read() is aio.EOF
+            assert await call.read() is EOF
     assert CODE[superseded.error.code] == grpc.StatusCode.CANCELLED and "retry" in superseded.error.message
     assert not scored.HasField("error") and scored.score == len("retry")
 
@@ -128,7 +127,7 @@ async def test_several_samples_per_message_each_answered_once() -> None:
         await call.write(req(sample("single"), "noop"))  # one sample per message stays valid
         await call.done_writing()
         results, messages = await results_of(call, 41)
-        assert await call.read() is aio.EOF
+        assert await call.read() is EOF
     assert sorted(r.sample_id for r in results) == sorted([f"m{i}" for i in range(40)] + ["single"])
     assert all(not r.HasField("error") for r in results)
     assert messages < 41  # results that finished together shared messages
@@ -140,7 +139,7 @@ async def test_one_result_per_message_for_clients_that_did_not_ask_for_more() ->
         await call.write(reward_pb2.ScoreRequest(items=[req(sample(f"o{i}"), "noop") for i in range(10)]))
         await call.done_writing()
         seen = []
-        while (msg := await asyncio.wait_for(call.read(), 10)) is not aio.EOF:
+        while (msg := await asyncio.wait_for(call.read(), 10)) is not EOF:
             assert not msg.results and msg.HasField("result")
             seen.append(msg.result.sample_id)
     assert sorted(seen) == sorted(f"o{i}" for i in range(10))

@@ -75,9 +75,9 @@ async def test_one_trace_per_step_across_three_services(
             prompts = [PromptSpec(token_ids=tok.encode(t), ground_truth="4") for t in ("fast one", "slow one")]
             batch = await client.generate_batch(prompts, n=2)
     telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
-    spans = list(SPANS.get_finished_spans())
+    spans: list[Any] = list(SPANS.get_finished_spans())  # attributes are Optional in the SDK's types
     by_id = {s.context.span_id: s for s in spans}
-    named: dict[str, list[ReadableSpan]] = defaultdict(list)
+    named: dict[str, list[Any]] = defaultdict(list)
     for s in spans:
         named[s.name].append(s)
 
@@ -190,7 +190,7 @@ async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
             batch = await client.generate_batch([PromptSpec(token_ids=tok.encode(t), ground_truth="4") for t in texts],
                                                 n=2)  # fmt: skip
     telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
-    spans = list(SPANS.get_finished_spans())
+    spans: list[Any] = list(SPANS.get_finished_spans())  # attributes are Optional in the SDK's types
     by_id = {s.context.span_id: s for s in spans}
     kept = sorted(batch.samples, key=lambda s: s.total_time)[-4:]
     samples = {s.attributes["rewardmesh.sample_id"]: s for s in spans if s.name == "rollout.sample"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,8 +58,8 @@ def test_layout(tiny_models: TinyModelPaths) -> None:
 
 
 def test_models_load_back(tiny_models: TinyModelPaths) -> None:
-    tok = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
-    policy = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
+    tok: Any = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
+    policy: Any = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
     assert isinstance(policy, LlamaForCausalLM)
     assert policy.config.vocab_size == len(tok)
     assert policy.config.max_position_embeddings == 512
@@ -80,20 +81,20 @@ def test_models_load_back(tiny_models: TinyModelPaths) -> None:
     # the reward model shares the policy's tokenizer byte for byte; the other one does not
     same = (tiny_models.reward_model / "tokenizer.json").read_bytes()
     assert same == (tiny_models.policy / "tokenizer.json").read_bytes()
-    other = AutoTokenizer.from_pretrained(tiny_models.reward_model_other_tokenizer, local_files_only=True)
+    other: Any = AutoTokenizer.from_pretrained(tiny_models.reward_model_other_tokenizer, local_files_only=True)
     assert other.get_vocab() != tok.get_vocab()
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_round_trips(tiny_models: TinyModelPaths, text: str) -> None:
     for path in (tiny_models.policy, tiny_models.reward_model_other_tokenizer):
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
         ids = tok.encode(text)
         assert tok.decode(ids) == text
 
 
 def test_digits_and_small_numbers_are_single_tokens(tiny_models: TinyModelPaths) -> None:
-    tok = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
+    tok: Any = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
     number_ids = []
     for n in range(19):
         ids = tok.encode(str(n))
@@ -113,20 +114,20 @@ def test_digits_and_small_numbers_are_single_tokens(tiny_models: TinyModelPaths)
 
 
 def test_special_tokens_and_sizes(tiny_models: TinyModelPaths) -> None:
-    tok = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
+    tok: Any = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
     assert tok.convert_tokens_to_ids([ENDOFTEXT, IM_START, IM_END]) == [0, 1, 2]
     assert tok.eos_token == IM_END
     assert tok.pad_token == ENDOFTEXT
     assert tok.bos_token is None
     assert tok.encode(f"{IM_START}user")[0] == 1
     assert 300 <= len(tok) <= 1024
-    other = AutoTokenizer.from_pretrained(tiny_models.reward_model_other_tokenizer, local_files_only=True)
+    other: Any = AutoTokenizer.from_pretrained(tiny_models.reward_model_other_tokenizer, local_files_only=True)
     assert len(other) != len(tok)
     assert len(other.encode("15")) == 2  # the other tokenizer splits every digit
 
 
 def test_chat_template(tiny_models: TinyModelPaths) -> None:
-    tok = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
+    tok: Any = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
     assert tok.chat_template == CHAT_TEMPLATE
     messages = [{"role": "user", "content": "What is 3 + 4?"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -143,9 +144,9 @@ def test_chat_template(tiny_models: TinyModelPaths) -> None:
 
 
 def test_policy_generates(tiny_models: TinyModelPaths) -> None:
-    tok = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
-    policy = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
-    inputs = tok.apply_chat_template(
+    tok: Any = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
+    policy: Any = AutoModelForCausalLM.from_pretrained(tiny_models.policy, local_files_only=True)
+    inputs: Any = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}],
         add_generation_prompt=True,
         return_tensors="pt",

@@ -18,7 +18,10 @@ from server.serving import ServerOptions
 from tests.support.pki import make_pki
 from tests.support.servers import sample
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
+    pytest.mark.integration,
+]
 
 
 @pytest.fixture(scope="module")

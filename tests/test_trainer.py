@@ -101,8 +101,8 @@ def prompts(tok: Any, count: int, wait: float = 0.0) -> list[PromptSpec]:
 
 
 async def test_generate_batch_end_to_end_over_two_rollout_servers(tok: Any) -> None:
-    async with reward_server() as rs, rollout_server(ScriptedBackend(tok, wait_script), [rs.address]) as r1, \
-            rollout_server(ScriptedBackend(tok, wait_script), [rs.address]) as r2:  # fmt: skip
+    b1, b2 = ScriptedBackend(tok, wait_script), ScriptedBackend(tok, wait_script)
+    async with reward_server() as rs, rollout_server(b1, [rs.address]) as r1, rollout_server(b2, [rs.address]) as r2:
         async with TrainerClient([r1.address, r2.address], reward="gsm8k", sampling=Sampling(max_tokens=32)) as client:
             batch = await client.generate_batch(prompts(tok, 6, 0.05), n=4)
     assert len(batch) == 24 and len(set(batch.sample_ids)) == 24
@@ -116,7 +116,7 @@ async def test_generate_batch_end_to_end_over_two_rollout_servers(tok: Any) -> N
     m = batch.metrics
     assert m["critic/score/mean"] == pytest.approx(0.5) and m["timing_s/gen"] > 0
     assert m["timing_s/agent_loop/reward/max"] == pytest.approx(max(s.timing["reward"] for s in batch.samples))
-    assert r1.worker.running_samples == 0 and r1.backend.requests and r2.backend.requests  # both servers used
+    assert r1.worker.running_samples == 0 and b1.requests and b2.requests  # both servers used
 
 
 async def test_minibatches_hold_only_complete_groups_and_come_early(tok: Any) -> None:

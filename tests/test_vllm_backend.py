@@ -52,6 +52,7 @@ def perturbed(state: dict[str, torch.Tensor], scale: float = 0.5) -> dict[str, t
 # ------------------------------------------------------------------------------------- no vLLM needed
 
 
+@pytest.mark.slow
 def test_module_imports_without_vllm() -> None:
     code = "import sys, server.backends.vllm_backend; assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -123,7 +124,7 @@ def test_weights_travel_in_chunks_and_apply_on_commit(tiny_models: TinyModelPath
 
 def test_outputs_drop_stop_strings_like_the_hf_backend(tiny_models: TinyModelPaths) -> None:
     backend = VLLMBackend(str(tiny_models.policy))
-    tok = backend.tokenizer
+    tok: Any = backend.tokenizer
     tokens = tok.encode("The cat reads a book. The end!")
     request = GenerationRequest(prompt_ids=[1], max_tokens=50, stop=["book"])
     completion = SimpleNamespace(token_ids=tokens, finish_reason="stop", stop_reason="book")
@@ -380,7 +381,7 @@ async def test_vllm_generates_deterministically(engine: VLLMBackend) -> None:
 
 @gpu
 async def test_vllm_honours_stop_tokens_and_strings(engine: VLLMBackend) -> None:
-    tok = engine.tokenizer
+    tok: Any = engine.tokenizer
     for seed in range(30):
         request = GenerationRequest(prompts(engine)[0], max_tokens=30, temperature=1.0, seed=seed)
         tokens = (await engine.generate(request)).token_ids

@@ -24,7 +24,7 @@ from client.weight_sync import WeightSyncError
 from client.weights import WeightAssembler, WeightsError, check_manifest, iter_update_requests, layout, manifest
 from demo.server_process import ServerProcess
 from demo.tiny_models import TinyModelPaths
-from rewardmesh.v1 import rollout_pb2
+from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.backends.hf import HFBackend
 from tests.support.servers import rollout_server, rollout_stub
 
@@ -101,7 +101,7 @@ def test_manifest_checks_name_shape_dtype_and_total() -> None:
     ]:
         with pytest.raises(WeightsError, match=text):
             check_manifest(manifest(state), specs)
-    bad_dtype = [rollout_pb2.WeightSpec(name="w", dtype=1, shape=[2, 2])]  # INT32
+    bad_dtype = [rollout_pb2.WeightSpec(name="w", dtype=common_pb2.DTYPE_INT32, shape=[2, 2])]
     with pytest.raises(WeightsError, match="tensor 'w': dtype INT32"):
         check_manifest(bad_dtype, specs)
     with pytest.raises(WeightsError, match="total_bytes: 9"):

@@ -105,7 +105,7 @@ def test_reward_loop_worker_scores_with_fixed_extra_keys(tiny_models: TinyModelP
 
 def test_a_failed_sample_fails_the_step_or_scores_error_score_with_the_code(tiny_models: TinyModelPaths) -> None:
     rows = [("p", "four", ""), ("p", "four", "")]
-    extra = [{"delay": 0}, {"delay": "oops"}]  # the checker raises on the second sample
+    extra: list[dict[str, Any]] = [{"delay": 0}, {"delay": "oops"}]  # the checker raises on the second sample
     with server_thread(PIPELINES) as server:
         strict = RewardLoopWorker(rewardmesh_config(tiny_models.policy, server.address, "sleepy"))
         data = batch(strict.input_tokenizer, rows, extra)

@@ -51,7 +51,7 @@ class SamplingParams(SimpleNamespace):
     pass
 
 
-class TokensPrompt(dict):  # type: ignore[type-arg]
+class TokensPrompt(dict):
     pass
 
 
