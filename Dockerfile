@@ -8,7 +8,8 @@
 # vLLM pins the torch build it runs with (a CUDA build from PyPI, which carries its own CUDA libraries), so the
 # base image only has to provide a CUDA user space the host driver accepts. Override with --build-arg:
 #   CUDA_IMAGE  a CUDA base (Ubuntu 22.04 based, for its python3.11 packages)
-#   VLLM_SPEC   the vLLM requirement, e.g. "vllm==0.11.0" to pin it
+#   VLLM_SPEC   the vLLM release (supported: 0.26 to 0.33; 0.32.0 is the one built for torch 2.13.0, the
+#               torch the Makefile installs; vLLM pulls the torch it pins)
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
 # ---------------------------------------------------------------------------------------------- build
@@ -23,7 +24,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /src
 
 # The heavy dependencies first, in a layer of their own, so editing the project's code does not reinstall them.
-ARG VLLM_SPEC="vllm>=0.8"
+ARG VLLM_SPEC="vllm==0.32.0"
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --upgrade pip setuptools wheel \
     && pip install "${VLLM_SPEC}" "opentelemetry-exporter-otlp>=1.30"
@@ -34,6 +35,7 @@ COPY protos/ protos/
 COPY server/ server/
 COPY client/ client/
 COPY reward_engine/ reward_engine/
+COPY demo/ demo/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[vllm,otlp,demo]" "${VLLM_SPEC}" \
     && python -c "import server.cli, client.trainer, rewardmesh.v1.reward_pb2_grpc" \

@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed
 # CPU build of torch, installed before the project so pip never pulls a multi-GB CUDA build.
 # GPU users: install the CUDA build of torch 2.13 into .venv first; `pip install torch==2.13.0` then keeps it.
 TORCH_SPEC ?= torch==2.13.0
+# GPU machines: vLLM 0.32.0 is the release built for torch 2.13.0 (the supported range is in pyproject.toml).
+VLLM_SPEC ?= vllm==0.32.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install demo test lint typecheck pytest protos bench clean k8s-check
+.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +22,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# One command for a CUDA machine: torch 2.13.0 with CUDA (Linux wheels from the default index carry CUDA) and
+# vLLM 0.32.0, pinned together so pip never swaps torch for another build, then the project with its extras.
+install-gpu: | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(VLLM_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev,vllm]' $(TORCH_SPEC) $(VLLM_SPEC)
+	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rewardmesh demo

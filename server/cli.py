@@ -109,9 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
                          help="reward servers HOST:PORT[,HOST:PORT...] or dns:///name:port")  # fmt: skip
     rollout.add_argument("--default-max-tokens", dest="default_max_tokens", type=int,
                          help="max_tokens when a request sets none (default 256)")  # fmt: skip
+    rollout.add_argument("--dtype", help="weights dtype: auto, bfloat16, float16, float32 (default auto)")
+    rollout.add_argument("--max-model-len", dest="max_model_len", type=int,
+                         help="context length (default 0: the model's)")  # fmt: skip
     rollout.add_argument("--device", help="hf backend: auto, cpu or cuda (default auto)")
     rollout.add_argument("--max-batch-size", dest="max_batch_size", type=int,
-                         help="hf backend: most requests generated together (default 32)")  # fmt: skip
+                         help="hf backend: most requests decoded together (default 32)")  # fmt: skip
+    rollout.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int,
+                         help="hf backend: KV budget, prompt + max_tokens over rows (default 0: none)")  # fmt: skip
+    rollout.add_argument("--batch-wait-ms", dest="batch_wait_ms", type=float,
+                         help="hf backend: an idle backend waits this long for company (default 5)")  # fmt: skip
+    rollout.add_argument("--num-threads", dest="num_threads", type=int,
+                         help="hf backend: decode threads (default -1: half the cores, 1-8; 0: torch)")  # fmt: skip
+    rollout.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float,
+                         help="vllm backend: fraction of GPU memory for the engine (default 0.85)")  # fmt: skip
+    rollout.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int,
+                         help="vllm backend: GPUs per engine (default 1)")  # fmt: skip
+    rollout.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True,
+                         help="vllm backend: no CUDA graphs (faster start, slower decode)")  # fmt: skip
+    rollout.add_argument("--attention-backend", dest="attention_backend",
+                         help="vllm backend: attention kernels, e.g. TRITON_ATTN (default: vLLM picks)")  # fmt: skip
+    rollout.add_argument("--engine-arg", dest="engine_arg", action="append", metavar="KEY=VALUE",
+                         help="vllm backend: any other vllm.AsyncEngineArgs field (repeatable)")  # fmt: skip
 
     tiny = sub.add_parser("tiny-models", help="build tiny policy and reward models locally (no download)")
     tiny.add_argument("--out", type=Path, default=default_models_dir(), help="output directory (default %(default)s)")

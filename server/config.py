@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -42,6 +43,8 @@ def _coerce(value: Any, like: Any, name: str) -> Any:
             raise ValueError(value)
         if kind is list and isinstance(value, str):
             return [v for v in value.split(",") if v]
+        if kind is list and isinstance(value, dict):  # a YAML mapping for a KEY=VALUE list (engine args)
+            return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in value.items()]
         return kind(value)
     except (TypeError, ValueError):
         raise SystemExit(f"option {name}: cannot read {value!r} as {kind.__name__}") from None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from client.reward_client import RewardClient
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -27,8 +30,53 @@ class RolloutServerConfig(ServerOptions):
     # Reward servers, comma-separated HOST:PORT (or one dns:///name:port balanced over every pod).
     reward_target: str = ""
     default_max_tokens: int = 256
+    # Engine options. Both backends:
+    dtype: str = "auto"  # auto: bf16 on a GPU that has it (else fp16), fp32 on CPU
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    # hf backend:
     device: str = "auto"
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # most rows decoded together
+    max_batch_tokens: int = 0  # KV budget of the running batch, prompt + max_tokens per row; 0: rows only
+    batch_wait_ms: float = 5.0  # an idle backend waits this long for company before its first prefill
+    num_threads: int = -1  # torch threads of the decode thread; -1: half the usable cores (1-8), 0: torch's
+    # vllm backend:
+    gpu_memory_utilization: float = 0.85
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    attention_backend: str = ""  # "": vLLM's choice
+    # Any other vllm.AsyncEngineArgs field, as KEY=VALUE (values read as YAML: 8, true, {"a": 1});
+    # in YAML also a mapping; in the environment comma-separated.
+    engine_arg: list[str] = field(default_factory=list)
+
+
+def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
+    """The constructor options of ``cfg.backend`` from the server config."""
+    max_model_len = cfg.max_model_len or None
+    if cfg.backend == "hf":
+        if cfg.engine_arg:
+            raise ValueError("engine_arg: engine arguments are for --backend vllm; the hf backend takes none")
+        return {
+            "device": cfg.device,
+            "dtype": cfg.dtype,
+            "max_model_len": max_model_len,
+            "max_batch_size": cfg.max_batch_size,
+            "max_batch_tokens": cfg.max_batch_tokens or None,
+            "batch_wait_ms": cfg.batch_wait_ms,
+            "num_threads": None if cfg.num_threads < 0 else cfg.num_threads,
+        }
+    if cfg.backend == "vllm":
+        from server.backends.vllm_backend import parse_engine_args
+
+        return {
+            "dtype": cfg.dtype,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "enforce_eager": cfg.enforce_eager,
+            "attention_backend": cfg.attention_backend or None,
+            "engine_args": parse_engine_args(cfg.engine_arg),
+        }
+    return {}
 
 
 class RolloutServer(MeshServer):
@@ -46,13 +94,31 @@ class RolloutServer(MeshServer):
         self.grpc = GrpcServer(self.options, [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, self.servicer,
                                               SERVICE_NAME)], on_stopped=self._release)  # fmt: skip
 
-    async def start(self) -> int:
-        await self.backend.start()
-        port = await self.grpc.start()
+    async def start(self, *, wait_ready: bool = True) -> int:
+        """Serve at once, with RolloutService NOT_SERVING while the backend boots (off the event loop), then
+        SERVING. ``wait_ready=False`` returns before the boot ends; :meth:`ready` awaits it."""
+        port = await self.grpc.start(ready=False)
         targets = [s.address for s in self.rewards.streams] if self.rewards else []
-        log.info("rollout server listening on %s:%d (backend %s, model %s, reward targets %s)",
+        log.info("rollout server listening on %s:%d (backend %s, model %s, reward targets %s); booting the engine",
                  self.options.host, port, self.backend.name, self.backend.model, targets)  # fmt: skip
+        self._boot = asyncio.create_task(self._boot_backend(), name="rollout-backend-boot")
+        if wait_ready:
+            try:
+                await self.ready()
+            except BaseException:
+                await self.grpc.stop(0)
+                raise
         return port
+
+    async def ready(self) -> None:
+        """Wait until the backend has booted (raises what the boot raised)."""
+        await asyncio.shield(self._boot)
+
+    async def _boot_backend(self) -> None:
+        started = time.perf_counter()
+        await self.backend.start()
+        await self.grpc.set_ready()
+        log.info("rollout server ready: %s booted in %.1f s", self.backend.name, time.perf_counter() - started)
 
     async def _release(self) -> None:
         if self.rewards is not None:
@@ -66,10 +132,20 @@ async def serve_rollout(cfg: RolloutServerConfig) -> None:
 
     if not cfg.model:
         raise ValueError("--model is required: a local model directory (try `rewardmesh tiny-models`)")
-    options = {"device": cfg.device, "max_batch_size": cfg.max_batch_size} if cfg.backend == "hf" else {}
-    backend = make_backend(cfg.backend, cfg.model, **options)
+    backend = make_backend(cfg.backend, cfg.model, **backend_options(cfg))
+    check = getattr(backend, "check_engine_args", None)
+    if check is not None:
+        check()  # an unknown engine argument fails here, naming it, before minutes of booting
     targets = [t for t in cfg.reward_target.split(",") if t]
     server = RolloutServer(backend, targets, cfg, default_max_tokens=cfg.default_max_tokens)
-    await server.start()
-    await server.serve_until_signalled()
+    await server.start(wait_ready=False)
+    serving = asyncio.create_task(server.serve_until_signalled())
+    try:
+        await server.ready()
+    except Exception:
+        log.exception("rollout server: the %s backend failed to boot", cfg.backend)
+        await server.stop(0)
+        await serving
+        raise
+    await serving
     log.info("rollout server stopped")

@@ -114,7 +114,9 @@ class GrpcServer:
         self._stopped = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None  # the one stop in progress, kept (never collected mid-run)
 
-    async def start(self) -> int:
+    async def start(self, *, ready: bool = True) -> int:
+        """Bind and serve. ``ready=False``: the services report NOT_SERVING (the server itself SERVING, so a
+        liveness probe passes) until :meth:`set_ready`, e.g. while an engine boots."""
         address = f"{self.options.host}:{self.options.port}"
         creds = self.options.credentials()
         self.port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
@@ -127,11 +129,22 @@ class GrpcServer:
             if not self.health_server.add_insecure_port(f"{self.options.host}:{self.options.health_port}"):
                 raise RuntimeError(f"could not bind health port {self.options.health_port}")
             await self.health_server.start()
-        for name in ["", *self._names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.options.port_file:
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in self._names:
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set(name, status)
+        if self.options.port_file and ready:
             write_port_file(self.options.port_file, self.port)
         return self.port
+
+    async def set_ready(self) -> None:
+        """Report the services SERVING (after ``start(ready=False)``) and write the port file, unless a stop
+        has begun."""
+        if self._stopping is None:
+            for name in self._names:
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if self.options.port_file:  # a harness waiting for the port file waits for a ready server
+                write_port_file(self.options.port_file, self.port)
 
     @property
     def address(self) -> str:

@@ -94,7 +94,7 @@ def test_attributes_and_auto_device(tiny_models: TinyModelPaths) -> None:
     assert auto.retokenizes is False
     if torch.cuda.is_available():
         assert auto.device.type == "cuda"
-        assert auto.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32)
+        assert auto.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     else:
         assert auto.device == torch.device("cpu")
         assert auto.dtype == torch.float32

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
@@ -34,6 +36,11 @@ from server.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
+from server.cli import build_parser
+from server.config import resolve
+from server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
+from server.rollout_server import RolloutServer, RolloutServerConfig, backend_options
+from server.serving import ServerOptions
 from tests.support.fake_vllm import FakeEngine, echo, installed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -482,3 +489,57 @@ def test_tokenizer_is_the_policy_tokenizer(tiny_models: TinyModelPaths) -> None:
     backend = VLLMBackend(str(tiny_models.policy))
     reference = AutoTokenizer.from_pretrained(tiny_models.policy, local_files_only=True)
     assert backend.tokenizer.get_vocab() == reference.get_vocab()
+
+
+async def test_rollout_server_is_not_serving_until_the_engine_has_booted(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    fake_vllm.boot_seconds = 0.5
+    backend = VLLMBackend(str(tiny_models.policy))
+    server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0, grace_s=0.5))
+    await server.start(wait_ready=False)
+    try:
+        async with aio.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service: str) -> int:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                return int(reply.status)
+
+            assert await status(ROLLOUT_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status("") == health_pb2.HealthCheckResponse.SERVING  # alive: a liveness probe passes
+            await server.ready()
+            assert await status(ROLLOUT_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+
+
+def test_engine_options_come_from_flags_environment_and_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(
+        ["serve", "rollout", "--backend", "vllm", "--gpu-memory-utilization", "0.4", "--tensor-parallel-size", "2",
+         "--enforce-eager", "--engine-arg", "max_num_seqs=16", "--engine-arg", "attention_backend=TRITON_ATTN"]
+    )  # fmt: skip
+    cfg = resolve(RolloutServerConfig, args, {})
+    options = backend_options(cfg)
+    assert options["gpu_memory_utilization"] == 0.4 and options["tensor_parallel_size"] == 2
+    assert options["enforce_eager"] is True
+    assert options["engine_args"] == {"max_num_seqs": 16, "attention_backend": "TRITON_ATTN"}
+
+    bare = build_parser().parse_args(["serve", "rollout", "--backend", "vllm"])
+    monkeypatch.setenv("REWARDMESH_ENGINE_ARG", "attention_backend=TRITON_ATTN,max_num_seqs=8")
+    assert backend_options(resolve(RolloutServerConfig, bare, {}))["engine_args"] == {
+        "attention_backend": "TRITON_ATTN",
+        "max_num_seqs": 8,
+    }
+    monkeypatch.delenv("REWARDMESH_ENGINE_ARG")
+    from_yaml = resolve(
+        RolloutServerConfig, bare, {"engine_arg": {"max_num_seqs": 4, "compilation_config": {"level": 0}}}
+    )
+    assert backend_options(from_yaml)["engine_args"] == {"max_num_seqs": 4, "compilation_config": {"level": 0}}
+
+    hf = resolve(RolloutServerConfig, build_parser().parse_args(["serve", "rollout", "--max-batch-tokens", "4096"]), {})
+    assert backend_options(hf)["max_batch_tokens"] == 4096 and backend_options(hf)["num_threads"] is None
+    with pytest.raises(ValueError, match="engine_arg"):
+        backend_options(
+            resolve(RolloutServerConfig, build_parser().parse_args(["serve", "rollout", "--engine-arg", "a=1"]), {})
+        )

@@ -35,21 +35,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from reward_engine.devices import resolve_device, resolve_dtype
 from reward_engine.errors import InvalidInput, SourceFailed, Unavailable
 from reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 _RETOKENIZE = ("auto", "always", "never")
 
 
@@ -307,28 +298,17 @@ def _ids(ids: np.ndarray, field: str) -> np.ndarray:
 
 
 def _pick_device(device: str, name: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        picked = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"reward model {name!r}: bad device {device!r}: {e}") from e
-    if picked.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"reward model {name!r}: device {device!r} requested but CUDA is not available")
-    return picked
+        return resolve_device(device)
+    except ValueError as e:
+        raise ValueError(f"reward model {name!r}: {e}") from None
 
 
 def _pick_dtype(dtype: str, device: torch.device, name: str) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
     try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(
-            f"reward model {name!r}: dtype must be 'auto' or one of {sorted(_DTYPES)}, not {dtype!r}"
-        ) from None
+        return resolve_dtype(dtype, device)
+    except ValueError as e:
+        raise ValueError(f"reward model {name!r}: {e}") from None
 
 
 def _load_tokenizer(path: str, what: str) -> PreTrainedTokenizerBase:

@@ -31,40 +31,11 @@ from typing import Any
 import torch
 
 from client.weights import validate_weights
+from reward_engine.devices import resolve_device, resolve_dtype
 from reward_engine.errors import InvalidInput
 from server.backends.base import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` means bf16 on a GPU that has it (fp16 otherwise) and fp32 on CPU, where half precision is slow."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(sorted(_DTYPES))}") from None
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> set[int]:
