@@ -32,7 +32,7 @@ import torch
 
 from client.weights import validate_weights
 from reward_engine.devices import resolve_device, resolve_dtype
-from reward_engine.errors import InvalidInput
+from reward_engine.errors import InvalidInput, Unavailable
 from server.backends.base import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -665,7 +665,7 @@ class HFBackend:
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if not self._state:
-            raise RuntimeError("HFBackend.weight_specs() needs the model: await start() first")
+            raise Unavailable("the hf backend is still loading its model; retry when the server reports SERVING")
         return {name: (tuple(t.shape), t.dtype) for name, t in self._state.items()}
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
