@@ -65,7 +65,7 @@ class RewardServer(MeshServer):
         self.engine = engine
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         bound = getattr(self.options, "max_stream_unanswered", RewardServerConfig.max_stream_unanswered)
-        self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=bound)
+        self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=bound, limits=self.options)
         self.gateway: Any = None  # server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,

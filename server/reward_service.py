@@ -18,6 +18,7 @@ from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
 from server.reward_telemetry import RewardTelemetry
 from server.status import SAMPLE_ERRORS, status_proto
 
@@ -31,10 +32,15 @@ _KINDS = {
 }
 
 
-def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None) -> RewardInput:
-    """Decode and validate a Sample; InvalidInput names the offending field."""
+def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limits = DEFAULT_LIMITS) -> RewardInput:
+    """Decode and validate a Sample; InvalidInput names the offending field (and the limit it is over)."""
+    check(len(sample.sample_id), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
+    for name in ("prompt_text", "response_text", "ground_truth", "data_source"):
+        check(len(getattr(sample, name)), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
     prompt_ids = ids_from(sample.prompt_ids, "sample.prompt_ids")
     response_ids = ids_from(sample.response_ids, "sample.response_ids")
+    check(prompt_ids.size, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
+    check(response_ids.size, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
     mask = None
     if sample.HasField("response_mask"):
         mask = ids_from(sample.response_mask, "sample.response_mask")
@@ -49,7 +55,13 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None) -> RewardI
             prompt_text = tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
         if not response_text and response_ids.size:
             response_text = tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
-    extra = json_format.MessageToDict(sample.extra_info) if sample.HasField("extra_info") else {}
+    extra: dict[str, Any] = {}
+    if sample.HasField("extra_info"):
+        size = sample.extra_info.ByteSize()
+        check(size, lim.max_extra_info_bytes, "sample.extra_info serialized size", "max_extra_info_bytes")
+        extra = json_format.MessageToDict(sample.extra_info)
+        nested = depth(extra, lim.max_extra_info_depth)
+        check(nested, lim.max_extra_info_depth, "sample.extra_info nesting depth", "max_extra_info_depth")
     return RewardInput(
         sample_id=sample.sample_id,
         prompt_ids=prompt_ids,
@@ -112,11 +124,19 @@ class _Flight:
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Scores samples on a long-lived stream; one bad sample is that sample's error, never the stream's."""
 
-    def __init__(self, engine: RewardEngine, tokenizer: Any = None, *, max_stream_unanswered: int = 2048) -> None:
+    def __init__(
+        self,
+        engine: RewardEngine,
+        tokenizer: Any = None,
+        *,
+        max_stream_unanswered: int = 2048,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
         if max_stream_unanswered < 1:
             raise ValueError(f"max_stream_unanswered must be >= 1, got {max_stream_unanswered}")
         self.engine = engine
         self.tokenizer = tokenizer
+        self.limits = limits
         self.telemetry = RewardTelemetry(engine)
         # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
         # so gRPC flow control pushes back on a client that writes and never reads.
@@ -149,13 +169,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         trace_context: Any,
         deliver: Callable[[reward_pb2.RewardResult], None],
         owner: object,
+        refused: BaseException | None = None,
     ) -> None:
-        """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens."""
+        """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens.
+        ``refused``: answer the sample with this error without looking at it (its message was over a limit)."""
         # This sample's timeline in the flight recorder (None when tracing is off), carried through its batch.
         parent = self.telemetry.begin(trace_context)
         sid = sample.sample_id
         f = _Flight(sid, reward, deliver, owner, parent)
         try:
+            if refused is not None:
+                raise refused
             if not sid:
                 raise InvalidInput("sample.sample_id is empty; give every sample a unique id")
             if self._draining.is_set():
@@ -170,7 +194,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 # first attempt is answered CANCELLED, so the sample is scored once and never refused.
                 self._cancel(earlier, f"sample '{sid}' was sent again on another stream (a retry)")
             pipeline = self.engine.get(reward)
-            inp = to_reward_input(sample, self.tokenizer)
+            inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = f.arrived + timeout_s if timeout_s is not None else None
             f.future = pipeline.enqueue(inp, deadline=deadline, context=parent)
         except SAMPLE_ERRORS as exc:
@@ -214,6 +238,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.telemetry.on_result(result, f.parent, f.arrival_ns)
         f.deliver(result)
 
+    def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
+        try:
+            check(count, self.limits.max_samples_per_request, what, "max_samples_per_request")
+        except LimitExceeded as exc:
+            return exc
+        return None
+
     @staticmethod
     def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
         return msg.timeout.ToTimedelta().total_seconds() if msg.HasField("timeout") else None
@@ -246,11 +277,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         def deliver(result: reward_pb2.RewardResult) -> None:
             box.put(result)
 
-        def begin(req: reward_pb2.ScoreRequest) -> None:
+        def begin(req: reward_pb2.ScoreRequest, refused: BaseException | None = None) -> None:
             nonlocal unanswered
             unanswered += 1
             self.held += 1
-            self._begin(req.sample, req.reward, self._timeout(req), req.trace_context, deliver, box)
+            self._begin(req.sample, req.reward, self._timeout(req), req.trace_context, deliver, box, refused)
 
         async def read() -> None:
             nonlocal per_message, room
@@ -259,8 +290,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     if req.max_results_per_message > 0:
                         per_message = req.max_results_per_message
                     if req.items:
+                        refused = self._over_limit(len(req.items), "ScoreRequest.items count")
                         for item in req.items:
-                            begin(item)
+                            begin(item, refused)
                     elif req.HasField("sample"):
                         begin(req)
                     for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
@@ -322,6 +354,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext
     ) -> reward_pb2.ScoreBatchResponse:
+        error = self._over_limit(len(request.samples), "ScoreBatchRequest.samples count")
+        if error is not None:
+            raise error
         timeout = self._timeout(request)
         slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
         left = len(request.samples)

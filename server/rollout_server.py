@@ -90,7 +90,7 @@ class RolloutServer(MeshServer):
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         self.rewards = RewardClient(reward_targets) if reward_targets else None
         self.worker = RolloutWorker(backend, self.rewards)
-        self.servicer = RolloutServicer(self.worker, default_max_tokens=default_max_tokens)
+        self.servicer = RolloutServicer(self.worker, default_max_tokens=default_max_tokens, limits=self.options)
         self.grpc = GrpcServer(self.options, [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, self.servicer,
                                               SERVICE_NAME)], on_stopped=self._release)  # fmt: skip
 

@@ -18,6 +18,7 @@ from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
+from server.limits import DEFAULT_LIMITS, Limits, check
 from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
 from server.tools import TOOLS
 from server.weight_receiver import WeightReceiver
@@ -26,8 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, worker: RolloutWorker, *, default_max_tokens: int = 256) -> None:
+    def __init__(
+        self, worker: RolloutWorker, *, default_max_tokens: int = 256, limits: Limits = DEFAULT_LIMITS
+    ) -> None:
         self.worker = worker
+        self.limits = limits
         self.backend = worker.backend
         self.default_max_tokens = default_max_tokens
         self.weights = WeightReceiver(worker.backend)
@@ -38,6 +42,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         tok = self.backend.tokenizer
         which = prompt.WhichOneof("input")
         if which == "token_ids":
+            size = len(prompt.token_ids.raw_data) // 4
+            check(size, self.limits.max_tensor_elements, f"prompts[{i}].token_ids size", "max_tensor_elements")
             ids = ids_from(prompt.token_ids, f"prompts[{i}].token_ids").tolist()
             if not ids:
                 raise InvalidInput(f"prompts[{i}].token_ids is empty")
@@ -45,6 +51,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if which == "chat":
             if not prompt.chat.messages:
                 raise InvalidInput(f"prompts[{i}].chat.messages is empty")
+            chars = sum(len(m.content) for m in prompt.chat.messages)
+            check(chars, self.limits.max_text_chars, f"prompts[{i}].chat length", "max_text_chars")
             messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             ids = list(tok.encode(text, add_special_tokens=False))
@@ -53,14 +61,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         raise InvalidInput(f"prompts[{i}] has no input: set token_ids or chat")
 
     def _plan(self, request: rollout_pb2.GenerateRequest) -> tuple[list[Job], RunSettings]:
+        lim = self.limits
         if not request.prompts:
             raise InvalidInput("prompts is empty; send at least one prompt")
         if request.n < 1:
             raise InvalidInput(f"n must be >= 1, got {request.n}")
+        check(request.n, lim.max_n, "n", "max_n")
+        check(len(request.prompts), lim.max_prompts_per_request, "prompts count", "max_prompts_per_request")
+        total = len(request.prompts) * request.n
+        check(total, lim.max_samples_per_generate, "prompts x n", "max_samples_per_generate")
         sp = request.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else self.default_max_tokens
         if max_tokens < 1:
             raise InvalidInput(f"sampling.max_tokens must be >= 1, got {max_tokens}")
+        check(max_tokens, lim.max_tokens_limit, "sampling.max_tokens", "max_tokens_limit")
         temperature = sp.temperature if sp.HasField("temperature") else 1.0
         top_p = sp.top_p if sp.HasField("top_p") else 1.0
         if temperature < 0:
@@ -84,6 +98,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 )
             if prompt.sample_ids and len(prompt.sample_ids) != request.n:
                 raise InvalidInput(f"prompts[{i}].sample_ids has {len(prompt.sample_ids)} ids, but n is {request.n}")
+            for k, sid in enumerate(prompt.sample_ids):
+                check(len(sid), lim.max_sample_id_chars, f"prompts[{i}].sample_ids[{k}] length", "max_sample_id_chars")
             for k in range(request.n):
                 sid = prompt.sample_ids[k] if prompt.sample_ids else f"{decoded.group_id}/{k}"
                 jobs.append(Job(sid, decoded, sp.seed + k if sp.HasField("seed") else None))
@@ -126,7 +142,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[rollout_pb2.UpdateWeightsRequest], context: aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        return await self.weights.receive_chunks(request_iterator)
+        return await self.weights.receive_chunks(self._limited_chunks(request_iterator))
+
+    async def _limited_chunks(
+        self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
+    ) -> AsyncIterator[rollout_pb2.UpdateWeightsRequest]:
+        """The stream's messages, refused past max_weight_chunks (resending chunks would grow the books for ever)."""
+        count = 0
+        async for msg in requests:
+            count += 1
+            check(count, self.limits.max_weight_chunks, "UpdateWeights chunk count", "max_weight_chunks")
+            yield msg
 
     async def TransferWeights(
         self, request: rollout_pb2.TransferWeightsRequest, context: aio.ServicerContext

@@ -18,14 +18,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from client.telemetry import server_interceptors
+from server.limits import Limits
 from server.status import ExceptionToStatusInterceptor
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class ServerOptions:
-    """Transport settings shared by the reward and rollout servers."""
+class ServerOptions(Limits):
+    """Transport settings shared by the reward and rollout servers, with the request limits (server/limits.py)."""
 
     host: str = "0.0.0.0"
     port: int = 0

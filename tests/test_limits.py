@@ -1,0 +1,180 @@
+"""Server-side limits: every count and size a client controls is refused over its limit, naming the option."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc import aio
+
+from client.tensors import ids_tensor
+from client.weights import iter_update_requests
+from demo.tiny_models import TinyModelPaths
+from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
+from server.config import load_yaml, resolve
+from server.reward_server import RewardServer, RewardServerConfig, build_engine, load_tokenizer
+from server.rollout_server import RolloutServer
+from server.serving import ServerOptions
+from tests.support.scripted_backend import ScriptedBackend
+from tests.support.servers import reward_stub, sample
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@asynccontextmanager
+async def limited_reward_server(**limits: Any) -> AsyncIterator[RewardServer]:
+    server = RewardServer(build_engine(None), ServerOptions(host="127.0.0.1", port=0, **limits))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_score_batch_over_the_sample_count_is_refused_naming_the_option() -> None:
+    async with limited_reward_server(max_samples_per_request=3) as rs, reward_stub(rs.address) as stub:
+        ok = await stub.ScoreBatch(
+            reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample(f"{i}") for i in range(3)])
+        )
+        assert len(ok.results) == 3
+        with pytest.raises(aio.AioRpcError) as err:
+            await stub.ScoreBatch(
+                reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample(f"{i}") for i in range(4)])
+            )
+    assert err.value.code() == INVALID
+    assert "ScoreBatchRequest.samples count is 4" in str(err.value.details())
+    assert "max_samples_per_request" in str(err.value.details())
+
+
+async def test_score_message_over_the_item_count_answers_each_item_and_the_stream_goes_on() -> None:
+    async with limited_reward_server(max_samples_per_request=2) as rs, reward_stub(rs.address) as stub:
+        items = [reward_pb2.ScoreRequest(sample=sample(f"big{i}"), reward="gsm8k") for i in range(3)]
+        requests = [
+            reward_pb2.ScoreRequest(items=items),
+            reward_pb2.ScoreRequest(sample=sample("after"), reward="gsm8k"),
+        ]
+        got = {}
+        async for response in stub.Score(iter(requests)):
+            for result in [response.result] if response.HasField("result") else response.results:
+                got[result.sample_id] = result
+    assert set(got) == {"big0", "big1", "big2", "after"}
+    for sid in ("big0", "big1", "big2"):
+        assert got[sid].error.code == INVALID.value[0] and "max_samples_per_request" in got[sid].error.message
+    assert not got["after"].HasField("error") and got["after"].score == 1.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "option", "field"),
+    [
+        (lambda s: setattr(s, "sample_id", "x" * 65), "max_sample_id_chars", "sample.sample_id"),
+        (lambda s: setattr(s, "response_text", "y" * 101), "max_text_chars", "sample.response_text"),
+        (lambda s: s.response_ids.CopyFrom(ids_tensor(list(range(50)))), "max_tensor_elements", "sample.response_ids"),
+        (lambda s: s.extra_info.update({"blob": "z" * 300}), "max_extra_info_bytes", "sample.extra_info"),
+        (
+            lambda s: s.extra_info.update({"a": {"b": {"c": {"d": {"e": 1}}}}}),
+            "max_extra_info_depth",
+            "sample.extra_info",
+        ),
+    ],
+)
+async def test_oversized_sample_fields_fail_that_sample_only(mutate: Any, option: str, field: str) -> None:
+    limits = {
+        "max_sample_id_chars": 64,
+        "max_text_chars": 100,
+        "max_tensor_elements": 40,
+        "max_extra_info_bytes": 200,
+        "max_extra_info_depth": 4,
+    }
+    async with limited_reward_server(**limits) as rs, reward_stub(rs.address) as stub:
+        bad = sample("bad")
+        mutate(bad)
+        reply = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("good"), bad]))
+    good_result, bad_result = reply.results
+    assert not good_result.HasField("error") and good_result.score == 1.0
+    assert bad_result.error.code == INVALID.value[0]
+    assert field in bad_result.error.message and option in bad_result.error.message
+
+
+def test_limits_come_from_env_and_yaml_like_every_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg_file = tmp_path / "reward.yaml"
+    cfg_file.write_text("server:\n  max_samples_per_request: 17\n  max_n: 9\n")
+    monkeypatch.setenv("REWARDMESH_MAX_N", "5")
+    cfg = resolve(RewardServerConfig, argparse.Namespace(), load_yaml(cfg_file)["server"])
+    assert cfg.max_samples_per_request == 17 and cfg.max_n == 5  # the environment wins over the file
+
+
+# --------------------------------------------------------------------------------------------- rollout
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models: TinyModelPaths) -> Any:
+    return load_tokenizer(str(tiny_models.policy))
+
+
+@asynccontextmanager
+async def limited_rollout(tok: Any, **limits: Any) -> AsyncIterator[Any]:
+    backend = ScriptedBackend(tok, lambda text, turn: ("#### 4", 0.0))
+    server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0, **limits))
+    await server.start()
+    try:
+        async with aio.insecure_channel(server.address) as channel:
+            yield rollout_pb2_grpc.RolloutServiceStub(channel), backend
+    finally:
+        await server.stop(grace=0.5)
+
+
+def _prompt(tok: Any, **kw: Any) -> rollout_pb2.Prompt:
+    return rollout_pb2.Prompt(token_ids=ids_tensor(tok.encode("hello")), **kw)
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "option", "what"),
+    [
+        ({"n": 10**9}, "max_n", "n is 1000000000"),
+        ({"n": 1, "prompts": 5}, "max_prompts_per_request", "prompts count is 5"),
+        ({"n": 3, "prompts": 3}, "max_samples_per_generate", "prompts x n is 9"),
+        ({"n": 1, "max_tokens": 10**6}, "max_tokens_limit", "sampling.max_tokens is 1000000"),
+        ({"n": 1, "sample_ids": ["s" * 100]}, "max_sample_id_chars", "prompts[0].sample_ids[0] length is 100"),
+    ],
+)
+async def test_generate_over_a_limit_is_refused_at_once(
+    tok: Any, request_kw: dict[str, Any], option: str, what: str
+) -> None:
+    limits = {"max_n": 4, "max_prompts_per_request": 4, "max_samples_per_generate": 8, "max_tokens_limit": 1000,
+              "max_sample_id_chars": 64}  # fmt: skip
+    async with limited_rollout(tok, **limits) as (stub, _):
+        ids = request_kw.get("sample_ids")
+        prompts = [_prompt(tok, sample_ids=ids) if ids else _prompt(tok) for _ in range(request_kw.get("prompts", 1))]
+        sampling = rollout_pb2.SamplingParams(max_tokens=request_kw.get("max_tokens", 8))
+        with pytest.raises(aio.AioRpcError) as err:
+            _ = [r async for r in stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts, n=request_kw["n"],
+                                                                              sampling=sampling))]  # fmt: skip
+        # The server keeps serving: a request within the limits is answered.
+        fine = [
+            r
+            async for r in stub.Generate(
+                rollout_pb2.GenerateRequest(
+                    prompts=[_prompt(tok)], n=2, sampling=rollout_pb2.SamplingParams(max_tokens=8)
+                )
+            )
+        ]
+    assert err.value.code() == INVALID
+    assert what in str(err.value.details()) and option in str(err.value.details())
+    assert len(fine) == 2
+
+
+async def test_update_weights_chunk_count_is_limited(tok: Any) -> None:
+    async with limited_rollout(tok, max_weight_chunks=3) as (stub, backend):
+        state = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in backend.weight_specs().items()}
+        messages = [rollout_pb2.UpdateWeightsRequest.FromString(m) for m in iter_update_requests(state, chunk_bytes=4)]
+        assert len(messages) > 3
+        with pytest.raises(aio.AioRpcError) as err:
+            await stub.UpdateWeights(iter(messages))
+    assert err.value.code() == INVALID and "UpdateWeights chunk count is 4" in str(err.value.details())
+    assert "max_weight_chunks" in str(err.value.details())
