@@ -42,9 +42,11 @@ from client.targets import Member, Resolve, TargetPool
 from client.telemetry import group_context, recorder, trace_config, tracer
 from client.tensors import ids_tensor
 from client.weight_sync import SyncResult, WeightSync
-from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+MAX_PER_MESSAGE = 64  # asked of rollout servers: samples that finish together share a message
 
 # A failed or draining server: resend its unfinished samples elsewhere. Anything else is the caller's bug.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
@@ -138,7 +140,12 @@ class TrainerClient:
         retry_backoff_s: float = 0.2,
         resolve: Resolve | None = None,
         resolve_interval_s: float = 30.0,
+        generate_timeout_s: float = 3600.0,
     ) -> None:
+        if generate_timeout_s <= 0:
+            raise ValueError(f"generate_timeout_s must be > 0, got {generate_timeout_s}")
+        # The deadline of each Generate call: a sample that never comes is DEADLINE_EXCEEDED, never a hang.
+        self.generate_timeout_s = generate_timeout_s
         self.pool: TargetPool[_Target] = TargetPool(
             targets,
             _Target,
@@ -190,7 +197,7 @@ class TrainerClient:
 
     def _request(self, prompt: rollout_pb2.Prompt, n: int, reward: str, sampling: Sampling) -> Any:
         req = rollout_pb2.GenerateRequest(prompts=[prompt], n=n, reward=reward, sampling=sampling.to_proto(),
-                                          agent=self.agent)  # fmt: skip
+                                          agent=self.agent, max_samples_per_message=MAX_PER_MESSAGE)  # fmt: skip
         if self.reward_timeout is not None:
             req.reward_timeout.FromNanoseconds(int(self.reward_timeout * 1e9))
         return req
@@ -218,21 +225,28 @@ class TrainerClient:
             request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling)
             target.outstanding += len(remaining)
             try:
-                async for response in target.stub.Generate(request):
+                async for message in target.stub.Generate(request, timeout=self.generate_timeout_s):
                     if target.failures:
                         self.pool.mark_ok(target)
-                    sid = response.sample.sample_id
-                    if sid not in remaining:
-                        continue  # never count a sample twice
-                    remaining.remove(sid)
-                    target.outstanding -= 1
-                    sample = ScoredSample.from_response(response)
-                    sample.arrived = time.perf_counter() - started
-                    out.put_nowait(sample)
+                    arrived = time.perf_counter() - started
+                    for response in message.items or (message,):  # several samples per message, or one
+                        sid = response.sample.sample_id
+                        if sid not in remaining:
+                            continue  # never count a sample twice
+                        remaining.remove(sid)
+                        target.outstanding -= 1
+                        sample = ScoredSample.from_response(response)
+                        sample.arrived = arrived
+                        out.put_nowait(sample)
                 if not remaining:
                     return
                 errors.append(f"{target.address}: stream ended without {len(remaining)} samples")
             except aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # each missing sample fails; the step goes on
+                    for sid in remaining:
+                        out.put_nowait(_timed_out(sid, group_id, self.generate_timeout_s, started))
+                    remaining = []
+                    return
                 if exc.code() not in RETRYABLE:
                     out.put_nowait(exc)
                     return
@@ -486,6 +500,20 @@ class TrainerClient:
     async def info(self) -> list[rollout_pb2.GetInfoResponse]:
         targets = await self.pool.wait_for_members()
         return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in targets)))
+
+
+def _timed_out(sid: str, group_id: str, timeout_s: float, started: float) -> ScoredSample:
+    """A sample whose Generate call passed its deadline: a failed sample (masked out), not a hang."""
+    status = common_pb2.Status(
+        code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=f"no sample within generate_timeout_s={timeout_s:g}"
+    )
+    response = rollout_pb2.GenerateResponse(
+        sample=common_pb2.Sample(sample_id=sid, group_id=group_id),
+        result=reward_pb2.RewardResult(sample_id=sid, error=status),
+    )
+    sample = ScoredSample.from_response(response)
+    sample.arrived = time.perf_counter() - started
+    return sample
 
 
 def _metrics(samples: Sequence[ScoredSample], gen_seconds: float) -> dict[str, float]:

@@ -6,6 +6,7 @@ The data plane (agent loop, reward stream, timing, load counters) is `server/rol
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -15,11 +16,12 @@ from grpc import aio
 
 from client.tensors import ids_from, ids_tensor
 from reward_engine.errors import InvalidInput
-from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
 from server.limits import DEFAULT_LIMITS, Limits, check
 from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
+from server.status import status_proto
 from server.tools import TOOLS
 from server.weight_receiver import WeightReceiver
 
@@ -28,12 +30,22 @@ log = logging.getLogger(__name__)
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
-        self, worker: RolloutWorker, *, default_max_tokens: int = 256, limits: Limits = DEFAULT_LIMITS
+        self,
+        worker: RolloutWorker,
+        *,
+        default_max_tokens: int = 256,
+        limits: Limits = DEFAULT_LIMITS,
+        max_call_unsent: int = 4096,
     ) -> None:
+        if max_call_unsent < 1:
+            raise ValueError(f"max_call_unsent must be >= 1, got {max_call_unsent}")
         self.worker = worker
         self.limits = limits
         self.backend = worker.backend
         self.default_max_tokens = default_max_tokens
+        # Backpressure: a Generate call has at most this many samples running or finished-but-unsent; the
+        # next start only as the client reads, so a client that never reads holds a bounded amount.
+        self.max_call_unsent = max_call_unsent
         self.weights = WeightReceiver(worker.backend)
 
     # -- decoding and validation --------------------------------------------------------------
@@ -128,16 +140,58 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
+        """Samples stream out as they finish; what finished together shares a message when the client asks."""
         jobs, settings = self._plan(request)
+        per_message = max(1, request.max_samples_per_message)
+        loop = asyncio.get_running_loop()
+        finished: collections.deque[asyncio.Task[rollout_pb2.GenerateResponse]] = collections.deque()
+        wake: list[asyncio.Future[None] | None] = [None]
+        job_of: dict[asyncio.Task[rollout_pb2.GenerateResponse], Job] = {}
+        started = sent = 0
+
+        def on_done(task: asyncio.Task[rollout_pb2.GenerateResponse]) -> None:
+            finished.append(task)
+            w = wake[0]
+            if w is not None and not w.done():
+                w.set_result(None)
+
+        def start(count: int) -> None:
+            nonlocal started
+            for job in jobs[started : started + count]:
+                task = loop.create_task(self.worker.run(job, settings))
+                job_of[task] = job
+                task.add_done_callback(on_done)
+            started = min(len(jobs), started + count)
+
         with self.worker.request():
-            tasks = [asyncio.create_task(self.worker.run(job, settings)) for job in jobs]
+            start(self.max_call_unsent)
             try:
-                for next_done in asyncio.as_completed(tasks):
-                    yield await next_done
+                while sent < len(jobs):
+                    if not finished:
+                        waiter = wake[0] = loop.create_future()
+                        await waiter
+                        wake[0] = None
+                    ready = [self._response(job_of.pop(t), t) for t in _drain(finished)]
+                    for lo in range(0, len(ready), per_message):
+                        chunk = ready[lo : lo + per_message]
+                        yield chunk[0] if len(chunk) == 1 else rollout_pb2.GenerateResponse(items=chunk)
+                        sent += len(chunk)
+                        start(len(chunk))  # room for as many as the client just took
             finally:
                 # The client went away (or we are done): abort whatever is still generating or waiting.
-                for task in tasks:
+                for task in job_of:
                     task.cancel()
+
+    @staticmethod
+    def _response(job: Job, task: asyncio.Task[rollout_pb2.GenerateResponse]) -> rollout_pb2.GenerateResponse:
+        """The task's response; anything it raised is that sample's INTERNAL error, never a lost sample."""
+        exc = task.exception() if not task.cancelled() else asyncio.CancelledError("sample cancelled")
+        if exc is None:
+            return task.result()
+        return rollout_pb2.GenerateResponse(
+            sample=common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id),
+            result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc)),
+        )
 
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[rollout_pb2.UpdateWeightsRequest], context: aio.ServicerContext
@@ -177,3 +231,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             weight_transports=self.weights.transports(),
             host_id=self.weights.host_id,
         )
+
+
+def _drain(queue: collections.deque[Any]) -> list[Any]:
+    out = list(queue)
+    queue.clear()
+    return out
