@@ -101,7 +101,8 @@ def policy_loss(
 
 
 class GRPOLearner:
-    """One optimizer step per batch; pass the rollout's sampling temperature so log-probs match the engine's."""
+    """verl's actor update on a verl-layout batch: `ppo_epochs` passes over `ppo_mini_batches` slices, one
+    optimizer step per slice. Pass the rollout's sampling temperature so log-probs match the engine's."""
 
     def __init__(
         self,
@@ -114,6 +115,9 @@ class GRPOLearner:
         loss: PolicyLossConfig | None = None,
         require_rollout_log_probs: bool = False,
         betas: tuple[float, float] = (0.9, 0.999),
+        ppo_epochs: int = 1,
+        ppo_mini_batches: int = 1,
+        entropy_coeff: float = 0.0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -121,6 +125,8 @@ class GRPOLearner:
             raise ValueError(
                 f"temperature must be > 0 (log-probs of greedy decoding are not defined), got {temperature}"
             )
+        if ppo_epochs < 1 or ppo_mini_batches < 1:
+            raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
         self.model.train()
@@ -130,30 +136,54 @@ class GRPOLearner:
         self.loss = loss or PolicyLossConfig()
         # Off-policy training without the behaviour policy's log-probs would silently assume ratio 1.
         self.require_rollout_log_probs = require_rollout_log_probs
+        self.ppo_epochs = ppo_epochs
+        self.ppo_mini_batches = ppo_mini_batches
+        self.entropy_coeff = entropy_coeff
 
-    def log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the responses and the mean entropy's terms, at the rollout temperature."""
-        prompt_len = batch.prompts.shape[1]
+    def log_probs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of the responses (of `rows` only, if given) and each position's entropy, at the
+        rollout temperature."""
+        index = slice(None) if rows is None else rows
+        responses = batch.responses[index]
         logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits[:, prompt_len - 1 : -1]  # position t predicts response token t
+            input_ids=batch.input_ids[index],
+            attention_mask=batch.attention_mask[index],
+            position_ids=batch.position_ids[index],
+        ).logits[:, batch.prompts.shape[1] - 1 : -1]  # position t predicts response token t
         logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logp = logp_all.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+        logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
     def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Update on one batch; returns verl's actor metrics, averaged over the optimizer steps."""
         if self.require_rollout_log_probs and batch.rollout_log_probs is None:
             raise ValueError("off-policy batch without rollout_log_probs: request them (Sampling(logprobs=True))")
-        logp, entropy = self.log_probs(batch)
-        mask = batch.response_mask.float()
-        advantages = batch.advantages[:, None].expand_as(logp)
         rollout = batch.rollout_log_probs
+        updates = self.ppo_epochs * self.ppo_mini_batches
+        old: torch.Tensor | None = None
         if rollout is not None and self.loss.tis_imp_ratio_cap <= 0:
             old = rollout  # PPO-clip against the behaviour policy itself
-        else:
-            old = logp.detach()  # one update per batch: the weights before it are the current ones
-        loss, metrics = policy_loss(logp, old, advantages, mask, self.loss, rollout)
+        elif updates > 1:  # the weights before this step's first update (verl's old_log_prob)
+            with torch.no_grad():
+                old = self.log_probs(batch)[0]
+        totals: dict[str, float] = {}
+        for _epoch in range(self.ppo_epochs):
+            for rows in torch.arange(len(batch)).chunk(self.ppo_mini_batches):
+                for key, value in self._update(batch, rows, old).items():
+                    totals[key] = totals.get(key, 0.0) + value / updates
+        return totals
+
+    def _update(self, batch: RolloutBatch, rows: torch.Tensor, old: torch.Tensor | None) -> dict[str, float]:
+        logp, entropy = self.log_probs(batch, rows)
+        mask = batch.response_mask[rows].float()
+        advantages = batch.advantages[rows, None].expand_as(logp)
+        rollout = None if batch.rollout_log_probs is None else batch.rollout_log_probs[rows]
+        old_rows = logp.detach() if old is None else old[rows]  # one update per batch: the weights are still old
+        loss, metrics = policy_loss(logp, old_rows, advantages, mask, self.loss, rollout)
+        entropy_mean = masked_mean(entropy, mask)
+        if self.entropy_coeff:
+            loss = loss - self.entropy_coeff * entropy_mean
         if rollout is not None:  # verl's check on how far the learner's probabilities are from the engine's
             gap = (logp.detach().exp() - rollout.exp()).abs()
             metrics["training/rollout_probs_diff_mean"] = masked_mean(gap, mask).item()
@@ -163,7 +193,7 @@ class GRPOLearner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         metrics["actor/grad_norm"] = float(grad_norm)
-        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
+        metrics["actor/entropy"] = entropy_mean.item()
         return metrics
 
     def state_dict(self) -> dict[str, torch.Tensor]:

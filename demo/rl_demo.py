@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from client.batch import RolloutBatch
-from client.grpo import GRPOLearner
+from client.grpo import GRPOLearner, PolicyLossConfig
 from client.trainer import PromptSpec, Sampling, TrainerClient
 from demo.mesh import local_mesh
 from demo.tiny_models import build_tiny_models
@@ -79,7 +79,20 @@ async def run_demo(args: argparse.Namespace) -> int:
     policy = str(args.model or models.policy)
     tokenizer = load_tokenizer(policy)
     rng = random.Random(args.seed)
-    learner = GRPOLearner(policy, lr=args.lr, seed=args.seed)
+    learner = GRPOLearner(
+        policy,
+        lr=args.lr,
+        seed=args.seed,
+        temperature=args.temperature,
+        loss=PolicyLossConfig(
+            clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high, tis_imp_ratio_cap=args.tis_cap
+        ),
+        betas=(0.9, args.beta2),
+        ppo_epochs=args.ppo_epochs,
+        ppo_mini_batches=args.ppo_mini_batches,
+        entropy_coeff=args.entropy_coeff,
+        require_rollout_log_probs=args.off_policy_steps > 0,  # the correction is never silently skipped
+    )
 
     def steps() -> Iterator[list[PromptSpec]]:
         for _ in range(args.steps):
@@ -94,7 +107,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     async with mesh as local:
         targets = local.rollout_addresses if local is not None else args.rollout_target.split(",")
-        sampling = Sampling(temperature=1.0, max_tokens=1)
+        sampling = Sampling(temperature=args.temperature, max_tokens=1)
         async with TrainerClient(targets, reward=args.reward, sampling=sampling,
                                  pad_token_id=tokenizer.pad_token_id or 0) as client:  # fmt: skip
             print(f"rollout servers: {', '.join(t.address for t in client.targets)}; reward pipeline '{args.reward}'")
@@ -104,7 +117,9 @@ async def run_demo(args: argparse.Namespace) -> int:
             step = 0
             async for batch in client.batches(steps(), n=args.n, off_policy_steps=args.off_policy_steps):
                 step += 1
+                t_learn = time.perf_counter()
                 stats = await asyncio.to_thread(learner.step, batch)  # servers keep generating meanwhile
+                stats["timing_s/update_actor"] = time.perf_counter() - t_learn
                 await client.update_weights(learner.state_dict())
                 now = time.perf_counter()
                 r = row(step, batch, now - last)

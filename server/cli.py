@@ -157,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", type=Path, default=default_models_dir(),
                       help="tiny models directory, built if missing (default %(default)s)")  # fmt: skip
     demo.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=64)
+    demo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
+    demo.add_argument("--clip-ratio-low", dest="clip_ratio_low", type=float, default=0.2,
+                      help="PPO clip below 1 (default %(default)s)")  # fmt: skip
+    demo.add_argument("--clip-ratio-high", dest="clip_ratio_high", type=float, default=0.28,
+                      help="PPO clip above 1 (default %(default)s; DAPO's clip-higher)")  # fmt: skip
+    demo.add_argument("--tis-cap", dest="tis_cap", type=float, default=0.0,
+                      help="truncated IS cap, instead of PPO-clip against the rollout (0: off)")  # fmt: skip
+    demo.add_argument("--beta2", type=float, default=0.999, help="Adam's second-moment decay (default %(default)s)")
+    demo.add_argument("--ppo-epochs", dest="ppo_epochs", type=int, default=1,
+                      help="passes over each batch (default %(default)s)")  # fmt: skip
+    demo.add_argument("--ppo-mini-batches", dest="ppo_mini_batches", type=int, default=1,
+                      help="optimizer steps per pass (default %(default)s)")  # fmt: skip
+    demo.add_argument("--entropy-coeff", dest="entropy_coeff", type=float, default=0.0,
+                      help="entropy bonus (default %(default)s)")  # fmt: skip
     demo.add_argument(
         "--plot", type=Path, default=Path("demo_scores.png"), help="score curve PNG (default %(default)s)"
     )

@@ -139,6 +139,19 @@ def test_learner_ratio_is_one_against_its_own_log_probs(tiny_models: TinyModelPa
         off.step(batch)  # an off-policy learner refuses a batch without them
 
 
+def test_several_updates_per_batch_are_clipped_against_the_old_policy(tiny_models: TinyModelPaths) -> None:
+    """ppo_epochs x ppo_mini_batches optimizer steps: later ones see a moved policy (ppo_kl, clipping)."""
+    samples = [scored(f"s{i}", "g", [7 + i, 20 + i], float(i % 2)) for i in range(8)]
+    set_group_advantages(samples)
+    batch = assemble_batch(samples)
+    single = GRPOLearner(str(tiny_models.policy), lr=0.05).step(batch)
+    several = GRPOLearner(str(tiny_models.policy), lr=0.05, ppo_epochs=3, ppo_mini_batches=2).step(batch)
+    assert single["actor/ppo_kl"] == 0.0 and single["actor/pg_clipfrac"] == 0.0
+    assert several["actor/ppo_kl"] != 0.0 and several["actor/pg_clipfrac"] > 0.0
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        GRPOLearner(str(tiny_models.policy), ppo_epochs=0)
+
+
 # ------------------------------------------------------------------------------------------ failed samples
 
 
@@ -220,3 +233,41 @@ async def test_drop_failed_groups_leaves_out_every_group_with_a_failure(tok: Any
     assert m["rewardmesh/failed_samples"] == 8  # counted though left out
     assert m["rewardmesh/dropped_groups"] == 8 - len(kept_groups) >= 4
     assert client.dropped_failed_samples == 16 - len(batch)
+
+
+# ------------------------------------------------------------------------------- off-policy over the mesh
+
+
+async def test_off_policy_batches_carry_rollout_log_probs_and_on_policy_ones_do_not(tok: Any) -> None:
+    async with reward_server() as rs, rollout_server(ScriptedBackend(tok, fail_script()), [rs.address]) as r:
+        async with TrainerClient([r.address], reward="first_number") as client:
+            off = [b async for b in client.batches([prompts(tok, 2)], n=2, off_policy_steps=1)]
+            on = [b async for b in client.batches([prompts(tok, 2)], n=2, off_policy_steps=0)]
+    assert off[0].rollout_log_probs is not None and on[0].rollout_log_probs is None
+    mask = off[0].response_mask.bool()  # the scripted backend's log-prob is -0.1 on every token
+    assert torch.allclose(off[0].rollout_log_probs[mask], torch.tensor(-0.1))
+
+
+async def test_hf_rollout_log_probs_match_the_learner_at_the_same_weights(tiny_models: TinyModelPaths) -> None:
+    """Engine and learner agree on every sampled token's log-prob (temperature applied on both sides), so
+    the PPO ratio of a batch sampled with the learner's own weights is 1 up to fp32 noise."""
+    from server.backends.hf import HFBackend
+
+    policy = str(tiny_models.policy)
+    tokenizer = load_tokenizer(policy)
+    specs = [PromptSpec(token_ids=tokenizer.encode(q), ground_truth="7") for q in ("3+4=", "12 + 30 =", "9+")]
+    async with reward_server() as rs, rollout_server(HFBackend(policy, num_threads=1), [rs.address]) as r:
+        sampling = Sampling(temperature=0.7, max_tokens=5, logprobs=True, seed=3)
+        async with TrainerClient([r.address], reward="first_number", sampling=sampling) as client:
+            batch = await client.generate_batch(specs, n=4)
+    assert batch.rollout_log_probs is not None and int(batch.response_mask.sum()) > 12
+    learner = GRPOLearner(policy, temperature=0.7, require_rollout_log_probs=True)
+    with torch.no_grad():
+        logp, _ = learner.log_probs(batch)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(logp[mask], batch.rollout_log_probs[mask], atol=1e-4)
+    with torch.no_grad():  # the check has teeth: at another temperature they differ
+        hot, _ = GRPOLearner(policy, temperature=1.0).log_probs(batch)
+    assert not torch.allclose(hot[mask], batch.rollout_log_probs[mask], atol=1e-2)
+    m = learner.step(batch)
+    assert abs(m["actor/ppo_kl"]) < 1e-4 and m["actor/pg_clipfrac"] == 0.0

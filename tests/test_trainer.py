@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 from pathlib import Path
@@ -208,15 +207,17 @@ async def test_weight_sync_reaches_every_server(tok: Any) -> None:
 @pytest.mark.timeout(240)
 async def test_short_demo_run_trains_and_plots(tiny_models: TinyModelPaths, tmp_path: Path) -> None:
     from demo.rl_demo import run_demo
+    from server.cli import build_parser
 
-    args = argparse.Namespace(
-        steps=3, prompts_per_step=8, n=4, lr=3e-3, off_policy_steps=1, rollout_servers=2, rollout_target=None,
-        reward="first_number", model=None, models=tiny_models.root, max_batch_size=32, plot=tmp_path / "curve.png",
-        metrics_out=tmp_path / "m.json", seed=0,
-    )  # fmt: skip
+    flags = ["--steps", "3", "--prompts-per-step", "8", "--n", "4", "--models", str(tiny_models.root),
+             "--max-batch-size", "32", "--plot", str(tmp_path / "curve.png"),
+             "--metrics-out", str(tmp_path / "m.json")]  # fmt: skip
+    args = build_parser().parse_args(["demo", *flags])
     assert await run_demo(args) == 0
     assert (tmp_path / "curve.png").stat().st_size > 1000
     import json
 
     history = json.loads((tmp_path / "m.json").read_text())
     assert len(history) == 3 and all("actor/pg_loss" in h and h["gen_s"] > 0 for h in history)
+    # one-step off-policy by default: every update was corrected against the rollout log-probs
+    assert all("actor/ppo_kl" in h and "training/rollout_probs_diff_max" in h for h in history)
