@@ -3,6 +3,11 @@
 TLS (mutual when a client certificate is given) comes from REWARDMESH_TLS_CA, REWARDMESH_TLS_CERT and
 REWARDMESH_TLS_KEY, the same variables the servers read. Clients dial pod addresses, so the
 certificate is checked against REWARDMESH_TLS_SERVER_NAME, else the host of the dns:/// target.
+
+A bearer token (the servers' optional auth, server/auth.py) comes from REWARDMESH_AUTH_TOKEN_FILE, else
+REWARDMESH_AUTH_TOKEN. Over TLS it rides as call credentials (no per-message cost); on a plaintext channel
+gRPC refuses call credentials, so an interceptor adds it, which grpc.aio pays on every message of a
+stream: use tokens with TLS (a token on plaintext also travels in the clear).
 """
 
 from __future__ import annotations
@@ -37,6 +42,68 @@ def _read(var: str) -> bytes | None:
         raise ValueError(f"{var}={path}: cannot read it: {exc}") from None
 
 
+TOKEN_ENV = "REWARDMESH_AUTH_TOKEN"
+TOKEN_FILE_ENV = "REWARDMESH_AUTH_TOKEN_FILE"
+
+
+def auth_token(path: str = "") -> str | None:
+    """The shared secret: the file's content (``path``, else $REWARDMESH_AUTH_TOKEN_FILE), else
+    $REWARDMESH_AUTH_TOKEN, else None (no auth). An unreadable or empty file is a ValueError."""
+    path = path or os.environ.get(TOKEN_FILE_ENV, "")
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"auth token file {path}: cannot read it: {exc}") from None
+        if not token:
+            raise ValueError(f"auth token file {path} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def _with_token(details: aio.ClientCallDetails, header: tuple[str, str]) -> aio.ClientCallDetails:
+    metadata = aio.Metadata(*(details.metadata or ()))
+    metadata.add(*header)
+    return aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+
+
+class _TokenUnaryUnary(aio.UnaryUnaryClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self.header), request)
+
+
+class _TokenUnaryStream(aio.UnaryStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self.header), request)
+
+
+class _TokenStreamUnary(aio.StreamUnaryClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_token(details, self.header), request_iterator)
+
+
+class _TokenStreamStream(aio.StreamStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]) -> None:
+        self.header = header
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_token(details, self.header), request_iterator)
+
+
+def token_interceptors(token: str) -> list[Any]:
+    header = ("authorization", f"Bearer {token}")
+    return [_TokenUnaryUnary(header), _TokenUnaryStream(header), _TokenStreamUnary(header), _TokenStreamStream(header)]
+
+
 def open_channel(
     address: str, *, server_name: str = "", max_message_mb: int = 64, rpc_spans: bool = True
 ) -> aio.Channel:
@@ -44,14 +111,19 @@ def open_channel(
     routes every message of every call on an intercepted channel through extra Python, filtered or not)."""
     options = channel_options(max_message_mb)
     interceptors = client_interceptors() if rpc_spans else []
+    token = auth_token()
     ca = _read("REWARDMESH_TLS_CA")
     if ca is None:
+        if token:
+            interceptors = [*interceptors, *token_interceptors(token)]
         return aio.insecure_channel(address, options=options, interceptors=interceptors)
     creds = grpc.ssl_channel_credentials(
         root_certificates=ca,
         private_key=_read("REWARDMESH_TLS_KEY"),
         certificate_chain=_read("REWARDMESH_TLS_CERT"),
     )
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
     name = os.environ.get("REWARDMESH_TLS_SERVER_NAME") or server_name
     if name:
         options.append(("grpc.ssl_target_name_override", name))

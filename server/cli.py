@@ -46,6 +46,9 @@ def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", dest="tls_key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", dest="tls_ca", help="PEM CA: require client certificates it signed (mutual TLS)")
+    p.add_argument("--auth-token-file", dest="auth_token_file",
+                   help="require 'authorization: Bearer <token>' (this file's content) on every call but health; "
+                        "or set REWARDMESH_AUTH_TOKEN")  # fmt: skip
     p.add_argument("--health-port", dest="health_port", type=int,
                    help="plaintext grpc.health.v1-only port for Kubernetes probes (default 0: none)")  # fmt: skip
     p.add_argument("--prometheus-port", dest="prometheus_port", type=int,

@@ -17,7 +17,9 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from client.channels import auth_token
 from client.telemetry import server_interceptors
+from server.auth import BearerTokenInterceptor
 from server.limits import Limits
 from server.status import ExceptionToStatusInterceptor
 
@@ -46,6 +48,9 @@ class ServerOptions(Limits):
     health_port: int = 0
     # Write the bound port here once serving (with --port 0, how a parent process learns it); empty: don't.
     port_file: str = ""
+    # Bearer-token auth on every service but health (server/auth.py): the token is this file's content, else
+    # $REWARDMESH_AUTH_TOKEN; neither: no auth.
+    auth_token_file: str = ""
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not (self.tls_cert or self.tls_key):
@@ -100,6 +105,9 @@ class GrpcServer:
     ) -> None:
         self.options = options
         interceptors = [*server_interceptors(), ExceptionToStatusInterceptor()]
+        token = auth_token(options.auth_token_file)
+        if token:  # first: a refused call never reaches the others
+            interceptors.insert(0, BearerTokenInterceptor(token))
         self.server = aio.server(interceptors=interceptors, options=options.channel_args())
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
