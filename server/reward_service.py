@@ -18,6 +18,7 @@ from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from server.decoding import decoder
 from server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
 from server.reward_telemetry import RewardTelemetry
 from server.status import SAMPLE_ERRORS, status_proto
@@ -50,11 +51,12 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
                 f"but sample.response_ids has {list(response_ids.shape)}"
             )
     prompt_text, response_text = sample.prompt_text, sample.response_text
-    if tokenizer is not None:
+    if tokenizer is not None and ((not prompt_text and prompt_ids.size) or (not response_text and response_ids.size)):
+        decode = decoder(tokenizer)
         if not prompt_text and prompt_ids.size:
-            prompt_text = tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
+            prompt_text = decode(prompt_ids.tolist())
         if not response_text and response_ids.size:
-            response_text = tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
+            response_text = decode(response_ids.tolist())
     extra: dict[str, Any] = {}
     if sample.HasField("extra_info"):
         size = sample.extra_info.ByteSize()

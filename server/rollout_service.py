@@ -19,6 +19,7 @@ from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
+from server.decoding import decoder
 from server.limits import DEFAULT_LIMITS, Limits, check
 from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
 from server.status import status_proto
@@ -59,7 +60,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             ids = ids_from(prompt.token_ids, f"prompts[{i}].token_ids").tolist()
             if not ids:
                 raise InvalidInput(f"prompts[{i}].token_ids is empty")
-            return PromptInput(prompt, group_id, ids, prompt.token_ids, tok.decode(ids, skip_special_tokens=True))
+            return PromptInput(prompt, group_id, ids, prompt.token_ids, decoder(tok)(ids))
         if which == "chat":
             if not prompt.chat.messages:
                 raise InvalidInput(f"prompts[{i}].chat.messages is empty")

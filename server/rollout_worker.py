@@ -21,6 +21,7 @@ from client.tensors import ids_tensor, numpy_to_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 from server.agent_loop import AgentSettings, Rollout, run_agent_loop
 from server.backends.base import Backend, GenerationRequest
+from server.decoding import decoder
 from server.rollout_telemetry import NoTrace, RolloutTelemetry, SampleTrace
 from server.status import SAMPLE_ERRORS, status_proto
 
@@ -166,7 +167,7 @@ class RolloutWorker:
         sample.response_ids.CopyFrom(ids_tensor(resp))
         sample.response_mask.CopyFrom(ids_tensor(rollout.response_mask))
         sample.prompt_text = prompt.text
-        sample.response_text = self.backend.tokenizer.decode(resp, skip_special_tokens=True)
+        sample.response_text = decoder(self.backend.tokenizer)(resp)
         sample.data_source = prompt.prompt.data_source
         sample.ground_truth = prompt.prompt.ground_truth
         sample.policy_version = rollout.policy_version
