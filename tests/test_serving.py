@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 from demo.mesh import LOCAL
@@ -34,3 +35,15 @@ async def test_wildcard_bind_is_dialled_on_loopback() -> None:
     grpc_server.port = 50051
     assert grpc_server.address == "127.0.0.1:50051"
     assert GrpcServer(ServerOptions(host="10.1.2.3", port=7), []).address == "10.1.2.3:0"
+
+
+async def test_a_signal_starts_one_kept_drain_and_a_second_signal_does_not_start_another() -> None:
+    server = RewardServer(build_engine(None), ServerOptions(host=LOCAL, port=0, grace_s=0.2))
+    await server.start()
+    server.grpc._on_signal(signal.SIGTERM)
+    stopping = server.grpc._stopping
+    assert isinstance(stopping, asyncio.Task)  # referenced, so it cannot be collected mid-drain
+    server.grpc._on_signal(signal.SIGINT)
+    assert server.grpc._stopping is stopping
+    await asyncio.wait_for(server.wait(), 10)
+    assert stopping.done() and stopping.exception() is None
