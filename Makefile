@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # CPU build of torch, installed before the project so pip never pulls a multi-GB CUDA build.
-# GPU users: install the CUDA build of torch 2.13 into .venv first; `pip install torch==2.13.0` then keeps it.
+# GPU users: `make install-gpu` (torch 2.13.0 with CUDA and vLLM 0.32.0); `make test` then keeps them.
 TORCH_SPEC ?= torch==2.13.0
 # GPU machines: vLLM 0.32.0 is the release built for torch 2.13.0 (the supported range is in pyproject.toml).
 VLLM_SPEC ?= vllm==0.32.0
@@ -28,7 +28,7 @@ install: $(STAMP)
 install-gpu: | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(VLLM_SPEC)
-	$(BIN)/python -m pip install -q -e '.[dev,vllm]' $(TORCH_SPEC) $(VLLM_SPEC)
+	$(BIN)/python -m pip install -q -e '.[dev,demo,vllm]' $(TORCH_SPEC) $(VLLM_SPEC)
 	touch $(STAMP)
 
 demo: $(STAMP)
