@@ -458,9 +458,10 @@ async def test_update_weights_lands_between_steps_and_tokens_say_which(
     assert not in_flight.done()  # the swap did not wait for the running row to end
     mixed = await in_flight
     versions = mixed.token_versions
-    assert versions is not None and len(versions) == len(mixed.token_ids) == 200
+    n = len(mixed.token_ids)
+    assert versions is not None and len(versions) == n and (n == 200 or mixed.finish_reason == "stop")
     switch = versions.index(1)
-    assert versions == [0] * switch + [1] * (200 - switch) and switch >= 5  # one clean switch between steps
+    assert versions == [0] * switch + [1] * (n - switch) and switch >= 5  # one clean switch between steps
     assert mixed.policy_version == 0  # the oldest weights that contributed
     assert mixed.token_ids[:switch] == baseline.token_ids[:switch]
     new = await backend.generate(request)

@@ -8,20 +8,23 @@ rows and ``max_batch_tokens`` (each row reserves prompt + max_tokens). Each requ
 moment its own row finishes.
 
 Threading: every tensor operation (load, prefill, decode steps, weight copies) runs on one dedicated worker
-thread, one step per hand-off, so the event loop keeps serving between steps. The loop owns all futures and
-bookkeeping; the worker owns the batch tensors. A weights lock taken per step makes a weight swap land between
-two steps, never inside one; rows decoding across a swap continue on the new weights (their KV cache from
-the old ones is kept, as vLLM's ``pause_generation(mode="keep")`` does), and each token records the version
-that produced it.
+thread, whose decode loop steps on its own: new requests and weight swaps reach it through a queue it drains
+at each step boundary, and finished rows go back to the event loop in one call per step, so a busy CPU never
+charges a thread hand-off per token. The event loop owns the futures; the worker owns the batch. A weight swap
+lands between two steps, never inside one; rows decoding across a swap continue on the new weights (their
+KV cache from the old ones is kept, as vLLM's ``pause_generation(mode="keep")`` does), and each token records
+the version that produced it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import os
+import queue
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +120,15 @@ class _Pending:
     request: GenerationRequest
     future: asyncio.Future[GenerationOutput]
     arrival_step: int  # steps completed when the request arrived
+
+
+@dataclass(eq=False)
+class _WeightSwap:
+    """A weight update handed to the decode loop, applied between two steps."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int
+    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass(eq=False)
@@ -281,11 +293,11 @@ class HFBackend:
         self._can_join = True  # False for caches whose layers cannot be padded and merged (sliding windows ...)
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._scheduler: asyncio.Task[None] | None = None
+        self._worker: asyncio.Future[None] | None = None  # the decode loop, running on the worker thread
         self._start_lock = asyncio.Lock()
-        self._weights_lock: asyncio.Lock | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._inbox: queue.SimpleQueue[_Pending | _WeightSwap | None] = queue.SimpleQueue()  # None: stop
+        self._pending: collections.deque[_Pending] = collections.deque()  # worker-owned: not yet admitted
+        self._outstanding: set[asyncio.Future[GenerationOutput]] = set()  # loop-owned: every unanswered call
         self._batch = _Batch()
         self._closed = False
         # Observability (and what the tests use to see continuous batching happen, by counting steps).
@@ -301,7 +313,7 @@ class HFBackend:
         async with self._start_lock:
             if self._closed:
                 raise RuntimeError("HFBackend is closed")
-            if self._scheduler is not None:
+            if self._worker is not None:
                 return
             self._loop = asyncio.get_running_loop()
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-backend")
@@ -320,27 +332,23 @@ class HFBackend:
                 self.num_threads or torch.get_num_threads(),
                 time.perf_counter() - t0,
             )
-            self._weights_lock = asyncio.Lock()
-            self._wakeup = asyncio.Event()
-            self._scheduler = asyncio.create_task(self._schedule(), name="hf-backend-scheduler")
-            self._scheduler.add_done_callback(self._scheduler_done)
+            # The decode loop occupies the (single) worker thread from now on: it steps without a hand-off to
+            # the event loop per step, which on a busy CPU costs a scheduler time slice each way.
+            self._worker = self._loop.run_in_executor(self._executor, self._decode_loop)
+            self._worker.add_done_callback(self._worker_done)
 
-    def _scheduler_done(self, task: asyncio.Task[None]) -> None:
-        """A scheduler that died of a bug must not leave callers awaiting forever."""
-        if task.cancelled() or task.exception() is None:
+    def _worker_done(self, worker: asyncio.Future[None]) -> None:
+        """A decode loop that died of a bug must not leave callers awaiting forever."""
+        if worker.cancelled() or worker.exception() is None:
             return
-        logger.error("hf backend: scheduler failed", exc_info=task.exception())
+        logger.error("hf backend: decode loop failed", exc_info=worker.exception())
         self._closed = True
-        self._fail_all(RuntimeError(f"HFBackend scheduler failed: {task.exception()!r}"))
+        self._fail_outstanding(RuntimeError(f"HFBackend decode loop failed: {worker.exception()!r}"))
 
-    def _fail_all(self, error: BaseException) -> None:
-        while self._pending:
-            slot = self._pending.popleft()
-            if not slot.future.done():
-                slot.future.set_exception(error)
-        for row in self._batch.rows:
-            if not row.slot.future.done():
-                row.slot.future.set_exception(error)
+    def _fail_outstanding(self, error: BaseException) -> None:
+        for future in list(self._outstanding):
+            if not future.done():
+                future.set_exception(error)
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -362,12 +370,12 @@ class HFBackend:
     async def close(self) -> None:
         """Stop the decode loop and fail every request still queued or decoding."""
         self._closed = True
-        task, self._scheduler = self._scheduler, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._fail_all(RuntimeError("HFBackend closed"))
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            self._inbox.put(None)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(worker)
+        self._fail_outstanding(RuntimeError("HFBackend closed"))
         self._batch = _Batch()
         executor, self._executor = self._executor, None
         if executor is not None:
@@ -378,86 +386,118 @@ class HFBackend:
     @property
     def running(self) -> int:
         """Requests queued plus rows still decoding; cancelled and delivered ones no longer count."""
-        queued = sum(1 for slot in self._pending if not slot.future.done())
-        return queued + sum(1 for row in self._batch.rows if not row.slot.future.done())
+        return sum(1 for future in self._outstanding if not future.done())
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         if self._closed:
             raise RuntimeError("HFBackend is closed")
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        if self._scheduler is None:
+        if self._worker is None:
             await self.start()
-        assert self._wakeup is not None
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request, future, self.steps))
-        self._wakeup.set()
+        self._outstanding.add(future)
+        self._inbox.put(_Pending(request, future, self.steps))
         try:
             return await future
         finally:
-            # Cancelling the awaiting task cancels `future` too; this also covers being interrupted otherwise.
+            self._outstanding.discard(future)
+            # Cancelling the awaiting task cancels `future` too (the decode loop drops its row at the next
+            # step); this also covers being interrupted otherwise.
             if not future.done():
                 future.cancel()
 
-    async def _schedule(self) -> None:
-        """One step per iteration: drop what left, admit what fits, decode and prefill under the weights lock."""
-        assert self._wakeup is not None and self._weights_lock is not None and self._loop is not None
+    # ----------------------------------------------------------------------- worker thread: the decode loop
+
+    def _decode_loop(self) -> None:
+        """Step until told to stop: take what arrived, drop what left, admit what fits, decode and prefill.
+
+        Runs on the worker thread. Results go back to the event loop in one call per step.
+        """
+        assert self._loop is not None
         while True:
             batch = self._batch
-            wanted = [row for row in batch.rows if row.finish_reason is None and not row.slot.future.done()]
-            if not wanted:
-                while not self._prune_pending():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                if self.batch_wait_s > 0 and len(self._pending) < self.max_batch_size:
-                    await asyncio.sleep(self.batch_wait_s)  # an idle backend waits a moment for company
-            admit = self._admit(wanted)
-            if not wanted and not admit:
+            running = [row for row in batch.rows if row.finish_reason is None and not row.slot.future.done()]
+            idle = not running and not self._pending
+            if not self._drain_inbox(block=idle):
+                return
+            if idle and self.batch_wait_s > 0 and len(self._pending) < self.max_batch_size:
+                time.sleep(self.batch_wait_s)  # an idle backend waits a moment for company
+                if not self._drain_inbox(block=False):
+                    return
+            admit = self._admit(running)
+            if not running and not admit:
                 continue
             dropped = {row for row in batch.rows if row.finish_reason is None and row.slot.future.done()}
             if admit:
                 self.num_batches += 1
                 self.batch_sizes.append(len(admit))
-            self.running_sizes.append(len(wanted) + len(admit))
+            self.running_sizes.append(len(running) + len(admit))
+            version = self.policy_version
             try:
-                async with self._weights_lock:
-                    version = self.policy_version
-                    finished = await self._loop.run_in_executor(
-                        self._executor, self._step, batch, admit, dropped, version, self.steps + 1
-                    )
-            except asyncio.CancelledError:
-                # Only close() cancels the scheduler; nothing will decode these rows any more.
-                for row in [*batch.rows, *admit]:
-                    if not row.slot.future.done():
-                        row.slot.future.set_exception(RuntimeError("HFBackend closed"))
-                raise
+                finished = self._step(batch, admit, dropped, version, self.steps + 1)
             except Exception as exc:
-                logger.exception("hf backend: a step over %d row(s) failed", len(wanted) + len(admit))
-                for row in [*batch.rows, *admit]:
-                    if not row.slot.future.done():
-                        row.slot.future.set_exception(exc)
+                logger.exception("hf backend: a step over %d row(s) failed", len(running) + len(admit))
+                failed = [row for row in [*batch.rows, *admit] if row.finish_reason is None]
+                self._loop.call_soon_threadsafe(self._fail_rows, failed, exc)
                 self._batch = _Batch()
                 continue
             self.steps += 1
             for row in admit:
                 self.admission_waits.append(row.first_step - row.slot.arrival_step)
-            for row in finished:
-                if not row.slot.future.done():
-                    assert row.finish_reason is not None
-                    row.slot.future.set_result(
-                        GenerationOutput(
-                            token_ids=list(row.tokens),
-                            finish_reason=row.finish_reason,
-                            num_preempted=0,
-                            policy_version=min(row.versions, default=version),
-                            logprobs=row.logprobs,
-                            token_versions=list(row.versions),
-                        )
-                    )
+            if finished:
+                outputs = [(row.slot.future, self._output(row, version)) for row in finished]
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _prune_pending(self) -> bool:
-        while self._pending and self._pending[0].future.done():
-            self._pending.popleft()
-        return bool(self._pending)
+    def _drain_inbox(self, *, block: bool) -> bool:
+        """Move new requests to the pending queue and apply weight swaps; False when told to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _WeightSwap):
+                self._swap_weights(item)
+            else:
+                self._pending.append(item)
+
+    def _swap_weights(self, swap: _WeightSwap) -> None:
+        """Between two steps: copy every tensor, then label the tokens that follow with the new version."""
+        try:
+            with torch.no_grad():
+                for name, tensor in swap.tensors.items():
+                    self._state[name].copy_(tensor)
+            self.policy_version = swap.version
+        except BaseException as exc:
+            swap.done.set_exception(exc)
+        else:
+            swap.done.set_result(None)
+
+    @staticmethod
+    def _output(row: _Row, version: int) -> GenerationOutput:
+        assert row.finish_reason is not None
+        return GenerationOutput(
+            token_ids=list(row.tokens),
+            finish_reason=row.finish_reason,
+            num_preempted=0,
+            policy_version=min(row.versions, default=version),
+            logprobs=row.logprobs,
+            token_versions=list(row.versions),
+        )
+
+    @staticmethod
+    def _deliver(outputs: list[tuple[asyncio.Future[GenerationOutput], GenerationOutput]]) -> None:
+        for future, output in outputs:
+            if not future.done():
+                future.set_result(output)
+
+    @staticmethod
+    def _fail_rows(rows: list[_Row], error: BaseException) -> None:
+        for row in rows:
+            if not row.slot.future.done():
+                row.slot.future.set_exception(error)
 
     def _admit(self, running: list[_Row]) -> list[_Row]:
         """Queued requests, first come first served, while rows and the token budget allow.
@@ -674,19 +714,13 @@ class HFBackend:
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Validate everything, then copy between two steps: no step ever sees half of the new weights."""
-        if self._scheduler is None:
+        if self._worker is None:
             await self.start()
         self.validate_weights(tensors)
-        assert self._weights_lock is not None and self._loop is not None and self._executor is not None
-        async with self._weights_lock:
-            await self._loop.run_in_executor(self._executor, self._apply_weights, tensors)
-            self.policy_version = int(version)
+        swap = _WeightSwap(tensors, int(version))
+        self._inbox.put(swap)
+        await asyncio.wrap_future(swap.done)
         logger.info("hf backend: applied %d tensors, policy_version=%d", len(tensors), version)
-
-    def _apply_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                self._state[name].copy_(tensor)
 
 
 def _joinable(layer: Any) -> bool:
