@@ -550,6 +550,10 @@ class HFBackend:
             if len(keep) < len(batch.rows):
                 self._compact(batch, keep)
             finished: list[_Row] = []
+            if batch.rows and admit and self._can_join:
+                logits = self._decode_and_prefill(batch, admit)  # one forward pass for both
+                batch.last = self._sample_rows(batch, logits, version, step, finished)
+                return finished
             if batch.rows:
                 logits = self._decode(batch)
                 batch.last = self._sample_rows(batch, logits, version, step, finished)
@@ -558,6 +562,62 @@ class HFBackend:
                 joining.last = self._sample_rows(joining, logits, version, step, finished)
                 self._merge(batch, joining)
             return finished
+
+    def _decode_and_prefill(self, batch: _Batch, admit: list[_Row]) -> torch.Tensor:
+        """Decode the running rows and prefill the admitted ones in a single forward pass.
+
+        The input is ``width`` tokens per row, right-aligned: a running row's last token after padding, a
+        new row's whole prompt. New rows get masked (all-zero) cache rows for the running rows' history.
+        Afterwards each row's cache keeps only the columns its mask attends to, left-padded again, so neither
+        the padding of this step nor the new rows' empty history stays in the cache.
+        """
+        assert batch.mask is not None and batch.next_pos is not None and batch.last is not None
+        assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
+        device = batch.mask.device
+        old, new = len(batch.rows), len(admit)
+        prompts = [row.slot.request.prompt_ids for row in admit]
+        width = max(len(p) for p in prompts)
+        past = batch.mask.shape[1]
+        ids = torch.full((old + new, width), self._pad_id, dtype=torch.long)
+        step_mask = torch.zeros((old + new, width), dtype=torch.long)
+        ids[:old, -1] = batch.last.cpu()
+        step_mask[:old, -1] = 1
+        for r, prompt in enumerate(prompts, start=old):
+            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            step_mask[r, width - len(prompt) :] = 1
+        ids, step_mask = ids.to(device), step_mask.to(device)
+        positions = (step_mask.cumsum(-1) - 1).clamp(min=0)
+        positions[:old, -1] = batch.next_pos
+        history = torch.cat([batch.mask, batch.mask.new_zeros((new, past))])
+        mask = torch.cat([history, step_mask], dim=-1)
+        for layer in batch.cache.layers:
+            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((new, *layer.keys.shape[1:]))])
+            layer.values = torch.cat([layer.values, layer.values.new_zeros((new, *layer.values.shape[1:]))])
+        out = self._lm(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.cache = out.past_key_values
+        # Keep the attended columns of each row, in order, right-aligned: a stable sort puts the masked
+        # columns first, and the row's longest-kept count bounds the new width.
+        kept = mask.bool()
+        keep = int(kept.sum(-1).max())
+        order = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[:, -keep:]
+        batch.mask = mask.gather(1, order)
+        for layer in batch.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        requests = [row.slot.request for row in admit]
+        batch.rows = [*batch.rows, *admit]
+        batch.next_pos = torch.cat([batch.next_pos + 1, positions[old:, -1] + 1])
+        batch.temps = torch.cat([batch.temps, torch.tensor([r.temperature for r in requests], device=device)])
+        batch.top_ks = torch.cat([batch.top_ks, torch.tensor([r.top_k for r in requests], device=device)])
+        batch.top_ps = torch.cat([batch.top_ps, torch.tensor([r.top_p for r in requests], device=device)])
+        return out.logits[:, -1, :]
 
     def _sample_rows(
         self, batch: _Batch, logits: torch.Tensor, version: int, step: int, finished: list[_Row]
