@@ -86,3 +86,17 @@ def test_prometheus_endpoint_serves_reward_metrics(tmp_path: Path) -> None:
         assert "rewardmesh_reward_latency" in body and 'pipeline="gsm8k"' in body
     finally:
         server.stop(timeout_s=30)
+
+
+def test_demo_without_the_demo_extra_says_which_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from server import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a))
+    assert cli.main(["reward-demo"]) == 2
+    err = capsys.readouterr().err
+    assert "rewardmesh[demo]" in err and "tqdm" in err and "matplotlib" not in err
