@@ -11,7 +11,7 @@ import array
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -129,3 +129,9 @@ def tensor_to_torch(t: common_pb2.Tensor, field: str) -> torch.Tensor:
     if t.dtype == common_pb2.DTYPE_BFLOAT16:
         return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(arr.copy())
+
+
+def duration_seconds(duration: Any) -> float:
+    """A google.protobuf.Duration as float seconds; never raises (ToTimedelta overflows past ~2.7e12 days,
+    which a client can send). Negative stays negative: a deadline already passed."""
+    return float(duration.seconds) + duration.nanos * 1e-9

@@ -12,7 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 from grpc import aio
 
-from client.tensors import ids_from
+from client.tensors import duration_seconds, ids_from
 from reward_engine.batcher import Scored
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
@@ -249,7 +249,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     @staticmethod
     def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
-        return msg.timeout.ToTimedelta().total_seconds() if msg.HasField("timeout") else None
+        return duration_seconds(msg.timeout) if msg.HasField("timeout") else None
 
     async def score_one(
         self, sample: common_pb2.Sample, reward: str, timeout_s: float | None = None, trace_context: Any = None

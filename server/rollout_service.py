@@ -14,7 +14,7 @@ from typing import Any
 
 from grpc import aio
 
-from client.tensors import ids_from, ids_tensor
+from client.tensors import duration_seconds, ids_from, ids_tensor
 from reward_engine.errors import InvalidInput
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
@@ -133,7 +133,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_response_tokens=request.agent.max_response_tokens,
             tools=list(request.agent.tools),
         )
-        timeout = request.reward_timeout.ToTimedelta().total_seconds() if request.HasField("reward_timeout") else None
+        timeout = duration_seconds(request.reward_timeout) if request.HasField("reward_timeout") else None
         return jobs, RunSettings(sampling, agent, request.reward, timeout)
 
     # -- RPCs ---------------------------------------------------------------------------------

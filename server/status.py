@@ -59,8 +59,9 @@ class ExceptionToStatusInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
+        streaming_in = bool(handler.stream_unary or handler.stream_stream)
         kwargs: dict[str, Any] = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _tolerant(handler.request_deserializer, streaming_in),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
@@ -72,6 +73,34 @@ class ExceptionToStatusInterceptor(aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream), **kwargs)
 
 
+class _Undecodable:
+    """A unary request whose bytes are not the message: gRPC would answer UNKNOWN before our handler runs,
+    so the deserializer hands this over and the handler answers INVALID_ARGUMENT."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: errors.InvalidInput) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Any, streaming_in: bool) -> Any:
+    """Bytes that do not parse are INVALID_ARGUMENT: raised inside the handler for a request stream (read
+    there), handed over as _Undecodable for a unary request (decoded before the handler runs)."""
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            error = errors.InvalidInput(f"request: not a valid protobuf message ({exc})")
+            if streaming_in:
+                raise error from None
+            return _Undecodable(error)
+
+    return decode
+
+
 async def _abort(context: aio.ServicerContext, exc: Exception) -> None:
     code, message = status_of(exc)
     await context.abort(code, message)
@@ -80,6 +109,8 @@ async def _abort(context: aio.ServicerContext, exc: Exception) -> None:
 def _wrap_unary(fn: Any) -> Any:
     async def wrapped(request: Any, context: aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             return await fn(request, context)
         except aio.AbortError:
             raise
@@ -92,6 +123,8 @@ def _wrap_unary(fn: Any) -> Any:
 def _wrap_stream(fn: Any) -> Any:
     async def wrapped(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            if isinstance(request, _Undecodable):
+                raise request.error
             async for response in fn(request, context):
                 yield response
         except aio.AbortError:

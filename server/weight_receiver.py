@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from client.tensors import duration_seconds
 from client.weight_planes import dist_available, form_group, host_id, map_shm, receive_buckets
 from client.weights import WeightAssembler, check_manifest, layout
 from reward_engine.errors import InvalidInput, Unavailable
@@ -94,7 +95,7 @@ class WeightReceiver:
             raise InvalidInput("source: set dist or shm (gRPC chunks go on UpdateWeights)")
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
-        timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else DEFAULT_TIMEOUT_S
+        timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
         async with self._lock:
             if which == "shm":
                 if not self.host_id:
