@@ -133,14 +133,20 @@ def send_buckets(group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[
 
 
 def receive_buckets(
-    group: Any, entries: Sequence[Entry], buckets: Sequence[Bucket], device: torch.device, timeout_s: float
+    group: Any,
+    entries: Sequence[Entry],
+    buckets: Sequence[Bucket],
+    device: torch.device,
+    timeout_s: float,
+    buffers: Sequence[torch.Tensor] = (),
 ) -> dict[str, torch.Tensor]:
-    """Rank > 0: every bucket lands in its staging buffer, typed tensors are views into it (no copy)."""
+    """Rank > 0: every bucket lands in its staging buffer (`buffers` when given: one per bucket, reused), typed
+    tensors are views into it (no copy)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     staged: dict[str, torch.Tensor] = {}
     works = []
-    for b in buckets:
-        buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+    for i, b in enumerate(buckets):
+        buf = buffers[i] if buffers else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
         works.append(_broadcast(group, buf))
         staged.update(views(buf, entries[b.first : b.last], b.offsets))
     for work in works:

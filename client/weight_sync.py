@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,7 @@ class WeightSync:
         self._members: tuple[str, ...] = ()
         self._group_name = ""
         self._shm: ShmWriter | None = None
+        self._validated: tuple[str, tuple[Any, ...]] | None = None
 
     def close(self) -> None:
         self._group = None
@@ -138,8 +140,10 @@ class WeightSync:
         device = next(iter(state.values())).device if state else torch.device("cpu")
         if transport == "auto":
             transport = await self.choose(targets, device)
-        if transport == "grpc":
-            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, state, version, chunk_bytes))
+        if transport == "grpc":  # each message is built once and sent to every server
+            copies = itertools.tee(iter_update_requests(state, version, chunk_bytes), len(targets))
+            streams = {a: c for (a, _), c in zip(targets, copies, strict=True)}
+            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, streams[a]))
         elif transport == "shm":
             outcomes = await self._send_shm(targets, state, version)
         else:
@@ -159,12 +163,10 @@ class WeightSync:
         results = await asyncio.gather(*(call(a, ch) for a, ch in targets), return_exceptions=True)
         return {a: r for (a, _), r in zip(targets, results, strict=True)}
 
-    async def _grpc(
-        self, channel: aio.Channel, state: Mapping[str, torch.Tensor], version: int, chunk_bytes: int
-    ) -> rollout_pb2.TransferWeightsResponse:
+    async def _grpc(self, channel: aio.Channel, messages: Iterator[bytes]) -> rollout_pb2.TransferWeightsResponse:
         call = channel.stream_unary(_UPDATE_WEIGHTS, request_serializer=None,
                                     response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString)  # fmt: skip
-        r = await call(iter_update_requests(state, version, chunk_bytes), timeout=self.timeout_s)
+        r = await call(messages, timeout=self.timeout_s)
         return rollout_pb2.TransferWeightsResponse(policy_version=r.policy_version, num_tensors=r.num_tensors,
                                                    num_bytes=r.num_bytes, apply_seconds=r.apply_seconds)  # fmt: skip
 
@@ -182,7 +184,7 @@ class WeightSync:
         self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
     ) -> dict[str, Any]:
         tensors = [t.detach() for t in state.values()]
-        (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62)
+        (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62, alone_bytes=1 << 62)
         if self._shm is None:
             self._shm = ShmWriter()
         shm = self._shm
@@ -228,13 +230,17 @@ class WeightSync:
             req.dist.rank = rank
             requests[address] = req
         # Check every manifest first: a server that refuses must not leave the others waiting in a broadcast.
-        check = rollout_pb2.TransferWeightsRequest()
-        check.CopyFrom(base)
-        check.validate_only = True
-        refused = {a: o for a, o in (await self._gather(targets, lambda a, ch: self._call(ch, check))).items()
-                   if isinstance(o, BaseException)}  # fmt: skip
-        if refused:
-            return refused
+        # The same manifest to the same servers in the same group was accepted last time: no need to ask again.
+        signature = (self._group_name, tuple((s.name, s.dtype, tuple(s.shape)) for s in base.tensors))
+        if self._group is None or signature != self._validated:
+            check = rollout_pb2.TransferWeightsRequest()
+            check.CopyFrom(base)
+            check.validate_only = True
+            refused = {a: o for a, o in (await self._gather(targets, lambda a, ch: self._call(ch, check))).items()
+                       if isinstance(o, BaseException)}  # fmt: skip
+            if refused:
+                return refused
+            self._validated = signature
         buckets = layout([t.numel() * t.element_size() for t in tensors], self.bucket_bytes)
         group, world, name = self._group, len(targets) + 1, self._group_name
 

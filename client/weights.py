@@ -31,6 +31,7 @@ WIRE_DTYPES: dict[torch.dtype, common_pb2.DType] = {v: k for k, v in TORCH_DTYPE
 WEIGHT_DTYPES = set(TORCH_DTYPES)
 ALIGN = 64  # every tensor starts at a multiple of this in a bucket or a shared-memory file
 DEFAULT_BUCKET_BYTES = 256 << 20
+ALONE_BYTES = 1 << 20  # see `layout`
 
 
 class WeightsError(InvalidInput):
@@ -122,12 +123,19 @@ class Bucket:
     nbytes: int
 
 
-def layout(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
-    """Pack tensors in order into buckets of at most bucket_bytes (a larger tensor is a bucket of its own)."""
+def layout(sizes: Sequence[int], bucket_bytes: int, alone_bytes: int = ALONE_BYTES) -> list[Bucket]:
+    """Pack tensors in order into buckets of at most bucket_bytes; a tensor of alone_bytes or more (or larger
+    than a bucket) is a bucket of its own, broadcast from where it lies without a packing copy."""
     buckets: list[Bucket] = []
     first, end = 0, 0
     offsets: list[int] = []
     for i, size in enumerate(sizes):
+        if size >= alone_bytes:
+            if offsets:
+                buckets.append(Bucket(first, i, tuple(offsets), end))
+            buckets.append(Bucket(i, i + 1, (0,), size))
+            first, offsets, end = i + 1, [], 0
+            continue
         start = _aligned(end)
         if offsets and start + size > bucket_bytes:
             buckets.append(Bucket(first, i, tuple(offsets), end))

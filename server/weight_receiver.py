@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,20 +31,20 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 
 
-@dataclass
-class _Group:
-    key: tuple[str, int, str, int, int, str]
-    group: Any
-
-
 class WeightReceiver:
-    """One update at a time; keeps the trainer's process group while its membership stays the same."""
+    """One update at a time; keeps the process groups trainers formed (a few, most recent first), since a
+    trainer keeps its group while its servers stay the same and sends only the group's name again."""
+
+    MAX_GROUPS = 4
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.host_id = host_id()
         self._lock = asyncio.Lock()
-        self._group: _Group | None = None
+        # CPU staging buffers of the last dist layout, reused by the next update of the same layout: it then
+        # costs no page faults (the staged weights stay allocated between updates; a new layout frees them).
+        self._staging: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
     def transports(self) -> list[Any]:
         out: list[Any] = []
@@ -126,21 +126,34 @@ class WeightReceiver:
         device = self._device() if rdv.backend == "nccl" else torch.device("cpu")
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
-        group = self._group.group if self._group is not None and self._group.key == key else None
-        self._group = None  # kept again only if this transfer succeeds
+        group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
+        sizes = tuple(b.nbytes for b in buckets)
+        if device.type != "cpu":
+            buffers: list[torch.Tensor] = []
+        elif self._staging is not None and self._staging[0] == sizes:
+            buffers = self._staging[1]
+        else:
+            self._staging = None
+            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
 
         def receive() -> dict[str, torch.Tensor]:
             pg = group
             if pg is None:
                 pg = form_group(host=rdv.host, port=rdv.port, group=rdv.group, rank=rdv.rank,
                                 world_size=rdv.world_size, backend=rdv.backend, timeout_s=timeout_s)  # fmt: skip
-            staged = receive_buckets(pg, entries, buckets, device, timeout_s)
-            self._group = _Group(key, pg)
+            staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers)
+            self._groups[key] = pg
+            while len(self._groups) > self.MAX_GROUPS:
+                self._groups.popitem(last=False)
             return staged
 
         try:
-            return await asyncio.to_thread(receive)
+            staged = await asyncio.to_thread(receive)
+            if buffers:
+                self._staging = (sizes, buffers)
+            return staged
         except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
+            self._staging = None  # a late write may still land in these buffers: never reuse them
             text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TimeoutError(text) from exc

@@ -1,0 +1,328 @@
+"""Weight sync: a ~100M-parameter bf16 Llama sent to 1 and to 2 rollout servers, each a process of its own.
+
+Side by side in one run, interleaved round by round, medians reported:
+- memcpy of the same tensors into preallocated buffers (the limit on this machine),
+- a bare gloo broadcast of the same bytes as one buffer (trainer -> 1 or 2 receiver processes),
+- a bare grpc.aio client stream of the same bytes in 4 MiB messages (no protobuf, a sink server per target),
+- `TrainerClient.update_weights` over each transport (grpc, dist, shm), timed until every server reports the
+  new version (the rollout servers run the hf backend in bf16, so applying is a plain copy).
+
+    python -m bench.weight_sync [--params 100e6] [--rounds 5] [--device cpu|cuda]
+
+`--device cuda` puts the trainer's tensors on the GPU (dist then uses NCCL; the servers must be on GPUs too):
+written for the GPU, unverified on the CPU-only development machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import torch
+from grpc import aio
+
+from client.trainer import TrainerClient
+from client.weight_planes import Store, form_group
+from demo.server_process import ServerProcess
+
+MESSAGE = 4 << 20
+_SINK = "/bench.Sink/Push"
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+def build_model(out: Path, params: float) -> Path:
+    """A random Llama of about `params` parameters with the tiny tokenizer, saved in bf16."""
+    from transformers import LlamaForCausalLM
+
+    from demo.tiny_models import _llama_config, _save, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    hidden = 1024 if params <= 400e6 else 2048
+    layers = max(1, round(params / (10 * hidden * hidden)))  # attention 4h^2 + MLP 3 * h * 2h per layer
+    config = _llama_config(tokenizer, layers=layers, hidden=hidden, heads=hidden // 64, max_position_embeddings=512,
+                           initializer_range=0.02)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    _save(model.bfloat16(), tokenizer, out)
+    return out
+
+
+# -------------------------------------------------------------------------------------- helper processes
+
+
+async def serve_rollout(model: str, port_file: str, threads: int, device: str) -> None:
+    """A rollout server whose hf backend holds the weights in bf16 (so applying an update is a copy)."""
+    from server.backends.hf import HFBackend
+    from server.rollout_server import RolloutServer
+    from server.serving import ServerOptions, write_port_file
+
+    backend = HFBackend(model, device=device, dtype="bfloat16", num_threads=threads)
+    server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0))
+    write_port_file(port_file, await server.start())
+    await server.serve_until_signalled()
+
+
+async def serve_sink(port_file: str) -> None:
+    """The thinnest grpc.aio client-stream handler: take every message, answer once."""
+    from server.serving import write_port_file
+
+    async def push(requests: object, context: object) -> bytes:
+        n = 0
+        async for msg in requests:  # type: ignore[attr-defined]
+            n += len(msg)
+        return n.to_bytes(8, "little")
+
+    server = aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    handler = grpc.method_handlers_generic_handler("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    write_port_file(port_file, port)
+    await server.wait_for_termination()
+
+
+def bare_receiver(host: str, port: int, group: str, rank: int, world: int) -> None:
+    """Join the bare group; receive broadcasts (a size header, the bytes, then an all-reduce saying "got it")
+    until the size is 0."""
+    torch.set_num_threads(1)
+    pg = form_group(host=host, port=port, group=group, rank=rank, world_size=world, backend="gloo", timeout_s=300)
+    timeout = datetime.timedelta(seconds=300)
+    buf = torch.empty(0, dtype=torch.uint8)
+    while True:
+        size = torch.zeros(1, dtype=torch.int64)
+        pg.broadcast([size], _root()).wait(timeout)
+        if int(size) == 0:
+            return
+        if buf.numel() != int(size):
+            buf = torch.empty(int(size), dtype=torch.uint8)
+        pg.broadcast([buf], _root()).wait(timeout)
+        pg.allreduce([torch.zeros(1)]).wait(timeout)
+
+
+def _root() -> object:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+class BareBroadcast:
+    """Trainer side of the bare gloo baseline: one group per receiver count, kept for the whole run."""
+
+    def __init__(self, store: Store, receivers: int) -> None:
+        self.group_name = f"bare{receivers}"
+        self.world = receivers + 1
+        self.store = store
+        argv = [sys.executable, "-m", "bench.weight_sync", "bare-receiver", "--host", store.host,
+                "--port", str(store.port), "--group", self.group_name, "--world", str(self.world)]  # fmt: skip
+        self.procs = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(1, self.world)]
+        self.pg = form_group(host=store.host, port=store.port, group=self.group_name, rank=0, world_size=self.world,
+                             backend="gloo", timeout_s=300, store=store.store)  # fmt: skip
+
+    def send(self, flat: torch.Tensor) -> None:
+        """Header, bytes, then an all-reduce: done only when every receiver holds every byte."""
+        self.pg.broadcast([torch.tensor([flat.numel()], dtype=torch.int64)], _root()).wait()
+        self.pg.broadcast([flat], _root()).wait()
+        self.pg.allreduce([torch.zeros(1)]).wait()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pg.broadcast([torch.zeros(1, dtype=torch.int64)], _root()).wait()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def bare_stream(channels: list[aio.Channel], pieces: list[bytes]) -> None:
+    async def one(ch: aio.Channel) -> None:
+        await ch.stream_unary(_SINK, None, None)(iter(pieces))
+
+    await asyncio.gather(*(one(ch) for ch in channels))
+
+
+def fmt_table(rows: list[tuple[str, float | None, float | None]], nbytes: int) -> str:
+    lines = ["| mode | 1 server (s) | GB/s | 2 servers (s) | GB/s |", "|---|---|---|---|---|"]
+    for name, one, two in rows:
+        cells = []
+        for t in (one, two):
+            cells += ["", ""] if t is None else [f"{t:.3f}", f"{nbytes / t / 1e9:.2f}"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix="rewardmesh-weight-sync-"))
+    progress(f"building a ~{args.params / 1e6:.0f}M-parameter Llama in {workdir}")
+    model_dir = build_model(workdir / "model", args.params)
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16, local_files_only=True)
+    state = {k: v.detach().to(args.device).contiguous() for k, v in lm.state_dict().items()}
+    del lm
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    nparams = sum(t.numel() for k, t in state.items() if k != "lm_head.weight")
+    progress(f"{nparams / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB in bf16, {len(state)} tensors")
+
+    py = [sys.executable, "-m", "bench.weight_sync"]
+    rollouts = [ServerProcess(f"rollout{i}", [*py, "rollout-server", "--model", str(model_dir), "--threads",
+                                              str(args.threads), "--device", args.device], workdir)
+                for i in range(2)]  # fmt: skip
+    sinks = [ServerProcess(f"sink{i}", [*py, "sink"], workdir) for i in range(2)]
+    procs = [*rollouts, *sinks]
+    store = Store("127.0.0.1", 300)
+    bare: dict[int, BareBroadcast] = {}
+    clients: dict[int, TrainerClient] = {}
+    sink_channels: list[aio.Channel] = []
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))  # sinks serve once they wrote
+        await asyncio.gather(*(p.wait_serving() for p in rollouts))
+        progress("servers up; forming the bare gloo groups")
+        bare = {n: await asyncio.to_thread(BareBroadcast, store, n) for n in (1, 2)}
+        clients = {n: TrainerClient([r.address for r in rollouts[:n]]) for n in (1, 2)}
+        opts = [("grpc.max_send_message_length", 64 << 20)]
+        sink_channels = [aio.insecure_channel(s.address, options=opts) for s in sinks]
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        pieces = [
+            bytes(memoryview(flat.numpy())[i : i + MESSAGE])  # type: ignore[arg-type]
+            for i in range(0, nbytes, MESSAGE)
+        ]
+        dst = {k: torch.empty_like(v) for k, v in state.items()}
+        version = 0
+
+        def memcpy() -> None:
+            for k, v in state.items():
+                dst[k].copy_(v)
+
+        async def update(n: int, transport: str) -> None:
+            nonlocal version
+            version += 1
+            await clients[n].update_weights(state, version=version, transport=transport)
+            done = clients[n].last_weight_sync
+            assert done is not None and done.transport == transport
+
+        modes: dict[tuple[str, int], Callable[[], Awaitable[object]]] = {
+            ("memcpy", 1): lambda: asyncio.to_thread(memcpy),
+            ("bare gloo broadcast", 1): lambda: asyncio.to_thread(bare[1].send, flat),
+            ("bare gloo broadcast", 2): lambda: asyncio.to_thread(bare[2].send, flat),
+            ("bare grpc.aio stream", 1): lambda: bare_stream(sink_channels[:1], pieces),
+            ("bare grpc.aio stream", 2): lambda: bare_stream(sink_channels, pieces),
+        }
+        for transport in args.transports:
+            for n in (1, 2):
+                modes[(f"update_weights {transport}", n)] = lambda n=n, t=transport: update(n, t)  # type: ignore[misc]
+        progress("warm-up (groups formed, buffers touched)")
+        for fn in modes.values():
+            await fn()
+        times: dict[tuple[str, int], list[float]] = {k: [] for k in modes}
+        keys = list(modes)
+        for r in range(args.rounds):
+            order = keys[r % len(keys) :] + keys[: r % len(keys)]  # rotate: no mode always runs first
+            for key in order:
+                started = time.perf_counter()
+                await modes[key]()
+                times[key].append(time.perf_counter() - started)
+            progress(f"round {r + 1}/{args.rounds} done")
+    finally:
+        for c in clients.values():
+            await c.close()
+        for ch in sink_channels:
+            await ch.close(None)
+        for b in bare.values():
+            await asyncio.to_thread(b.close)
+        for p in procs:
+            p.stop(timeout_s=20)
+        store.close()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    names = list(dict.fromkeys(k[0] for k in med))
+    rows = [(name, med.get((name, 1)), med.get((name, 2))) for name in names]
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    machine += f"Python {platform.python_version()}, grpcio {grpc.__version__}"
+    print(f"\nweight sync: {nparams / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB bf16, {len(state)} tensors; median "
+          f"of {args.rounds} interleaved rounds; torch threads {args.threads}; {machine}\n")  # fmt: skip
+    print(fmt_table(rows, nbytes))
+    checks = []
+    if "dist" in args.transports:
+        r1 = med[("bare gloo broadcast", 1)] / med[("update_weights dist", 1)]
+        r2 = med[("bare gloo broadcast", 2)] / med[("update_weights dist", 2)]
+        scale = med[("update_weights dist", 2)] / med[("update_weights dist", 1)]
+        checks += [("dist vs bare gloo broadcast, 1 server", r1, ">= 0.7", r1 >= 0.7),
+                   ("dist vs bare gloo broadcast, 2 servers", r2, ">= 0.7", r2 >= 0.7),
+                   ("dist, 2 servers / 1 server (time)", scale, "<= 1.3", scale <= 1.3)]  # fmt: skip
+    if "grpc" in args.transports:
+        g1 = med[("bare grpc.aio stream", 1)] / med[("update_weights grpc", 1)]
+        g2 = med[("bare grpc.aio stream", 2)] / med[("update_weights grpc", 2)]
+        checks += [("grpc vs bare grpc.aio stream, 1 server", g1, ">= 0.6", g1 >= 0.6),
+                   ("grpc vs bare grpc.aio stream, 2 servers", g2, ">= 0.6", g2 >= 0.6)]  # fmt: skip
+    if "shm" in args.transports:
+        s1 = med[("memcpy", 1)] / med[("update_weights shm", 1)]
+        checks.append(("shm vs memcpy, 1 server", s1, "", True))
+    print("\n| check | measured | target | result |\n|---|---|---|---|")
+    for name, value, target, ok in checks:
+        print(f"| {name} | {value:.2f}x | {target} | {'PASS' if ok else 'FAIL' if target else ''} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.weight_sync", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command")
+    p.add_argument("--params", type=float, default=100e6, help="model size in parameters (default 100e6)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in every process (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (unverified here)")
+    p.add_argument("--transports", default="grpc,dist,shm")
+    r = sub.add_parser("rollout-server")
+    r.add_argument("--model", required=True)
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--port-file", required=True)
+    s = sub.add_parser("sink")
+    s.add_argument("--port-file", required=True)
+    b = sub.add_parser("bare-receiver")
+    b.add_argument("--host", required=True)
+    b.add_argument("--port", type=int, required=True)
+    b.add_argument("--group", required=True)
+    b.add_argument("--rank", type=int, required=True)
+    b.add_argument("--world", type=int, required=True)
+    args = p.parse_args(argv)
+    if args.command == "rollout-server":
+        asyncio.run(serve_rollout(args.model, args.port_file, args.threads, args.device))
+        return 0
+    if args.command == "sink":
+        asyncio.run(serve_sink(args.port_file))
+        return 0
+    if args.command == "bare-receiver":
+        bare_receiver(args.host, args.port, args.group, args.rank, args.world)
+        return 0
+    args.transports = [t for t in args.transports.split(",") if t]
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
