@@ -122,6 +122,10 @@ class _Target(Member):
         await self.channel.close(grace=None)
 
 
+class _Behind(Exception):
+    """A sample older than the step's policy version: its server restarted or missed an update."""
+
+
 class TrainerClient:
     """What a trainer imports: rollouts as scored samples, batches, mini-batches, weight sync."""
 
@@ -171,6 +175,14 @@ class TrainerClient:
         self.dropped_stale_samples = 0
         self.weight_sync = WeightSync()
         self.last_weight_sync: SyncResult | None = None
+        # Servers that join (a new address behind dns:///, or back after failing: maybe restarted with the base
+        # weights) get the current weights before any work; a group of their own keeps the others' group intact.
+        self._join_sync = WeightSync()
+        self._weights: Mapping[str, torch.Tensor] | None = None
+        self._weights_lock = asyncio.Lock()
+        self.join_updates = 0
+        self.behind_samples = 0  # samples refused because their server was behind the step's policy version
+        self.pool.on_join(self._bring_up_to_date)
         self.groups_started = 0
         self._step = 0
         self._keeping: set[asyncio.Task[None]] = set()
@@ -186,6 +198,7 @@ class TrainerClient:
         if self._keeping:  # the last steps' KeepTraces calls (each has its own deadline)
             await asyncio.gather(*self._keeping, return_exceptions=True)
         self.weight_sync.close()
+        self._join_sync.close()
         await self.pool.close()
 
     @property
@@ -215,6 +228,7 @@ class TrainerClient:
         remaining = list(sample_ids)
         errors: list[str] = []
         target: _Target | None = None
+        floor = self.policy_version  # every server applied it before this step began
         for _attempt in range(self.max_attempts):
             target = self.pool.pick(avoid=target)
             while target is None:
@@ -224,8 +238,9 @@ class TrainerClient:
                 self.resent_samples += len(remaining)
             request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling)
             target.outstanding += len(remaining)
+            call = target.stub.Generate(request, timeout=self.generate_timeout_s)
             try:
-                async for message in target.stub.Generate(request, timeout=self.generate_timeout_s):
+                async for message in call:
                     if target.failures:
                         self.pool.mark_ok(target)
                     arrived = time.perf_counter() - started
@@ -233,14 +248,21 @@ class TrainerClient:
                         sid = response.sample.sample_id
                         if sid not in remaining:
                             continue  # never count a sample twice
+                        sample = ScoredSample.from_response(response)
+                        if sample.policy_version < floor and not sample.failed:  # asked again elsewhere, never used
+                            raise _Behind(f"serves policy version {sample.policy_version}, behind {floor}")
                         remaining.remove(sid)
                         target.outstanding -= 1
-                        sample = ScoredSample.from_response(response)
                         sample.arrived = arrived
                         out.put_nowait(sample)
                 if not remaining:
                     return
                 errors.append(f"{target.address}: stream ended without {len(remaining)} samples")
+            except _Behind as exc:  # restarted, or missed an update: the pool's join hook brings it up to date
+                call.cancel()
+                self.behind_samples += 1
+                errors.append(f"{target.address}: {exc}")
+                self.pool.mark_failed(target, str(exc))
             except aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # each missing sample fails; the step goes on
                     for sid in remaining:
@@ -490,12 +512,33 @@ class TrainerClient:
         transport: "auto" (the fastest every server supports: shm on one host, else a torch.distributed
         broadcast, else gRPC chunks), or "shm", "dist", "grpc". Raises WeightSyncError naming each server that
         did not apply it (those keep their old weights).
+
+        The client keeps a reference to `state` to bring servers that join later (or come back restarted) to
+        this version before they get work: pass tensors that stay as they are until the next call (a copy, if
+        training updates them in place meanwhile).
         """
-        version = version if version is not None else self.policy_version + 1
-        targets = [(t.address, t.channel) for t in await self.pool.wait_for_members()]
-        self.last_weight_sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes)
-        self.policy_version = version
+        async with self._weights_lock:
+            version = version if version is not None else self.policy_version + 1
+            targets = [(t.address, t.channel) for t in await self.pool.wait_for_members()]
+            sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes)
+            self.last_weight_sync = sync
+            self.policy_version = version
+            self._weights = state
         return version
+
+    async def _bring_up_to_date(self, target: _Target) -> None:
+        """The pool's join hook: a server behind the current policy version gets the current weights first."""
+        async with self._weights_lock:
+            if self._weights is None:
+                return  # nothing pushed yet: every server holds the base weights
+            me = [(target.address, target.channel)]
+            (info,) = await self._join_sync.infos(me)
+            if info.policy_version >= self.policy_version:
+                return
+            log.info("rollout server %s serves policy version %d: sending it version %d before any work",
+                     target.address, info.policy_version, self.policy_version)  # fmt: skip
+            await self._join_sync.push(me, self._weights, self.policy_version)
+            self.join_updates += 1
 
     async def info(self) -> list[rollout_pb2.GetInfoResponse]:
         targets = await self.pool.wait_for_members()

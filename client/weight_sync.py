@@ -89,7 +89,7 @@ class WeightSync:
         self.host_id = host_id()
         self._store: Store | None = None
         self._group: Any = None
-        self._members: tuple[str, ...] = ()
+        self._members: tuple[str, ...] = ()  # address#instance of every server in the kept group
         self._group_name = ""
         self._shm: ShmWriter | None = None
         self._validated: tuple[str, tuple[Any, ...]] | None = None
@@ -105,11 +105,13 @@ class WeightSync:
 
     # -- choosing ------------------------------------------------------------------------------
 
-    async def choose(self, targets: Sequence[tuple[str, aio.Channel]], device: torch.device) -> str:
-        """auto: the fastest data plane every target supports (servers that predate the field: grpc)."""
+    async def infos(self, targets: Sequence[tuple[str, aio.Channel]]) -> list[rollout_pb2.GetInfoResponse]:
         request = rollout_pb2.GetInfoRequest()
         stubs = [rollout_pb2_grpc.RolloutServiceStub(ch) for _, ch in targets]
-        infos = await asyncio.gather(*(s.GetInfo(request, timeout=self.timeout_s) for s in stubs))
+        return list(await asyncio.gather(*(s.GetInfo(request, timeout=self.timeout_s) for s in stubs)))
+
+    def choose(self, infos: Sequence[rollout_pb2.GetInfoResponse], device: torch.device) -> str:
+        """auto: the fastest data plane every target supports (servers that predate the field: grpc)."""
         offered = [set(i.weight_transports) or {rollout_pb2.WEIGHT_TRANSPORT_GRPC} for i in infos]
         shm = rollout_pb2.WEIGHT_TRANSPORT_SHM
         local = [shm in o and i.host_id == self.host_id for o, i in zip(offered, infos, strict=True)]
@@ -138,8 +140,9 @@ class WeightSync:
         started = time.perf_counter()
         manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
         device = next(iter(state.values())).device if state else torch.device("cpu")
+        infos = await self.infos(targets) if transport in ("auto", "dist") else []
         if transport == "auto":
-            transport = await self.choose(targets, device)
+            transport = self.choose(infos, device)
         if transport == "grpc":  # each message is built once and sent to every server
             copies = itertools.tee(iter_update_requests(state, version, chunk_bytes), len(targets))
             streams = {a: c for (a, _), c in zip(targets, copies, strict=True)}
@@ -147,7 +150,7 @@ class WeightSync:
         elif transport == "shm":
             outcomes = await self._send_shm(targets, state, version)
         else:
-            outcomes = await self._send_dist(targets, state, version)
+            outcomes = await self._send_dist(targets, state, version, [i.instance_id for i in infos])
         failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
         wrong = {a: f"applied version {o.policy_version}" for a, o in outcomes.items()
                  if not isinstance(o, BaseException) and o.policy_version != version}  # fmt: skip
@@ -206,11 +209,16 @@ class WeightSync:
         return local_address_towards(next(h for h in hosts if not _is_loopback(h)))
 
     async def _send_dist(
-        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+        self,
+        targets: Sequence[tuple[str, aio.Channel]],
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        instances: Sequence[str],
     ) -> dict[str, Any]:
         tensors = [t.detach() for t in state.values()]
         backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
-        members = tuple(a for a, _ in targets)
+        # A server that restarted (new instance id) holds none of our groups: that is a membership change too.
+        members = tuple(f"{a}#{i}" for (a, _), i in zip(targets, instances, strict=True))
         host = self._rendezvous_host(targets)
         if self._store is None or self._store.host != host:
             if self._store is not None:
@@ -224,7 +232,7 @@ class WeightSync:
                                                       world_size=len(targets) + 1, backend=backend,
                                                       bucket_bytes=self.bucket_bytes))  # fmt: skip
         requests = {}
-        for rank, address in enumerate(members, start=1):
+        for rank, (address, _) in enumerate(targets, start=1):
             req = rollout_pb2.TransferWeightsRequest()
             req.CopyFrom(base)
             req.dist.rank = rank

@@ -9,6 +9,7 @@ sending it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -232,19 +233,33 @@ class WeightAssembler:
                 )
             check_weight(name, chunk.shape, dtype, self.specs)
             assert dtype is not None
-            tensor = self.tensors[name] = torch.empty(tuple(chunk.shape), dtype=dtype)
+            shape = tuple(chunk.shape)
+            data = chunk.data  # every read of a bytes field makes a new copy: read it once
+            if chunk.offset == 0 and len(data) == math.prod(shape) * dtype.itemsize:  # whole: use it as it is
+                with warnings.catch_warnings():  # read-only memory: the backend only copies from it
+                    warnings.simplefilter("ignore", UserWarning)
+                    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                self.tensors[name] = whole.view(dtype).view(shape)
+                self._bytes[name] = np.frombuffer(data, np.uint8)
+                self._pieces[name] = [(0, len(data))]
+                self.num_bytes += len(data)
+                return
+            tensor = self.tensors[name] = torch.empty(shape, dtype=dtype)
             buf = self._bytes[name] = byte_view(tensor).numpy()
             self._pieces[name] = []
         elif (
             TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or tuple(chunk.shape) != self.tensors[name].shape
         ):
             raise WeightsError(f"tensor {name!r}: dtype or shape changed between its chunks")
-        end = chunk.offset + len(chunk.data)
+        data = chunk.data
+        end = chunk.offset + len(data)
+        if not buf.flags.writeable:
+            raise WeightsError(f"tensor {name!r}: chunks overlap at byte {chunk.offset} (it already arrived whole)")
         if chunk.offset < 0 or end > len(buf):
             raise WeightsError(f"tensor {name!r}: chunk bytes {chunk.offset}..{end} outside its {len(buf)}")
-        buf[chunk.offset : end] = np.frombuffer(chunk.data, np.uint8)
+        buf[chunk.offset : end] = np.frombuffer(data, np.uint8)
         self._pieces[name].append((chunk.offset, end))
-        self.num_bytes += len(chunk.data)
+        self.num_bytes += len(data)
 
     def finish(self) -> dict[str, torch.Tensor]:
         if not self.tensors:

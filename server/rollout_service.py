@@ -231,6 +231,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             reward_targets=[s.address for s in rewards.streams] if rewards else [],
             weight_transports=self.weights.transports(),
             host_id=self.weights.host_id,
+            instance_id=self.weights.instance_id,
         )
 
 

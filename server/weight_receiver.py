@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +41,7 @@ class WeightReceiver:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.host_id = host_id()
+        self.instance_id = uuid.uuid4().hex
         self._lock = asyncio.Lock()
         # CPU staging buffers of the last dist layout, reused by the next update of the same layout: it then
         # costs no page faults (the staged weights stay allocated between updates; a new layout frees them).

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from client import weight_sync
 from client.tensors import ids_tensor
-from client.trainer import TrainerClient
+from client.trainer import PromptSpec, Sampling, TrainerClient
 from client.weight_sync import WeightSyncError
 from client.weights import WeightAssembler, WeightsError, check_manifest, iter_update_requests, layout, manifest
 from demo.server_process import ServerProcess
@@ -270,3 +270,60 @@ async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_othe
                 assert await generated_version(survivor.address) == 3
     finally:
         victim.stop(timeout_s=10)
+
+
+# ------------------------------------------------------------------ servers that restart or join mid-run
+
+
+async def test_restarted_and_added_servers_get_current_weights_and_no_stale_sample_reaches_a_batch(
+    tiny_models: TinyModelPaths,
+) -> None:
+    """Two servers; after step 2 one is restarted on its address (base weights, version 0), after step 4 a third
+    joins behind the dns name. Every batch keeps within the staleness bound, and both get the current weights."""
+    from server.rollout_server import RolloutServer
+    from server.serving import ServerOptions
+
+    base = policy_state(tiny_models)
+    bound = 1
+    steps, batches = 7, []
+    async with AsyncExitStack() as stack:
+
+        async def start(port: int = 0) -> Any:
+            backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
+            server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=port, grace_s=1))
+            await server.start()
+            stack.push_async_callback(server.stop, 0.1)
+            return server
+
+        a, b = await start(), await start()
+        pods = [a.address, b.address]
+        client = await stack.enter_async_context(
+            TrainerClient(
+                "dns:///rollout.test:1",
+                resolve=lambda specs: list(pods),
+                resolve_interval_s=0.05,
+                retry_backoff_s=0.05,
+                sampling=Sampling(max_tokens=4),
+            )  # fmt: skip
+        )
+        prompts = [[PromptSpec(token_ids=[5, 6, 7 + i]) for i in range(4)] for _ in range(steps)]
+        step = 0
+        async for batch in client.batches(prompts, n=2, off_policy_steps=bound):
+            step += 1
+            batches.append((client.policy_version, [s.policy_version for s in batch.samples]))
+            await client.update_weights(perturbed(base, 100 + step))
+            if step == 2:  # restart b on its own address: it comes back with the base weights
+                port = int(b.address.rsplit(":", 1)[1])
+                await b.stop(0.1)
+                b = await start(port)
+            if step == 4:  # a third pod appears behind the name
+                c = await start()
+                pods.append(c.address)
+        final = client.policy_version
+        await asyncio.sleep(0.3)  # let a pending join finish
+        versions = {r.address: r.backend.policy_version for r in (a, b, c)}
+    assert step == steps
+    for at, sample_versions in batches:
+        assert min(sample_versions) >= at - bound, (at, sample_versions)  # never beyond the bound
+    assert b.backend.policy_version >= final - 1 and c.backend.policy_version >= final - 1, versions
+    assert client.join_updates >= 1

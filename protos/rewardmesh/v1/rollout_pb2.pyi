@@ -174,7 +174,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id")
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class GetInfoResponse(_message.Message):
     REWARD_TARGETS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -193,7 +194,8 @@ class GetInfoResponse(_message.Message):
     reward_targets: _containers.RepeatedScalarFieldContainer[str]
     weight_transports: _containers.RepeatedScalarFieldContainer[WeightTransport]
     host_id: str
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class WeightSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
