@@ -297,15 +297,9 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
 
         a, b = await start(), await start()
         pods = [a.address, b.address]
-        client = await stack.enter_async_context(
-            TrainerClient(
-                "dns:///rollout.test:1",
-                resolve=lambda specs: list(pods),
-                resolve_interval_s=0.05,
-                retry_backoff_s=0.05,
-                sampling=Sampling(max_tokens=4),
-            )  # fmt: skip
-        )
+        client = TrainerClient("dns:///rollout.test:1", resolve=lambda specs: list(pods), resolve_interval_s=0.05,
+                               retry_backoff_s=0.05, sampling=Sampling(max_tokens=4))  # fmt: skip
+        await stack.enter_async_context(client)
         prompts = [[PromptSpec(token_ids=[5, 6, 7 + i]) for i in range(4)] for _ in range(steps)]
         step = 0
         async for batch in client.batches(prompts, n=2, off_policy_steps=bound):
