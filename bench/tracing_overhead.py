@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="the `ratio` mode's OTEL_TRACES_SAMPLER_ARG (parentbased_traceidratio; 0: skip the mode)",
     )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument("--step-size", type=int, default=256, help="finished samples per step (slowest kept per step)")
     p.add_argument("--keep-slowest", type=int, default=4, help="slowest samples kept per step")
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit per child run")
@@ -309,7 +310,8 @@ def parent(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="rewardmesh-trace-") as tmp:
-        modes = [m for m in MODES if m != "ratio" or args.sampled_ratio > 0]
+        chosen = {m.strip() for m in args.modes.split(",")} | {"off"}  # off: what every ratio is against
+        modes = [m for m in MODES if m in chosen and (m != "ratio" or args.sampled_ratio > 0)]
         for rep in range(args.repeats):
             for mode in modes if rep % 2 == 0 else modes[::-1]:
                 out_dir = Path(tmp) / f"{mode}{rep}"

@@ -359,6 +359,58 @@ def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
     return out
 
 
+_esc = json.encoder.encode_basestring  # a quoted, escaped JSON string (the C implementation)
+_INF = float("inf")
+
+
+def _value_json(v: Any) -> str:
+    t = type(v)
+    if t is str:
+        return '{"stringValue":' + _esc(v) + "}"
+    if t is int:
+        return f'{{"intValue":"{v}"}}'
+    if t is float and v == v and v not in (_INF, -_INF):
+        return '{"doubleValue":' + repr(v) + "}"
+    return json.dumps(_value(v))
+
+
+def _attrs_json(attributes: Any) -> str:
+    if not attributes:
+        return "[]"
+    return "[" + ",".join('{"key":' + _esc(k) + ',"value":' + _value_json(v) + "}" for k, v in attributes.items()) + "]"
+
+
+def _event_json(e: Any) -> str:
+    return (
+        '{"name":' + _esc(e.name) + f',"timeUnixNano":"{e.timestamp}","attributes":' + _attrs_json(e.attributes) + "}"
+    )
+
+
+def _link_json(link: Any) -> str:
+    ctx = link.context
+    return (
+        f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}","attributes":{_attrs_json(link.attributes)}}}'
+    )
+
+
+def span_json(span: ReadableSpan) -> str:
+    """`span_to_otlp(span)` as JSON text, written directly: exporting is most of what a kept span costs."""
+    ctx = span.get_span_context()
+    assert ctx is not None
+    parent = span.parent
+    events, links = span.events, span.links
+    return (
+        f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}",'
+        + (f'"parentSpanId":"{parent.span_id:016x}",' if parent is not None else "")
+        + f'"name":{_esc(span.name)},"kind":{_KIND[span.kind]},'
+        f'"startTimeUnixNano":"{span.start_time}","endTimeUnixNano":"{span.end_time}",'
+        f'"attributes":{_attrs_json(span.attributes)},'
+        f'"events":[{",".join(map(_event_json, events)) if events else ""}],'
+        f'"links":[{",".join(map(_link_json, links)) if links else ""}],'
+        f'"status":{{"code":{_STATUS[span.status.status_code]}}}}}'
+    )
+
+
 class OtlpJsonLinesExporter(SpanExporter):
     """Writes each export as one OTLP/JSON `ExportTraceServiceRequest` line (the collector file exporter's format)."""
 
@@ -367,22 +419,29 @@ class OtlpJsonLinesExporter(SpanExporter):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("w")
         self._lock = threading.Lock()
+        self._resources: dict[int, tuple[Resource, str]] = {}  # id -> (resource kept alive, its JSON)
+
+    def _resource_json(self, res: Resource) -> str:
+        known = self._resources.get(id(res))
+        if known is None or known[0] is not res:
+            known = self._resources[id(res)] = (res, '{"attributes":' + _attrs_json(res.attributes) + "}")
+        return known[1]
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         by_resource: dict[int, tuple[Resource, list[ReadableSpan]]] = {}
         for span in spans:
             by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(span)
-        line = {
-            "resourceSpans": [
-                {
-                    "resource": {"attributes": _attrs(res.attributes)},
-                    "scopeSpans": [{"scope": {"name": TRACER_NAME}, "spans": [span_to_otlp(s) for s in group]}],
-                }
+        scope = '"scopeSpans":[{"scope":{"name":' + _esc(TRACER_NAME) + '},"spans":['
+        line = (
+            '{"resourceSpans":['
+            + ",".join(
+                '{"resource":' + self._resource_json(res) + "," + scope + ",".join(map(span_json, group)) + "]}]}"
                 for res, group in by_resource.values()
-            ]
-        }
+            )
+            + "]}"
+        )
         with self._lock:
-            self._file.write(json.dumps(line) + "\n")
+            self._file.write(line + "\n")
             self._file.flush()
         return SpanExportResult.SUCCESS
 

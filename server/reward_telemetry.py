@@ -100,10 +100,12 @@ class SampleRecord:
                      {**attrs, "rewardmesh.score": result.score}),
         ]  # fmt: skip
         batch = self.batch
-        if batch is not None and not batch.span_id:
+        if batch is not None and not batch.span_id:  # the first kept sample of a batch exports its span
             batch.span_id = new_span_id()
             info = batch.info
-            links = [link for m in batch.members if (link := m.link()) is not None]
+            # Links to the served samples that are kept (exported): a link to a span never exported says
+            # nothing, and parsing hundreds of contexts per batch would cost every sample.
+            links = [link for m in batch.members if (m.exported or m.sampled) and (link := m.link()) is not None]
             batch_attrs: dict[str, AttributeValue] = {
                 "rewardmesh.pipeline": batch.pipeline,
                 "rewardmesh.batch.size": info.size,
@@ -206,9 +208,7 @@ class RewardTelemetry:
         if rec is None:
             return 0, 0
         found = rec.recall((id(self), sid) for sid in sample_ids)
-        exported = 0
-        for record in found:
-            if isinstance(record, SampleRecord) and not record.exported:
-                record.exported = True
-                exported += rec.export_tree(record)
-        return len(found), exported
+        fresh = [r for r in found if isinstance(r, SampleRecord) and not r.exported]
+        for record in fresh:  # all marked first, so a batch span links every kept sample of this call
+            record.exported = True
+        return len(found), sum(rec.export_tree(record) for record in fresh)

@@ -167,6 +167,24 @@ def test_otlp_json_lines_exporter(tmp_path: Path, telemetry: Telemetry) -> None:
     assert any(a["key"] == "service.name" for a in otlp["resource"]["attributes"])
 
 
+def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
+    """The exporter's direct JSON writer says exactly what span_to_otlp says (links, events, odd strings)."""
+    from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+    from client.telemetry import span_json, span_to_otlp, tracer
+
+    SPANS.clear()
+    target = SpanContext(7, 9, True, TraceFlags(1))
+    with tracer().start_as_current_span('outer "quoted" é', links=[Link(target, {"w": 0.5})]) as outer:
+        outer.add_event("ev", {"list": [1, 2], "flag": False, "big": 2**40, "nan": float("nan")})
+        with tracer().start_as_current_span("inner", attributes={"s": "a\nb", "f": 1.25, "t": (True, False)}):
+            pass
+    spans = SPANS.get_finished_spans()
+    assert len(spans) == 2
+    for span in spans:
+        assert json.loads(span_json(span)) == json.loads(json.dumps(span_to_otlp(span)))
+
+
 async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
     telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
 ) -> None:
@@ -209,7 +227,11 @@ async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
         assert remote == ["reward.compute", "reward.queue"]
         batches = [b for b in spans if b.name == "reward.batch" and any(
             link.context.span_id == reward.context.span_id for link in b.links)]  # fmt: skip
-        assert len(batches) == 1 and batches[0].attributes["rewardmesh.batch.size"] == len(batches[0].links)
+        assert len(batches) == 1 and batches[0].attributes["rewardmesh.batch.size"] >= len(batches[0].links)
+    # A batch span links exactly the kept samples it served (all of them at ratio 1.0: the first test).
+    kept_reward = {c.context.span_id for c in spans if c.name == "reward"}
+    for b in (s for s in spans if s.name == "reward.batch"):
+        assert {link.context.span_id for link in b.links} <= kept_reward
     # Metrics still count every sample, kept or not.
     assert scored() - before == 8
 
