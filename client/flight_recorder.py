@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -83,22 +81,22 @@ class FlightRecorder:
         self.processors = list(processors)
         self.resource = resource
         self.capacity = max(1, capacity)
+        # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
         self._ring: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()  # KeepTraces may run on another thread than the hot path
+        self._popitem = self._ring.popitem
         self.exported_spans = 0
 
     def remember(self, key: Hashable, record: Any) -> None:
         """Keep `record` under `key` (owners in one process, e.g. an in-process mesh, use distinct keys)."""
         ring = self._ring
-        with self._lock:
-            ring[key] = record
-            if len(ring) > self.capacity:
-                ring.popitem(last=False)
+        ring[key] = record
+        if len(ring) > self.capacity:
+            self._popitem(False)
 
     def recall(self, keys: Iterable[Hashable]) -> list[Any]:
         """The records still in the ring for these keys (unknown or evicted keys are skipped)."""
-        with self._lock:
-            return [r for k in keys if (r := self._ring.get(k)) is not None]
+        ring = self._ring
+        return [r for k in keys if (r := ring.get(k)) is not None]
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -152,8 +150,3 @@ class FlightRecorder:
                     log.debug("span processor failed on %s", s.name, exc_info=True)
         self.exported_spans += len(spans)
         return len(spans)
-
-
-def current_span_context() -> SpanContext | None:
-    ctx = trace.get_current_span().get_span_context()
-    return ctx if ctx.is_valid else None

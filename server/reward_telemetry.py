@@ -159,6 +159,7 @@ class RewardTelemetry:
         m.create_observable_gauge("rewardmesh.reward.queue_depth", [_observe_all], unit="{sample}")
         self._timings = (self.latency, self.queue_time, self.compute_time)
         self.pending = HistogramBatch()
+        self._key = id(self)  # this server's records in the process's ring
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
@@ -171,27 +172,27 @@ class RewardTelemetry:
 
     def on_result(self, result: reward_pb2.RewardResult, record: SampleRecord | None, arrival_ns: int) -> None:
         """Count and time the sample; export its spans now if kept, else remember them for a KeepTraces."""
+        failed = result.HasField("error")
         if metrics_enabled():
-            pending, pipeline = self.pending, result.reward
-            if result.HasField("error"):
+            if failed:
                 code = result.error.code
                 counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
-                pending.count(counter, pipeline)
+                self.pending.count(counter, result.reward)
             else:
-                timing = result.timing
-                pending.add_row(self.scored, self._timings, pipeline, (timing.total, timing.queue, timing.compute))
+                t = result.timing
+                self.pending.add_row(self.scored, self._timings, result.reward, (t.total, t.queue, t.compute))
         if record is None:
-            return
+            return  # tracing off, or the sample came without a trace context
+        record.result = result
+        record.arrival_ns = arrival_ns
         rec = recorder()
         if rec is None:
             return
-        record.result = result
-        record.arrival_ns = arrival_ns
-        if record.sampled or result.HasField("error"):
+        if failed or record.traceparent[-1:] in _ODD_HEX:  # failed here, or head-sampled (the flags' low bit)
             record.exported = True
             rec.export_tree(record)
         else:
-            rec.remember((id(self), result.sample_id), record)
+            rec.remember((self._key, result.sample_id), record)
 
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
         if metrics_enabled():
@@ -207,7 +208,7 @@ class RewardTelemetry:
         rec = recorder()
         if rec is None:
             return 0, 0
-        found = rec.recall((id(self), sid) for sid in sample_ids)
+        found = rec.recall((self._key, sid) for sid in sample_ids)
         fresh = [r for r in found if isinstance(r, SampleRecord) and not r.exported]
         for record in fresh:  # all marked first, so a batch span links every kept sample of this call
             record.exported = True

@@ -14,10 +14,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext, get_current_span
 from opentelemetry.util.types import AttributeValue
 
-from client.flight_recorder import FlightRecorder, current_span_context, new_span_id, new_trace_id, traceparent
+from client.flight_recorder import FlightRecorder, new_span_id, new_trace_id, traceparent
 from client.telemetry import STEP_KEY, recorder, trace_config
 from rewardmesh.v1 import reward_pb2, rollout_pb2
 
@@ -44,7 +46,9 @@ class SampleTrace:
         "trace_id",
     )  # fmt: skip
 
-    def __init__(self, sample_id: str, trace_id: int, parent_id: int | None, sampled: bool) -> None:
+    def __init__(
+        self, sample_id: str, trace_id: int, parent_id: int | None, sampled: bool, attrs: dict[str, AttributeValue]
+    ) -> None:
         self.sample_id = sample_id
         self.trace_id = trace_id
         self.parent_id = parent_id
@@ -52,7 +56,7 @@ class SampleTrace:
         self.sampled = sampled
         self.start_ns = time.time_ns()
         self.end_ns = 0
-        self.attrs: dict[str, AttributeValue] = {}
+        self.attrs = attrs  # the caller's dict, owned from here on
         self.phases: list[tuple[str, str, int, int]] = []
         self.reward_span_id = 0
         self.reward_start_ns = self.reward_end_ns = 0
@@ -130,23 +134,36 @@ class NoTrace:
 NO_TRACE = NoTrace()
 
 
+def _parent_of(ctx: SpanContext) -> tuple[int, int, bool] | None:
+    """(trace id, parent span id, head-sampled) for the samples started under `ctx`."""
+    if not ctx.is_valid:
+        return None
+    if ctx.trace_flags & 1:  # a head-sampled group: under the Generate server span, exported too
+        return ctx.trace_id, ctx.span_id, True
+    # The Generate spans are not recorded: hang a kept sample under its step span.
+    step = ctx.trace_state.get(STEP_KEY) if ctx.trace_state else None
+    return ctx.trace_id, int(step, 16) if step else ctx.span_id, False
+
+
 class RolloutTelemetry:
     """Starts, finishes and keeps sample traces on a rollout server (hook points for the servicer)."""
+
+    def __init__(self) -> None:
+        self._context: object = None  # the last OpenTelemetry context seen, and what it says
+        self._parent: tuple[int, int, bool] | None = None
+        self._key = id(self)  # this server's records in the process's ring
 
     def begin(self, sample_id: str, attributes: dict[str, AttributeValue]) -> SampleTrace | NoTrace:
         """A sample starts, under the current context (the Generate call's, carrying the trainer's decision)."""
         if recorder() is None:
             return NO_TRACE
-        ctx = current_span_context()
-        if ctx is None:  # no trainer context: this server is the root, and samples with its own ratio
-            st = SampleTrace(sample_id, new_trace_id(), None, random.random() < trace_config().head_ratio)
-        elif ctx.trace_flags.sampled:  # a head-sampled group: under the Generate server span, exported too
-            st = SampleTrace(sample_id, ctx.trace_id, ctx.span_id, True)
-        else:  # the Generate spans are not recorded: hang a kept sample under its step span
-            step = ctx.trace_state.get(STEP_KEY) if ctx.trace_state else None
-            st = SampleTrace(sample_id, ctx.trace_id, int(step, 16) if step else ctx.span_id, False)
-        st.attrs.update(attributes)
-        return st
+        current = otel_context.get_current()  # the same object for every sample of one Generate call
+        if current is not self._context:
+            self._context, self._parent = current, _parent_of(get_current_span(current).get_span_context())
+        parent = self._parent
+        if parent is None:  # no trainer context: this server is the root, and samples with its own ratio
+            return SampleTrace(sample_id, new_trace_id(), None, random.random() < trace_config().head_ratio, attributes)
+        return SampleTrace(sample_id, parent[0], parent[1], parent[2], attributes)
 
     def finish(self, st: SampleTrace | NoTrace, response: rollout_pb2.GenerateResponse | None = None) -> None:
         """The sample is done: tell the trainer its span, export it if kept, else remember it for a KeepTraces."""
@@ -160,14 +177,14 @@ class RolloutTelemetry:
             st.exported = True
             rec.export_tree(st)
         else:
-            rec.remember((id(self), st.sample_id), st)
+            rec.remember((self._key, st.sample_id), st)
 
     def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
         """Export the trees of these samples still in the ring: (samples known, spans exported)."""
         rec = recorder()
         if rec is None:
             return 0, 0
-        found: list[Any] = rec.recall((id(self), sid) for sid in sample_ids)
+        found: list[Any] = rec.recall((self._key, sid) for sid in sample_ids)
         exported = 0
         for st in found:
             if not st.exported:
