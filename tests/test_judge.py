@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from typing import Any
 
@@ -144,9 +143,13 @@ async def test_rate_limiter_spacing_under_concurrency() -> None:
         await limiter.acquire()
         starts.append(loop.time())
 
+    t0 = loop.time()
     await asyncio.gather(*(one() for _ in range(6)))
-    gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(starts) == 6 and min(gaps) >= 0.045
+    # Lower bounds only: a loaded machine may wake a caller late (shrinking the gap to the next one),
+    # but the limiter must never let the i-th caller start before its reserved slot t0 + i * 50 ms.
+    assert len(starts) == 6
+    for i, start in enumerate(sorted(starts)):
+        assert start - t0 >= i * 0.05 - 0.002, (i, start - t0)
     assert RateLimiter(0).interval == 0
 
 
