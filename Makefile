@@ -66,3 +66,17 @@ clean:
 # object against the Kubernetes OpenAPI schemas offline, in strict mode (kubernetes-validate ships the schemas).
 k8s-check: $(STAMP)
 	$(BIN)/python k8s/check.py
+
+# --- Trainer integrations (issue 14): verl, TRL and OpenRLHF, pinned in tests/integrations/requirements.lock, in an
+# environment of their own (.venv-integrations; its packages are cached per lock under INTEG_CACHE, so only the
+# first run on a machine installs them). `make test` never needs them.
+INTEG_VENV := .venv-integrations
+INTEG_LOCK := tests/integrations/requirements.lock
+INTEG_CACHE ?= $(HOME)/.cache/rewardmesh/integrations
+
+.PHONY: test-integrations
+$(INTEG_VENV)/.installed: $(INTEG_LOCK) tests/integrations/install.sh pyproject.toml
+	bash tests/integrations/install.sh $(INTEG_VENV) $(INTEG_LOCK) $(INTEG_CACHE) $(PY)
+
+test-integrations: $(INTEG_VENV)/.installed
+	REWARDMESH_INTEGRATIONS=1 $(INTEG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations

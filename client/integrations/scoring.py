@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+# Where the adapters whose framework has no config slot for them read the target and pipeline.
+TARGET_ENV, PIPELINE_ENV = "REWARDMESH_REWARD_TARGET", "REWARDMESH_PIPELINE"
+
+
+class RewardMeshError(RuntimeError):
+    """A sample the reward service could not score: the gRPC code and message, never a silent 0."""
 
 
 def _jsonable(value: Any) -> Any:

@@ -30,7 +30,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from client.integrations.scoring import MeshScorer, error_text, extra_info_from, make_sample
+from client.integrations.scoring import (
+    PIPELINE_ENV,
+    TARGET_ENV,
+    MeshScorer,
+    RewardMeshError,
+    error_text,
+    extra_info_from,
+    make_sample,
+)
 from rewardmesh.v1 import reward_pb2
 
 try:  # verl is optional: the function form and the helpers work without it
@@ -46,11 +54,6 @@ except ImportError:  # pragma: no cover - exercised where verl is absent
 log = logging.getLogger(__name__)
 
 FIXED_KEYS = ("rewardmesh/queue_s", "rewardmesh/compute_s", "rewardmesh/batch_size", "rewardmesh/error")
-TARGET_ENV, PIPELINE_ENV = "REWARDMESH_REWARD_TARGET", "REWARDMESH_PIPELINE"
-
-
-class RewardMeshError(RuntimeError):
-    """A sample the reward service could not score (and no error_score was configured)."""
 
 
 def extra_info_of(result: reward_pb2.RewardResult, extra_keys: Sequence[str]) -> dict[str, float]:

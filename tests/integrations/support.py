@@ -23,6 +23,7 @@ class RunningServer:
 @contextlib.contextmanager
 def server_thread(pipelines: dict[str, Any] | None = None, **gateway: Any) -> Iterator[RunningServer]:
     """Start the reward server and gateway on a loop in a daemon thread; stop both on exit."""
+    gateway = {"default_pipeline": "gsm8k", **gateway}
     ready: dict[str, Any] = {}
     started = threading.Event()
     loop = asyncio.new_event_loop()

@@ -1,0 +1,67 @@
+"""slime: `--custom-rm-path client.integrations.slime.custom_rm` scores on the Score stream directly.
+
+slime calls `await custom_rm(args, sample)` per sample, or with the list of a group's samples under
+`--group-rm`. The target and pipeline come from `args.rewardmesh_target` / `args.rewardmesh_pipeline` when
+set, else REWARDMESH_REWARD_TARGET / REWARDMESH_PIPELINE (REWARDMESH_TIMEOUT_S: per-sample deadline, 300).
+The reward is the score, or `{"score", <extras>}` when `--reward-key` is set. A sample the service cannot
+score raises RewardMeshError with the gRPC code and message (it is never silently 0).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from client.integrations.scoring import PIPELINE_ENV, TARGET_ENV, MeshScorer, RewardMeshError, error_text, make_sample
+
+_scorers: dict[tuple[str, str, float], MeshScorer] = {}
+
+
+def _scorer(args: Any) -> MeshScorer:
+    target = getattr(args, "rewardmesh_target", None) or os.environ.get(TARGET_ENV, "")
+    pipeline = getattr(args, "rewardmesh_pipeline", None) or os.environ.get(PIPELINE_ENV, "")
+    timeout_s = float(os.environ.get("REWARDMESH_TIMEOUT_S", "300"))
+    key = (target, pipeline, timeout_s)
+    if key not in _scorers:
+        _scorers[key] = MeshScorer(target, pipeline, timeout_s=timeout_s)
+    return _scorers[key]
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, list):  # chat messages: the last user turn
+        users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        return str(users[-1]) if users else ""
+    return str(prompt or "")
+
+
+def _sample(scorer: MeshScorer, s: Any) -> Any:
+    """From slime's Sample: tokens = prompt + response ids, the last `response_length` being the response."""
+    tokens = list(getattr(s, "tokens", None) or [])
+    n = int(getattr(s, "response_length", 0) or 0)
+    prompt_ids, response_ids = (tokens[:-n], tokens[-n:]) if 0 < n <= len(tokens) else ([], [])
+    mask = getattr(s, "loss_mask", None)
+    metadata = getattr(s, "metadata", None) or {}
+    return make_sample(
+        scorer.next_id(),
+        prompt_text=_prompt_text(getattr(s, "prompt", "")),
+        response_text=str(getattr(s, "response", "") or ""),
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_mask=list(mask) if mask is not None and len(mask) == len(response_ids) else None,
+        ground_truth=getattr(s, "label", None),
+        data_source=str(metadata.get("data_source", "") if isinstance(metadata, dict) else ""),
+        extra_info=metadata if isinstance(metadata, dict) else None,
+    )
+
+
+async def custom_rm(args: Any, samples: Any, **_: Any) -> Any:
+    """One reward per sample (a list for a list), scored together on the pipeline."""
+    scorer = _scorer(args)
+    batch = samples if isinstance(samples, list) else [samples]
+    results = await scorer.score([_sample(scorer, s) for s in batch])
+    rewards: list[Any] = []
+    for result in results:
+        if result.HasField("error"):
+            raise RewardMeshError(f"rewardmesh pipeline '{scorer.pipeline}' could not score: {error_text(result)}")
+        rewards.append({**result.extras, "score": result.score} if getattr(args, "reward_key", None) else result.score)
+    return rewards if isinstance(samples, list) else rewards[0]

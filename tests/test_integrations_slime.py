@@ -1,0 +1,60 @@
+"""slime's custom_rm hook against a real reward server. slime is not on PyPI and needs Megatron, so its
+Sample is the dataclass contract read from its source (prompt, tokens, response, response_length, label,
+loss_mask, metadata); the gateway side of slime (remote_rm's JSON) is in test_http_gateway.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from client.integrations.scoring import RewardMeshError
+from client.integrations.slime import custom_rm
+from tests.support.servers import fn_pipeline, reward_server
+
+
+@dataclass
+class SlimeSample:
+    prompt: str | list[dict[str, str]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    loss_mask: list[int] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def args(target: str, pipeline: str, reward_key: str | None = None) -> Any:
+    return SimpleNamespace(rewardmesh_target=target, rewardmesh_pipeline=pipeline, reward_key=reward_key)
+
+
+async def test_single_and_group_forms_score_on_the_stream() -> None:
+    async with reward_server() as server:
+        one = SlimeSample(prompt="2+2?", tokens=[5, 6, 7, 8], response="#### 4", response_length=2, label="4")
+        assert await custom_rm(args(server.address, "gsm8k"), one) == 1.0
+        chat = SlimeSample(prompt=[{"role": "user", "content": "3+4?"}], response="#### 8", label="7", loss_mask=[1])
+        group = await custom_rm(args(server.address, "gsm8k"), [one, chat])
+        assert group == [1.0, 0.0]
+        keyed = await custom_rm(args(server.address, "gsm8k", reward_key="score"), one)
+        assert keyed["score"] == 1.0 and keyed["acc"] == 1.0
+
+
+async def test_a_failed_sample_raises_with_its_code() -> None:
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
+        good = SlimeSample(response="four", metadata={"delay": 0})
+        bad = SlimeSample(response="four", metadata={"delay": "oops"})
+        assert await custom_rm(args(server.address, "sleepy"), good) == 4.0
+        with pytest.raises(RewardMeshError, match=r"INTERNAL.*oops"):
+            await custom_rm(args(server.address, "sleepy"), [good, bad])
+
+
+async def test_reward_server_down_is_a_clear_error_not_a_hang() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+        await asyncio.wait_for(custom_rm(args(f"127.0.0.1:{port}", "gsm8k"), SlimeSample(response="x")), 30)
