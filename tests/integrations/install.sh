@@ -5,7 +5,8 @@
 # verl.plugins entry point is registered). A second run on the same machine takes seconds.
 set -euo pipefail
 venv=$1 lock=$2 cache=$3 py=${4:-python3}
-deps="$cache/$(sha256sum "$lock" | cut -c1-16)"
+# A directory named site-packages: datasets/dill pickle code by reference only from such paths.
+deps="$cache/$(sha256sum "$lock" | cut -c1-16)/site-packages"
 if [ ! -f "$deps/.complete" ]; then
   echo "integrations: installing $(grep -c '==' "$lock") pinned packages into $deps (once per lock)"
   rm -rf "$deps.tmp" && mkdir -p "$deps.tmp"

@@ -28,8 +28,10 @@ class Recorded(RewardMeshReward):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[list[Any], list[Any], list[float | None]]] = []
 
-    async def __call__(self, prompts: list[Any], completions: list[Any], **kw: Any) -> list[float | None]:
-        rewards = await super().__call__(prompts, completions, **kw)
+    async def __call__(
+        self, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]] | None = None, **kw: Any
+    ) -> list[float | None]:
+        rewards = await super().__call__(prompts, completions, completion_ids, **kw)
         self.calls.append((completions, kw.get("extra_info") or [], rewards))
         return rewards
 
