@@ -11,7 +11,8 @@ this way, flagged by `rewardmesh/error`, instead of failing the step: the defaul
 `+reward.rewardmesh.extra_keys=[acc,pred]` (the pipeline's extras to report). verl builds its extra-info
 columns from the first sample's keys, so every sample returns the same keys: `rewardmesh/queue_s`,
 `rewardmesh/compute_s`, `rewardmesh/batch_size`, `rewardmesh/error` (the gRPC code, 0 when scored) and the
-pipeline's extras (NaN where a sample has none). The token ids go with the text, for reward models.
+pipeline's extras (NaN where a sample has none): `extra_keys`, else those of the first scored sample, or
+none with `error_score` set (a sample that fails first cannot know them). Token ids go with the text.
 
 Function form (verl's naive manager calls it with the decoded response):
 
@@ -98,8 +99,12 @@ class RewardMeshRewardManager(RewardManagerBase):
         error_score = _option(section, "error_score", None)
         self.error_score: float | None = None if error_score is None else float(error_score)
         configured = _option(section, "extra_keys", None)
-        # Without a configured list, the pipeline's extras are learned from the first scored sample.
+        # The pipeline's extras in every sample's extra info. Unconfigured: learned from the first scored sample
+        # when failures fail the step; none when failed samples are scored, since a sample that failed before any
+        # succeeded (in this worker or another) could not know them, and verl needs the same keys from all.
         self.extra_keys: list[str] | None = [str(k) for k in configured] if configured is not None else None
+        if self.extra_keys is None and self.error_score is not None:
+            self.extra_keys = []
 
     def _sample(self, data: Any) -> Any:
         item = data[-1]  # multi-turn outputs: verl scores the last sequence

@@ -5,6 +5,7 @@ and through verl's naive manager with our async compute_score."""
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,23 @@ def test_a_failed_sample_fails_the_step_or_scores_error_score_with_the_code(tiny
             rewardmesh_config(tiny_models.policy, server.address, "sleepy", "+reward.rewardmesh.error_score=-1")
         )
         outputs = asyncio.run(lenient.compute_score_batch(data))
+        keyed = RewardLoopWorker(
+            rewardmesh_config(
+                tiny_models.policy,
+                server.address,
+                "sleepy",
+                "+reward.rewardmesh.error_score=-1",
+                "+reward.rewardmesh.extra_keys=[delay]",
+            )
+        )
+        with_extras = asyncio.run(keyed.compute_score_batch(data))
     assert [o["reward_score"] for o in outputs] == [4.0, -1.0]
-    assert list(outputs[0]["reward_extra_info"]) == list(outputs[1]["reward_extra_info"])
+    # The same keys from every sample, whichever finished first: verl builds its columns from the first's.
+    assert list(outputs[0]["reward_extra_info"]) == list(outputs[1]["reward_extra_info"]) == list(FIXED_KEYS)
     assert outputs[1]["reward_extra_info"]["rewardmesh/error"] == 13.0  # INTERNAL
+    assert [list(o["reward_extra_info"]) for o in with_extras] == [[*FIXED_KEYS, "delay"]] * 2
+    assert with_extras[0]["reward_extra_info"]["delay"] == 0.0
+    assert math.isnan(with_extras[1]["reward_extra_info"]["delay"])
 
 
 def test_reward_server_down_is_a_clear_error_not_a_hang(tiny_models: TinyModelPaths) -> None:
