@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -122,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument(
         "--transport-only", action="store_true", help="measure only the transport (no reward model, no (a)-(c))"
     )
+
+    iso = p.add_argument_group("isolation benchmark")
+    iso.add_argument(
+        "--isolation-only",
+        action="store_true",
+        help="measure only the per-sample cost of running a rule in isolated worker processes vs inline",
+    )
+    iso.add_argument("--isolation-samples", type=int, default=4096, help="samples per isolation round and mode")
+    iso.add_argument("--isolation-rounds", type=int, default=5, help="interleaved inline/process rounds (median)")
 
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     p.add_argument("--json-out", type=Path, help="also write every number to this JSON file")
@@ -784,6 +794,71 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------------------------ isolation
+
+
+async def run_isolation_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-sample cost of isolation (reward_engine/isolation.py): the gsm8k rule inline on the event loop
+    vs in warm worker processes (isolation="process", 2 workers), the same samples in batches of 1, 8 and 64,
+    modes interleaved round by round, medians. Wall time per sample, and this process's CPU per sample (the
+    event loop's share: what the server pays; the workers' CPU runs on other cores)."""
+    from reward_engine.sources.rules import RuleSource
+    from reward_engine.types import RewardInput
+
+    empty = np.zeros(0, dtype=np.int32)
+    samples = [
+        RewardInput(f"s{i}", empty, empty, response_text=f"so the answer is #### {i % 97}", ground_truth=str(i % 89))
+        for i in range(args.isolation_samples)
+    ]
+    sources = {"inline": RuleSource("inline", "gsm8k"), "process": RuleSource("process", "gsm8k", isolation="process")}
+    await sources["process"].warmup()
+    results: dict[str, dict[int, dict[str, list[float]]]] = {m: {} for m in sources}
+    try:
+        for batch in (1, 8, 64):
+            for _ in range(args.isolation_rounds):
+                for mode, source in sources.items():
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    for lo in range(0, len(samples), batch):
+                        await source.score_batch(samples[lo : lo + batch])
+                    per = results[mode].setdefault(batch, {"wall_us": [], "cpu_us": []})
+                    per["wall_us"].append((time.perf_counter() - wall) / len(samples) * 1e6)
+                    per["cpu_us"].append((time.process_time() - cpu) / len(samples) * 1e6)
+            progress(f"isolation: batches of {batch} measured")
+    finally:
+        for source in sources.values():
+            await source.close()
+    return {
+        "machine": ", ".join(f"{k} {v}" for k, v in machine_info().items()),
+        "samples": args.isolation_samples,
+        "rounds": args.isolation_rounds,
+        "medians": {
+            mode: {b: {k: statistics.median(v) for k, v in per.items()} for b, per in by_batch.items()}
+            for mode, by_batch in results.items()
+        },
+    }
+
+
+def render_isolation(report: dict[str, Any]) -> str:
+    med = report["medians"]
+    lines = [
+        f"Machine: {report['machine']}",
+        "",
+        f"Isolation cost, gsm8k rule, {report['samples']} samples per round, median of {report['rounds']} "
+        "interleaved rounds (shared machine: other jobs ran on the cores)",
+        "",
+        "| samples per batch | inline wall (us/sample) | process wall | inline CPU (us/sample) | process CPU "
+        "(event-loop process) | wall ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch in sorted(med["inline"]):
+        a, b = med["inline"][batch], med["process"][batch]
+        lines.append(
+            f"| {batch} | {a['wall_us']:.1f} | {b['wall_us']:.1f} | {a['cpu_us']:.1f} | {b['cpu_us']:.1f} "
+            f"| {b['wall_us'] / a['wall_us']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -796,6 +871,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.transport_concurrency <= 4096:
         parser.error("--transport-concurrency must be in 1..4096 (the built-in noop pipeline queues 4096 samples)")
     try:
+        if args.isolation_only:
+            print(render_isolation(asyncio.run(run_isolation_only(args))), flush=True)
+            return 0
         if args.transport_only:
             report = asyncio.run(run_transport_only(args))
             print(render_transport(report), flush=True)
