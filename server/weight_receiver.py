@@ -52,7 +52,9 @@ class WeightReceiver:
         out: list[Any] = []
         if self.host_id:
             out.append(rollout_pb2.WEIGHT_TRANSPORT_SHM)
-        if dist_available():
+        # dist needs a backend that says where its weights live (hf); vLLM's engine would need its own
+        # weight-transfer engine on both sides (not built yet), so a vLLM server takes shm or grpc.
+        if dist_available() and isinstance(getattr(self.backend, "device", None), torch.device):
             out.append(rollout_pb2.WEIGHT_TRANSPORT_DIST)
         out.append(rollout_pb2.WEIGHT_TRANSPORT_GRPC)
         return out
