@@ -46,19 +46,24 @@ TOKEN_ENV = "REWARDMESH_AUTH_TOKEN"
 TOKEN_FILE_ENV = "REWARDMESH_AUTH_TOKEN_FILE"
 
 
-def auth_token(path: str = "") -> str | None:
-    """The shared secret: the file's content (``path``, else $REWARDMESH_AUTH_TOKEN_FILE), else
-    $REWARDMESH_AUTH_TOKEN, else None (no auth). An unreadable or empty file is a ValueError."""
-    path = path or os.environ.get(TOKEN_FILE_ENV, "")
+def read_token(path: str, env: str, what: str) -> str | None:
+    """A shared secret: the file's content (stripped) if ``path``, else the variable ``env``, else None.
+    An unreadable or empty file is a ValueError naming ``what`` (the option that named the file)."""
     if path:
         try:
             token = Path(path).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"auth token file {path}: cannot read it: {exc}") from None
+            raise ValueError(f"{what}={path}: cannot read it: {exc}") from None
         if not token:
-            raise ValueError(f"auth token file {path} is empty")
+            raise ValueError(f"{what}={path} is empty")
         return token
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    return os.environ.get(env, "").strip() or None
+
+
+def auth_token(path: str = "") -> str | None:
+    """The gRPC bearer token: the file ``path``, else $REWARDMESH_AUTH_TOKEN_FILE, else $REWARDMESH_AUTH_TOKEN,
+    else None (no auth)."""
+    return read_token(path or os.environ.get(TOKEN_FILE_ENV, ""), TOKEN_ENV, "auth token file")
 
 
 def _with_token(details: aio.ClientCallDetails, header: tuple[str, str]) -> aio.ClientCallDetails:

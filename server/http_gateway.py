@@ -15,16 +15,15 @@ import hmac
 import itertools
 import json
 import logging
-import os
 import ssl
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
 
+from client.channels import read_token
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import InvalidInput, RewardError
 from reward_engine.types import RewardInput
@@ -48,15 +47,7 @@ _MAX_BODY_BYTES = 64 * 1024 * 1024
 
 def load_token(path: str = "", env: str = TOKEN_ENV) -> str | None:
     """The shared secret: the file's content (stripped) if a path is given, else the variable `env`, else None."""
-    if path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"http_token_file={path}: cannot read it: {exc}") from None
-        if not token:
-            raise ValueError(f"http_token_file={path} is empty")
-        return token
-    return os.environ.get(env) or None
+    return read_token(path, env, "http_token_file")
 
 
 def server_ssl_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext | None:
