@@ -41,7 +41,7 @@ from client.channels import open_channel
 from client.targets import Member, Resolve, TargetPool
 from client.telemetry import group_context, recorder, trace_config, tracer
 from client.tensors import ids_tensor
-from client.weight_sync import SyncResult, WeightSync
+from client.weight_sync import SyncResult, WeightSync, WeightSyncError
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -519,12 +519,30 @@ class TrainerClient:
         """
         async with self._weights_lock:
             version = version if version is not None else self.policy_version + 1
-            targets = [(t.address, t.channel) for t in await self.pool.wait_for_members()]
+            targets = [(t.address, t.channel) for t in await self._reachable(await self.pool.wait_for_members())]
             sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes)
             self.last_weight_sync = sync
             self.policy_version = version
             self._weights = state
         return version
+
+    async def _reachable(self, members: list[_Target]) -> list[_Target]:
+        """The members that answer now. One that cannot be reached (a pod restarting) is marked down instead of
+        failing the update: the pool's join hook brings it to the current version before it gets work again."""
+        infos = await asyncio.gather(
+            *(self._join_sync.infos([(m.address, m.channel)]) for m in members), return_exceptions=True
+        )
+        up = []
+        for member, info in zip(members, infos, strict=True):
+            if isinstance(info, aio.AioRpcError) and info.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_failed(member, f"unreachable for a weight update: {info.details()}")
+            else:
+                up.append(member)  # any other failure surfaces from the push, naming the server
+        if not up:
+            raise WeightSyncError(
+                "no rollout server is reachable for the weight update", {m.address: "UNAVAILABLE" for m in members}
+            )
+        return up
 
     async def _bring_up_to_date(self, target: _Target) -> None:
         """The pool's join hook: a server behind the current policy version gets the current weights first."""
