@@ -54,6 +54,7 @@ protos: $(STAMP)
 # Each prints a table of ratios measured side by side in one run (minutes each; not part of `make test`).
 bench: $(STAMP)
 	$(BIN)/python -m bench.reward_batching
+	$(BIN)/python -m bench.hf_backend
 	$(BIN)/python -m bench.reward_overlap
 	$(BIN)/python -m bench.pipeline
 	$(BIN)/python -m bench.tracing_overhead
