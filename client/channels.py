@@ -29,6 +29,11 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", size),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A restarted pod should get work again within the pool's own backoff, not gRPC's default 1-120 s
+        # reconnect schedule: the pool already spaces retries out per address.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 

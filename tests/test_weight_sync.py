@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -314,7 +315,12 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
                 c = await start()
                 pods.append(c.address)
         final = client.policy_version
-        await asyncio.sleep(0.3)  # let a pending join finish
+        # A server that was down at the last update rejoins on the next pick (its backoff over, the join hook
+        # brings it up to date): drive picks until both caught up, or give up after a generous deadline.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and min(b.backend.policy_version, c.backend.policy_version) < final - 1:
+            client.pool.pick()
+            await asyncio.sleep(0.05)
         versions = {r.address: r.backend.policy_version for r in (a, b, c)}
     assert step == steps
     for at, sample_versions in batches:
