@@ -380,11 +380,12 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
         if traced:
             ratio = tp / off_tp
             cpu_ratio = off_cpu / cpu
+            cpu_pairs = median([a.cpu_us / b.cpu_us for a, b in zip(off, rs, strict=True)])
             target = targets.get(mode)
             verdict_s = f">= {target}: {verdict(cpu_ratio >= target)}" if target else "(informative)"
             results.append([f"{label[mode]} / off", f"{ratio:.3f}", f"{median(pairs):.3f}", f"{cpu_ratio:.3f}",
-                            verdict_s])  # fmt: skip
-    results.append(["errors", str(sum(r.errors for r in runs)), "", "", ""])
+                            f"{cpu_pairs:.3f}", verdict_s])  # fmt: skip
+    results.append(["errors", str(sum(r.errors for r in runs)), "", "", "", ""])
     return "\n\n".join(
         [
             "## bench.tracing_overhead",
@@ -403,7 +404,14 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
                 rows,
             ),
             markdown_table(
-                ["ratio", "throughput (medians)", "throughput (back-to-back pairs)", "CPU: off / mode", "target"],
+                [
+                    "ratio",
+                    "throughput (medians)",
+                    "throughput (back-to-back pairs)",
+                    "CPU: off / mode (medians)",
+                    "CPU (back-to-back pairs)",
+                    "target (CPU, medians)",
+                ],
                 results,
             ),
         ]
