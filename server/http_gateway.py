@@ -25,23 +25,41 @@ from aiohttp import web
 
 from client.channels import read_token
 from reward_engine.engine import RewardEngine
-from reward_engine.errors import InvalidInput, RewardError
+from reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from reward_engine.types import RewardInput
-from server.status import status_of
+from server.status import SAMPLE_ERRORS, status_of
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "REWARDMESH_HTTP_TOKEN"
-# HTTP status per gRPC code. Overload and unavailability are 503 so OpenRLHF's and slime's retries apply.
-_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+_C = grpc.StatusCode
+# The HTTP status of every gRPC code (a test checks that none is missing), as HTTP clients read them; mostly
+# the usual gRPC<->HTTP mapping. Deviations: RESOURCE_EXHAUSTED is 503, not 429, and FAILED_PRECONDITION
+# (here only ever a failed dependency such as a judge endpoint, never the caller's fault) is 502 Bad Gateway.
+_HTTP: dict[grpc.StatusCode, int] = {
+    _C.OK: 200,
+    _C.CANCELLED: 499,  # client closed request
+    _C.UNKNOWN: 500,
+    _C.INVALID_ARGUMENT: 400,
+    _C.DEADLINE_EXCEEDED: 504,
+    _C.NOT_FOUND: 404,
+    _C.ALREADY_EXISTS: 409,
+    _C.PERMISSION_DENIED: 403,
+    _C.RESOURCE_EXHAUSTED: 503,
+    _C.FAILED_PRECONDITION: 502,
+    _C.ABORTED: 409,
+    _C.OUT_OF_RANGE: 400,
+    _C.UNIMPLEMENTED: 501,
+    _C.INTERNAL: 500,
+    _C.UNAVAILABLE: 503,
+    _C.DATA_LOSS: 500,
+    _C.UNAUTHENTICATED: 401,
 }
-_RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
+# Errors that mean "busy or going away, retry the same request later or elsewhere": a request holding one is
+# answered 503 with Retry-After as a whole, so OpenRLHF's and slime's retries apply and nothing is kept from
+# it. Decided by the error, not its code: a sample over its memory budget is RESOURCE_EXHAUSTED too, but a
+# retry would fail it again, so it stays that sample's error.
+_BUSY = (QueueFull, Unavailable)
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
@@ -70,9 +88,10 @@ def server_ssl_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext | No
 class _HttpError(Exception):
     """A whole-request failure, answered with this gRPC code's HTTP status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, busy: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.busy = busy
 
 
 @dataclass
@@ -81,16 +100,15 @@ class _Outcome:
     extras: dict[str, float] | None = None
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
+    busy: bool = False  # a _BUSY error: the whole request is answered 503 + Retry-After
 
     def error(self) -> dict[str, str] | None:
         return None if self.code == grpc.StatusCode.OK else {"code": self.code.name, "message": self.message}
 
 
-def _error_response(code: grpc.StatusCode, message: str) -> web.Response:
-    headers = {"Retry-After": "1"} if code in _RETRYABLE else None
-    return web.json_response(
-        {"error": {"code": code.name, "message": message}}, status=_HTTP.get(code, 500), headers=headers
-    )
+def _error_response(code: grpc.StatusCode, message: str, *, busy: bool = False) -> web.Response:
+    headers = {"Retry-After": "1"} if busy else None
+    return web.json_response({"error": {"code": code.name, "message": message}}, status=_HTTP[code], headers=headers)
 
 
 def _label_fields(label: Any, where: str) -> tuple[str, str, dict[str, Any]]:
@@ -199,19 +217,24 @@ class HttpGateway:
                 reason = "invalid bearer token" if given else "missing 'Authorization: Bearer <token>' header"
                 return _error_response(grpc.StatusCode.UNAUTHENTICATED, reason)
         if self._draining and request.path != "/health":
-            return _error_response(grpc.StatusCode.UNAVAILABLE, "reward server is draining; retry on another one")
+            message = "reward server is draining; retry on another one"
+            return _error_response(grpc.StatusCode.UNAVAILABLE, message, busy=True)
         self._in_flight += 1
         try:
             response: web.StreamResponse = await handler(request)
             return response
         except _HttpError as exc:
-            return _error_response(exc.code, str(exc))
+            return _error_response(exc.code, str(exc), busy=exc.busy)
+        except web.HTTPException:  # aiohttp's own answers (no such route, body too large)
+            raise
+        except Exception as exc:  # a bug: still JSON with the exception named, like gRPC's INTERNAL
+            return _error_response(*status_of(exc))
         finally:
             self._in_flight -= 1
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._draining:
-            return _error_response(grpc.StatusCode.UNAVAILABLE, "draining")
+            return _error_response(grpc.StatusCode.UNAVAILABLE, "draining", busy=True)
         return web.json_response({"status": "SERVING", "pipelines": sorted(self.engine.pipelines)})
 
     async def _json(self, request: web.Request) -> Any:
@@ -249,15 +272,15 @@ class HttpGateway:
                 return inp
             try:
                 scored = await pipeline.score(inp, deadline=deadline)
-            except (RewardError, ValueError, TimeoutError) as exc:
+            except SAMPLE_ERRORS as exc:  # any failure is this sample's error (an unexpected one: INTERNAL)
                 code, message = status_of(exc)
-                return _Outcome(code=code, message=message)
+                return _Outcome(code=code, message=message, busy=isinstance(exc, _BUSY))
             return _Outcome(score=scored.output.score, extras=dict(scored.output.extras))
 
         outcomes = list(await asyncio.gather(*(one(i) for i in inputs)))
-        busy = next((o for o in outcomes if o.code in _RETRYABLE), None)
+        busy = next((o for o in outcomes if o.busy), None)
         if busy is not None:  # the client retries the request; nothing it would keep was lost
-            raise _HttpError(busy.code, busy.message)
+            raise _HttpError(busy.code, busy.message, busy=True)
         return outcomes
 
     def _parse(self, where: str, make: Any, *args: Any) -> RewardInput | _Outcome:
@@ -332,7 +355,7 @@ class HttpGateway:
         for o in outcomes:
             if o.code != grpc.StatusCode.OK:
                 if single:
-                    return _error_response(o.code, o.message)
+                    return _error_response(o.code, o.message, busy=o.busy)
                 replies.append({"score": None, "error": o.error()})
             else:
                 replies.append({**(o.extras or {}), "score": o.score})

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 
 from server.config import resolve
-from server.http_gateway import load_token, server_ssl_context, strip_prompt
+from server.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
 from server.reward_server import RewardServerConfig
+from tests.support.fake_openai import closed_port
 from tests.support.pki import make_pki
 from tests.support.servers import FNS, fn_pipeline, http_gateway, reward_server
 
@@ -144,3 +146,81 @@ def test_strip_prompt_recovers_the_response() -> None:
     assert strip_prompt("PROMPT answer", "PROMPT") == " answer"
     assert strip_prompt("<bos>PROMPT answer", "PROMPT") == " answer"
     assert strip_prompt("unrelated", "PROMPT") == "unrelated"
+
+
+def test_every_grpc_code_has_an_http_status() -> None:
+    assert set(_HTTP) == set(grpc.StatusCode)
+    assert _HTTP[grpc.StatusCode.OK] == 200
+    assert all(400 <= status < 600 for code, status in _HTTP.items() if code != grpc.StatusCode.OK)
+    # Only "busy or going away" is 503 (retried by OpenRLHF and slime); a judge outage is the upstream's failure.
+    busy = [c for c, s in _HTTP.items() if s == 503]
+    assert busy == [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE]
+    assert _HTTP[grpc.StatusCode.FAILED_PRECONDITION] == 502
+
+
+async def test_a_judge_outage_is_502_failed_precondition_per_sample_never_a_retry_of_the_batch() -> None:
+    """A failed dependency (item 5) is not "busy": no Retry-After, no 503, the batch's other answers stand."""
+    judge = {"type": "judge", "url": f"http://127.0.0.1:{closed_port()}", "model": "m", "max_retries": 0}
+    pipelines = {"judged": {"sources": [judge]}}
+    one = {"prompt": PROMPT, "response": "#### 4", "label": "4"}
+    async with reward_server(pipelines) as server, http_gateway(server) as gw:
+        status, reply, headers = await post(f"{gw.url}/score/judged", one)
+        assert status == 502 and reply["error"]["code"] == "FAILED_PRECONDITION", reply
+        assert "Retry-After" not in headers
+        status, reply, _ = await post(f"{gw.url}/score/judged", [one, {"prompt": "p", "response": 3}])
+        assert status == 200
+        assert [r["error"]["code"] for r in reply] == ["FAILED_PRECONDITION", "INVALID_ARGUMENT"]
+        body = {"query": [PROMPT + " #### 4"], "prompts": [PROMPT], "labels": ["4"]}
+        status, reply, _ = await post(f"{gw.url}/get_reward?pipeline=judged", body)
+        assert status == 200 and reply["rewards"] == [None]
+        assert reply["errors"][0]["code"] == "FAILED_PRECONDITION" and "judge" in reply["errors"][0]["message"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_serve_reward_http_port_serves_the_gateway_with_its_token(tmp_path: Path) -> None:
+    """`rewardmesh serve reward --http-port N --http-token-file F` as a real process."""
+    import socket
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from demo.server_process import ServerProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    (tmp_path / "token").write_text("t0ken\n")
+    argv = [sys.executable, "-m", "server.cli", "serve", "reward", "--port", "0", "--host", "127.0.0.1",
+            "--http-port", str(http_port), "--http-pipeline", "gsm8k",
+            "--http-token-file", str(tmp_path / "token")]  # fmt: skip
+    server = ServerProcess("reward", argv, tmp_path)
+    body = json.dumps({"query": [PROMPT + " #### 4"], "prompts": [PROMPT], "labels": ["4"]}).encode()
+
+    def post_sync(token: str) -> tuple[int, Any]:
+        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/get_reward", data=body, method="POST")
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        server.start(timeout_s=90)
+        deadline = time.monotonic() + 60
+        while True:  # the gateway opens right after the gRPC port
+            try:
+                status, reply = post_sync("t0ken")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert status == 200 and reply["rewards"] == [1.0]
+        assert post_sync("wrong")[0] == 401
+        assert server.stop(timeout_s=60) == 0
+    finally:
+        server.kill()
