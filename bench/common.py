@@ -330,10 +330,21 @@ class EchoRewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def Score(
         self, request_iterator: AsyncIterator[reward_pb2.ScoreRequest], context: aio.ServicerContext
     ) -> AsyncIterator[reward_pb2.ScoreResponse]:
+        many = False  # answer in kind: several results per message once the client asks for them
         async for req in request_iterator:
             arrived = time.monotonic()
-            self.results_sent += 1
-            yield reward_pb2.ScoreResponse(result=_echo_result(req.sample.sample_id, req.reward, arrived))
+            many = many or req.max_results_per_message > 1
+            if req.items:
+                results = [_echo_result(it.sample.sample_id, it.reward, arrived) for it in req.items]
+                self.results_sent += len(results)
+                if many:
+                    yield reward_pb2.ScoreResponse(results=results)
+                else:
+                    for r in results:
+                        yield reward_pb2.ScoreResponse(result=r)
+            elif req.HasField("sample"):
+                self.results_sent += 1
+                yield reward_pb2.ScoreResponse(result=_echo_result(req.sample.sample_id, req.reward, arrived))
 
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext

@@ -35,13 +35,18 @@ _KINDS = {
 
 def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limits = DEFAULT_LIMITS) -> RewardInput:
     """Decode and validate a Sample; InvalidInput names the offending field (and the limit it is over)."""
-    check(len(sample.sample_id), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
-    for name in ("prompt_text", "response_text", "ground_truth", "data_source"):
-        check(len(getattr(sample, name)), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
+    sid, data_source, ground_truth = sample.sample_id, sample.data_source, sample.ground_truth
+    prompt_text, response_text = sample.prompt_text, sample.response_text
+    texts = (prompt_text, response_text, ground_truth, data_source)
+    if len(sid) > lim.max_sample_id_chars or max(map(len, texts)) > lim.max_text_chars:  # rare: name which
+        check(len(sid), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
+        for name, text in zip(("prompt_text", "response_text", "ground_truth", "data_source"), texts, strict=True):
+            check(len(text), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
     prompt_ids = ids_from(sample.prompt_ids, "sample.prompt_ids")
     response_ids = ids_from(sample.response_ids, "sample.response_ids")
-    check(prompt_ids.size, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
-    check(response_ids.size, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
+    if max(prompt_ids.size, response_ids.size) > lim.max_tensor_elements:
+        check(prompt_ids.size, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
+        check(response_ids.size, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
     mask = None
     if sample.HasField("response_mask"):
         mask = ids_from(sample.response_mask, "sample.response_mask")
@@ -50,7 +55,6 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
                 f"sample.response_mask has shape {list(mask.shape)}, "
                 f"but sample.response_ids has {list(response_ids.shape)}"
             )
-    prompt_text, response_text = sample.prompt_text, sample.response_text
     if tokenizer is not None and ((not prompt_text and prompt_ids.size) or (not response_text and response_ids.size)):
         decode = decoder(tokenizer)
         if not prompt_text and prompt_ids.size:
@@ -65,13 +69,13 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
         nested = depth(extra, lim.max_extra_info_depth)
         check(nested, lim.max_extra_info_depth, "sample.extra_info nesting depth", "max_extra_info_depth")
     return RewardInput(
-        sample_id=sample.sample_id,
+        sample_id=sid,
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         prompt_text=prompt_text,
         response_text=response_text,
-        data_source=sample.data_source,
-        ground_truth=sample.ground_truth,
+        data_source=data_source,
+        ground_truth=ground_truth,
         extra_info=extra,
         response_mask=mask,
     )
