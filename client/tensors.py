@@ -30,6 +30,7 @@ _NUMPY: dict[int, np.dtype] = {
     common_pb2.DTYPE_UINT8: np.dtype("u1"),
 }
 _INT32 = common_pb2.DTYPE_INT32
+_I4 = _NUMPY[_INT32]  # a dtype object: np.frombuffer parses a dtype string on every call
 _LITTLE = sys.byteorder == "little"  # array("i") is native int32; the wire is little-endian
 _FROM_NUMPY: dict[str, common_pb2.DType] = {
     "int32": common_pb2.DTYPE_INT32,
@@ -95,13 +96,15 @@ def ids_tensor(ids: Sequence[int] | np.ndarray) -> common_pb2.Tensor:
 def ids_from(t: common_pb2.Tensor, field: str) -> np.ndarray:
     """A 1-D int32 id tensor of values >= 0; an unset tensor is empty (text-only samples are fine)."""
     raw = t.raw_data
-    if t.dtype == _INT32 and len(t.shape) == 1 and t.shape[0] * 4 == len(raw):  # the common case, checked cheaply
-        # A negative little-endian int32 has the top bit of its last byte set: one C-level pass over the bytes.
-        if raw and max(raw[3::4]) >= 0x80:
-            arr = np.frombuffer(raw, dtype="<i4")
+    shape = t.shape  # each attribute access builds a wrapper: read it once (this runs twice per scored sample)
+    if t.dtype == _INT32 and len(shape) == 1 and shape[0] * 4 == len(raw):  # the common case, checked cheaply
+        # A negative little-endian int32 has the top bit of its last byte set: every 4th byte must be ASCII
+        # (< 0x80), a C-level check ~15x cheaper than max() over the bytes.
+        if not raw[3::4].isascii():
+            arr = np.frombuffer(raw, dtype=_I4)
             bad = int(np.argmax(arr < 0))
             raise InvalidInput(f"{field}[{bad}] is {int(arr[bad])}: token ids and mask values must be >= 0")
-        return np.frombuffer(raw, dtype="<i4")
+        return np.frombuffer(raw, dtype=_I4)
     if not raw and not t.shape and t.dtype == common_pb2.DTYPE_UNSPECIFIED:
         return _EMPTY_IDS
     arr = tensor_to_numpy(t, field, dtype=common_pb2.DTYPE_INT32, ndim=1)  # raises InvalidInput naming the problem

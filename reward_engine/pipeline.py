@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, Scored
+from reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, Scored, Sink, Ticket
 from reward_engine.types import BatchResult, RewardInput, RewardOutput, RewardSource
 
 
@@ -53,9 +54,26 @@ class RewardPipeline:
         """Queue one sample without awaiting it (see DynamicBatcher.enqueue)."""
         return self.batcher.enqueue(inp, deadline=deadline, context=context)
 
+    def put(
+        self,
+        inp: RewardInput,
+        sink: Sink,
+        token: Any = None,
+        *,
+        deadline: float | None = None,
+        context: object = None,
+        now: float | None = None,
+    ) -> Ticket:
+        """Queue one sample, its outcome to `sink(token, outcome)` (see DynamicBatcher.put)."""
+        return self.batcher.put(inp, sink, token, deadline=deadline, context=context, now=now)
+
     async def compute(self, batch: list[RewardInput]) -> BatchResult:
         if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
-            per_source = [await self.sources[0].source.score_batch(batch)]
+            only = self.sources[0]
+            results = await only.source.score_batch(batch)
+            if only.weight == 1.0:  # the source's own outputs are the pipeline's: no per-sample copy
+                return results if isinstance(results, list) else list(results)
+            per_source = [results]
         else:
             per_source = await asyncio.gather(*(ws.source.score_batch(batch) for ws in self.sources))
         single = len(self.sources) == 1

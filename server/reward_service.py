@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from grpc import aio
 
 from client.tensors import duration_seconds, ids_from
-from reward_engine.batcher import Scored
+from reward_engine.batcher import Scored, Ticket
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from reward_engine.types import RewardInput
@@ -81,6 +81,7 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
     )
 
 
+_RESULT = reward_pb2.RewardResult
 _END = object()  # the client half-closed the stream
 _DRAIN = object()  # the server is draining: finish what is in flight, then end the stream
 
@@ -110,21 +111,28 @@ class _Outbox:
 
 
 class _Flight:
-    """A sample between arrival and result: who asked (its stream's outbox) and its queued batcher future."""
+    """A sample between arrival and result: who asked (its stream's outbox) and its batcher ticket."""
 
-    __slots__ = ("arrival_ns", "arrived", "deliver", "future", "owner", "parent", "reward", "sid")
+    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid", "ticket")
 
     def __init__(
-        self, sid: str, reward: str, deliver: Callable[[reward_pb2.RewardResult], None], owner: object, parent: Any
+        self,
+        sid: str,
+        reward: str,
+        deliver: Callable[[reward_pb2.RewardResult], None],
+        owner: object,
+        parent: Any,
+        arrived: float,
+        arrival_ns: int,
     ) -> None:
         self.sid = sid
         self.reward = reward
         self.deliver = deliver
         self.owner = owner  # the stream (or ScoreBatch call) it came on
-        self.arrived = time.monotonic()
-        self.arrival_ns = time.time_ns()
+        self.arrived = arrived
+        self.arrival_ns = arrival_ns
         self.parent = parent
-        self.future: asyncio.Future[Scored] | None = None
+        self.ticket: Ticket | None = None
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -176,13 +184,16 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         deliver: Callable[[reward_pb2.RewardResult], None],
         owner: object,
         refused: BaseException | None = None,
+        arrived: tuple[float, int] | None = None,
     ) -> None:
         """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens.
-        ``refused``: answer the sample with this error without looking at it (its message was over a limit)."""
+        ``refused``: answer the sample with this error without looking at it (its message was over a limit).
+        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items."""
         # This sample's timeline in the flight recorder (None when tracing is off), carried through its batch.
         parent = self.telemetry.begin(trace_context)
         sid = sample.sample_id
-        f = _Flight(sid, reward, deliver, owner, parent)
+        mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
+        f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
         try:
             if refused is not None:
                 raise refused
@@ -201,46 +212,45 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 self._cancel(earlier, f"sample '{sid}' was sent again on another stream (a retry)")
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer, self.limits)
-            deadline = f.arrived + timeout_s if timeout_s is not None else None
-            f.future = pipeline.enqueue(inp, deadline=deadline, context=parent)
+            deadline = mono + timeout_s if timeout_s is not None else None
+            # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
+            f.ticket = pipeline.batcher.put(inp, self._settle, f, deadline=deadline, context=parent, now=mono)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
             return
         self._in_flight[sid] = f
-        f.future.add_done_callback(lambda fut: self._settle(f, fut))
 
-    def _settle(self, f: _Flight, fut: asyncio.Future[Scored]) -> None:
-        ours = self._in_flight.get(f.sid) is f
-        if ours:
+    def _settle(self, f: _Flight, outcome: Scored | BaseException) -> None:
+        if self._in_flight.get(f.sid) is f:
             del self._in_flight[f.sid]
-        if fut.cancelled():
-            if ours:  # cancelled by something other than _cancel (which answers it itself)
-                self._finish(f, error=Cancelled(f"sample '{f.sid}' was cancelled"))
-            return
-        exc = fut.exception()
-        self._finish(f, error=exc) if exc is not None else self._finish(f, scored=fut.result())
+        if isinstance(outcome, BaseException):
+            self._finish(f, error=outcome)
+        else:
+            self._finish(f, scored=outcome)
 
     def _cancel(self, f: _Flight, why: str) -> None:
         if self._in_flight.get(f.sid) is f:
             del self._in_flight[f.sid]
-        if f.future is not None and f.future.cancel():
+        if f.ticket is not None and f.ticket.cancel():
             self._finish(f, error=Cancelled(why))
 
     def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
-        result = reward_pb2.RewardResult(sample_id=f.sid, reward=f.reward)
-        try:
-            if scored is not None:
-                result.score = scored.output.score
-                if scored.output.extras:
-                    result.extras.update(scored.output.extras)
-                result.batch_size = scored.batch_size
-                result.timing.queue = scored.queue_s
-                result.timing.compute = scored.compute_s
-        except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
-            error = exc
-        if error is not None:
-            result = reward_pb2.RewardResult(sample_id=f.sid, reward=f.reward, error=status_proto(error))
-        result.timing.total = time.monotonic() - f.arrived
+        result = None
+        if scored is not None:
+            try:  # fields by keyword, the timing submessage touched once: the cheapest way to build it
+                out = scored.output
+                result = _RESULT(sample_id=f.sid, reward=f.reward, score=out.score, batch_size=scored.batch_size)
+                if out.extras:
+                    result.extras.update(out.extras)
+                timing = result.timing
+                timing.queue = scored.queue_s
+                timing.compute = scored.compute_s
+                timing.total = time.monotonic() - f.arrived
+            except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
+                error = exc
+        if error is not None or result is None:
+            result = _RESULT(sample_id=f.sid, reward=f.reward, error=status_proto(error or Cancelled("no result")))
+            result.timing.total = time.monotonic() - f.arrived
         self.telemetry.on_result(result, f.parent, f.arrival_ns)
         f.deliver(result)
 
@@ -280,27 +290,38 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
         limit = self.max_stream_unanswered
 
-        def deliver(result: reward_pb2.RewardResult) -> None:
-            box.put(result)
-
-        def begin(req: reward_pb2.ScoreRequest, refused: BaseException | None = None) -> None:
-            nonlocal unanswered
-            unanswered += 1
-            self.held += 1
-            self._begin(req.sample, req.reward, self._timeout(req), req.trace_context, deliver, box, refused)
+        deliver = box.put
+        begin = self._begin
+        timeout = self._timeout
 
         async def read() -> None:
-            nonlocal per_message, room
+            nonlocal per_message, room, unanswered
             try:
                 async for req in request_iterator:
                     if req.max_results_per_message > 0:
                         per_message = req.max_results_per_message
-                    if req.items:
-                        refused = self._over_limit(len(req.items), "ScoreRequest.items count")
-                        for item in req.items:
-                            begin(item, refused)
+                    items = req.items
+                    if items:
+                        n = len(items)
+                        refused = self._over_limit(n, "ScoreRequest.items count")
+                        arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
+                        unanswered += n
+                        self.held += n
+                        for item in items:
+                            begin(
+                                item.sample,
+                                item.reward,
+                                timeout(item),
+                                item.trace_context,
+                                deliver,
+                                box,
+                                refused,
+                                arrived,
+                            )
                     elif req.HasField("sample"):
-                        begin(req)
+                        unanswered += 1
+                        self.held += 1
+                        begin(req.sample, req.reward, timeout(req), req.trace_context, deliver, box)
                     for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
                         f = self._in_flight.get(sid)
                         if f is not None and f.owner is box:
@@ -329,7 +350,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 items = box.items
                 while items:
                     item = items.popleft()
-                    if isinstance(item, reward_pb2.RewardResult):
+                    if item.__class__ is _RESULT:  # not isinstance: an ABC check per result
                         batch.append(item)
                     elif item is _END:
                         reader_done = True

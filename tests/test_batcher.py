@@ -214,3 +214,37 @@ def test_config_validation_names_the_knob() -> None:
         BatcherConfig(max_batch_size=0)
     with pytest.raises(ValueError, match="max_queue_size"):
         BatcherConfig(max_queue_size=0)
+
+
+async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> None:
+    """put(): no future per sample; the sink gets each outcome once, after the batch listener saw the batch
+    (a sink may export spans that link to it); a cancelled ticket gets nothing; expiry reaches the sink."""
+    events: list[object] = []
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = DynamicBatcher(
+        rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0), on_batch=lambda i: events.append(i.sample_ids)
+    )
+
+    def sink(token: object, outcome: object) -> None:
+        events.append((token, outcome if isinstance(outcome, BaseException) else outcome.batch_size))  # type: ignore[attr-defined]
+
+    first = b.put(inp("a"), sink, "tok-a")  # computes alone, held at the gate
+    await asyncio.sleep(0)
+    queued = [b.put(inp(sid), sink, f"tok-{sid}") for sid in ("b", "bad1", "c")]
+    expired = b.put(inp("late"), sink, "tok-late", deadline=time.monotonic() - 1)
+    assert queued[2].cancel() and not queued[2].cancel()  # the first cancel drops it, a second is a no-op
+    rec.gate.set()
+    deadline = time.monotonic() + 30
+    while len(events) < 6 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert first.done and expired.done
+    assert events[:2] == [["a"], ("tok-a", 1)]
+    late = [e for e in events if isinstance(e, tuple) and e[0] == "tok-late"]
+    assert len(late) == 1 and isinstance(late[0][1], DeadlineExceeded)  # dropped before compute
+    rest = [e for e in events[2:] if e not in late]
+    assert rest[0] == ["b", "bad1"]  # the batch first, then its samples
+    assert rest[1] == ("tok-b", 2)
+    assert rest[2][0] == "tok-bad1" and isinstance(rest[2][1], SourceFailed)  # type: ignore[index]
+    assert len(rest) == 3  # "c" was cancelled: never delivered, never computed
+    await b.close()

@@ -22,6 +22,8 @@ VerlScoreFn = Callable[..., Any]
 
 def _as_number(value: Any) -> float | None:
     """A float for bools, ints, floats and numpy scalars; None for anything else (str, list, ...)."""
+    if value.__class__ is float:  # the common case, before the ABC check below (slow per sample)
+        return value
     if isinstance(value, bool):
         return 1.0 if value else 0.0
     if isinstance(value, numbers.Real):
