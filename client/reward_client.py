@@ -34,18 +34,30 @@ MAX_ITEMS_PER_MESSAGE = 256  # samples coalesced into one ScoreRequest when many
 MAX_RESULTS_PER_MESSAGE = 256  # asked of the server: results that finish together share a message
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Pending:
-    request: reward_pb2.ScoreRequest
+    """One submitted sample. Its request is built only when it is written, straight into the message that
+    carries it: one copy of the sample, not one into a ScoreRequest and another into the batched message."""
+
+    sample: common_pb2.Sample
+    reward: str
+    sample_id: str
     future: asyncio.Future[reward_pb2.RewardResult]
     deadline: float  # time.monotonic() by which a result must have come (end to end, retries included)
+    timeout_ns: int | None = None  # ScoreRequest.timeout
+    trace_context: dict[str, str] | None = None
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
     stream: _TargetStream | None = None  # where it is pending now
 
-    @property
-    def sample_id(self) -> str:
-        return self.request.sample.sample_id
+    def fill(self, req: reward_pb2.ScoreRequest) -> None:
+        """Write this sample's request into `req` (an item of a message, or the message itself)."""
+        req.sample.CopyFrom(self.sample)
+        req.reward = self.reward
+        if self.trace_context:  # even an empty dict costs a Python-level map update per sample
+            req.trace_context.update(self.trace_context)
+        if self.timeout_ns is not None:
+            req.timeout.FromNanoseconds(self.timeout_ns)
 
 
 class _TargetStream(Member):
@@ -63,7 +75,7 @@ class _TargetStream(Member):
         self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
-        self._queued: collections.deque[reward_pb2.ScoreRequest] = collections.deque()
+        self._queued: collections.deque[_Pending] = collections.deque()
         self._cancels: list[str] = []
         self._wake: asyncio.Future[None] | None = None
         self._open = False  # the request stream is open (its writer waits on _wake)
@@ -89,7 +101,7 @@ class _TargetStream(Member):
             self._task = asyncio.get_running_loop().create_task(self._run())
         p.stream = self
         self.pending[p.sample_id] = p
-        self._queued.append(p.request)
+        self._queued.append(p)
         self._poke()
 
     def cancel(self, p: _Pending) -> None:
@@ -99,7 +111,7 @@ class _TargetStream(Member):
         del self.pending[p.sample_id]
         p.stream = None
         with contextlib.suppress(ValueError):
-            self._queued.remove(p.request)  # never sent: nothing to tell the server
+            self._queued.remove(p)  # never sent: nothing to tell the server
             return
         if self._open:
             self._cancels.append(p.sample_id)
@@ -114,16 +126,18 @@ class _TargetStream(Member):
                 await self._wake
                 self._wake = None
                 continue
+            msg = reward_pb2.ScoreRequest()
             if len(queued) == 1 and not self._cancels:
-                msg = queued.popleft()
+                queued.popleft().fill(msg)
             else:
-                take = min(len(queued), MAX_ITEMS_PER_MESSAGE)
-                msg = reward_pb2.ScoreRequest(items=[queued.popleft() for _ in range(take)])
+                add = msg.items.add
+                for _ in range(min(len(queued), MAX_ITEMS_PER_MESSAGE)):
+                    queued.popleft().fill(add())
                 if self._cancels:
                     msg.cancel_sample_ids.extend(self._cancels)
                     self._cancels.clear()
             if first:  # read by the server on every message; the last value set wins
-                msg = _with_results_limit(msg)
+                msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
                 first = False
             yield msg
 
@@ -176,16 +190,6 @@ class _TargetStream(Member):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.channel.close(grace=None)
-
-
-def _with_results_limit(msg: reward_pb2.ScoreRequest) -> reward_pb2.ScoreRequest:
-    if msg.items:
-        msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
-        return msg
-    # A queued single request may be a caller's object: set the limit on a copy's envelope, not on it.
-    out = reward_pb2.ScoreRequest(max_results_per_message=MAX_RESULTS_PER_MESSAGE)
-    out.MergeFrom(msg)
-    return out
 
 
 class RewardClient:
@@ -273,16 +277,20 @@ class RewardClient:
     ) -> asyncio.Future[reward_pb2.RewardResult]:
         """Send one sample now; the future resolves with its result (errors are in `result.error`).
 
-        Cancelling the future cancels the sample on the reward server. `timeout` bounds its wait in the
+        The sample is copied into the stream's next message when that is written (one copy, not two): leave
+        it unchanged until the future resolves. Cancelling the future cancels the sample on the reward server. `timeout` bounds its wait in the
         server's queue; the client's own `result_timeout_s` bounds the whole wait.
         """
-        request = reward_pb2.ScoreRequest(sample=sample, reward=reward)
-        if trace_context:  # even an empty dict costs a Python-level map update per sample
-            request.trace_context.update(trace_context)
-        if timeout is not None:
-            request.timeout.FromNanoseconds(int(timeout * 1e9))
         loop = asyncio.get_running_loop()
-        p = _Pending(request, loop.create_future(), time.monotonic() + self.result_timeout_s)
+        p = _Pending(
+            sample,
+            reward,
+            sample.sample_id,
+            loop.create_future(),
+            time.monotonic() + self.result_timeout_s,
+            None if timeout is None else int(timeout * 1e9),
+            trace_context,
+        )
         p.future.add_done_callback(lambda fut: self._on_done(p, fut))
         self._live[p] = None
         if self._sweeper is None:
@@ -325,7 +333,7 @@ class RewardClient:
         p.future.set_result(
             reward_pb2.RewardResult(
                 sample_id=p.sample_id,
-                reward=p.request.reward,
+                reward=p.reward,
                 error=common_pb2.Status(
                     code=DEADLINE_EXCEEDED,
                     message=f"no result for sample '{p.sample_id}' within {self.result_timeout_s:g}s "
@@ -382,7 +390,7 @@ class RewardClient:
                 p.future.set_result(
                     reward_pb2.RewardResult(
                         sample_id=sid,
-                        reward=p.request.reward,
+                        reward=p.reward,
                         error=common_pb2.Status(
                             code=UNAVAILABLE,
                             message=f"no reward target scored sample '{sid}' after {p.attempts} attempts: "

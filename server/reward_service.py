@@ -37,14 +37,21 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
     """Decode and validate a Sample; InvalidInput names the offending field (and the limit it is over)."""
     sid, data_source, ground_truth = sample.sample_id, sample.data_source, sample.ground_truth
     prompt_text, response_text = sample.prompt_text, sample.response_text
-    texts = (prompt_text, response_text, ground_truth, data_source)
-    if len(sid) > lim.max_sample_id_chars or max(map(len, texts)) > lim.max_text_chars:  # rare: name which
+    most = lim.max_text_chars
+    if (  # one cheap test per sample; the named checks only when something is over
+        len(sid) > lim.max_sample_id_chars
+        or len(prompt_text) > most
+        or len(response_text) > most
+        or len(ground_truth) > most
+        or len(data_source) > most
+    ):
+        texts = (prompt_text, response_text, ground_truth, data_source)
         check(len(sid), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
         for name, text in zip(("prompt_text", "response_text", "ground_truth", "data_source"), texts, strict=True):
             check(len(text), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
     prompt_ids = ids_from(sample.prompt_ids, "sample.prompt_ids")
     response_ids = ids_from(sample.response_ids, "sample.response_ids")
-    if max(prompt_ids.size, response_ids.size) > lim.max_tensor_elements:
+    if prompt_ids.size > lim.max_tensor_elements or response_ids.size > lim.max_tensor_elements:
         check(prompt_ids.size, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
         check(response_ids.size, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
     mask = None
@@ -68,16 +75,9 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
         extra = json_format.MessageToDict(sample.extra_info)
         nested = depth(extra, lim.max_extra_info_depth)
         check(nested, lim.max_extra_info_depth, "sample.extra_info nesting depth", "max_extra_info_depth")
+    # Positional (keywords cost a fifth more per sample): the order of RewardInput's fields.
     return RewardInput(
-        sample_id=sid,
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
-        prompt_text=prompt_text,
-        response_text=response_text,
-        data_source=data_source,
-        ground_truth=ground_truth,
-        extra_info=extra,
-        response_mask=mask,
+        sid, prompt_ids, response_ids, prompt_text, response_text, data_source, ground_truth, extra, mask
     )
 
 

@@ -39,6 +39,8 @@ def to_output(value: Any, what: str = "reward function") -> RewardOutput:
     aggregate numbers. A NaN or infinite score is rejected: one would poison the training batch.
     ``what`` names the producer (e.g. "rule 'gsm8k'") in error messages.
     """
+    if value.__class__ is float and value - value == 0.0:  # a finite float: most rules, every sample
+        return RewardOutput(value, {})
     if isinstance(value, dict):
         if "score" not in value:
             keys = ", ".join(repr(k) for k in list(value)[:8])
