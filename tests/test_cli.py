@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 from demo.server_process import ServerProcess
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import FNS, sample
+from tests.support.waiting import wait_until
 
 CLI = [sys.executable, "-m", "server.cli"]
 
@@ -51,10 +51,10 @@ def test_serve_reward_process_scores_and_drains_on_sigterm(tmp_path: Path) -> No
         port = server.start(timeout_s=60)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
-            pending = stub.ScoreBatch.future(
-                reward_pb2.ScoreBatchRequest(reward="sleepy", samples=[sample("slow", "abc", delay=1.0)])
-            )
-            time.sleep(0.3)
+            started = tmp_path / "scoring"
+            slow = sample("slow", "abc", delay=2.0, started_file=str(started))
+            pending = stub.ScoreBatch.future(reward_pb2.ScoreBatchRequest(reward="sleepy", samples=[slow]))
+            wait_until(started.exists, "the server is scoring the sample")
             server.signal(signal.SIGTERM)  # the in-flight sample must still be answered
             (result,) = pending.result(timeout=30).results
         assert not result.HasField("error") and result.score == 3.0

@@ -45,7 +45,7 @@ def sampled(backend: HFBackend, text: str, seed: int | None, max_tokens: int = 3
     return GenerationRequest(prompt_ids=ids(backend, text), max_tokens=max_tokens, temperature=1.0, seed=seed, **kw)
 
 
-async def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:  # generous: the machine may be loaded
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"

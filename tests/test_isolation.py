@@ -7,9 +7,9 @@ rule (math-verify), an answer that keeps sympy busy for hours: ``\\boxed{9^{9^{9
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -23,6 +23,7 @@ from reward_engine.sources.rules import RuleSource
 from reward_engine.types import RewardInput, RewardOutput
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import sample
+from tests.support.waiting import wait_until
 from tests.test_cli import CLI
 
 HOSTILE = r"The answer is \boxed{9^{9^{9}}}"
@@ -40,6 +41,26 @@ def _children(pid: int) -> set[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.add(int(entry.name))
     return found
+
+
+def _cpu_s(pids: set[int]) -> float:
+    """CPU seconds the processes have used (utime + stime from /proc)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_busy(server_pid: int, what: str) -> None:
+    """Until the server's worker processes burn CPU on the hostile sample: it is being scored, not in transit
+    (a fixed sleep proves neither on a loaded machine, and a sample that has not arrived before a SIGTERM
+    would be refused as draining)."""
+    base = _cpu_s(_children(server_pid))
+    wait_until(lambda: _cpu_s(_children(server_pid)) > base + 0.2, what)
 
 
 def _cmdline(pid: int) -> str:
@@ -62,7 +83,7 @@ def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     grace_s = 30
-    monkeypatch.setenv("REWARDMESH_RULE_TIMEOUT_S", "3")
+    monkeypatch.setenv("REWARDMESH_RULE_TIMEOUT_S", "5")  # the bystander's margin on a loaded machine
     monkeypatch.setenv("REWARDMESH_GRACE_S", str(grace_s))
     server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1"], tmp_path)
     try:
@@ -75,7 +96,7 @@ def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within
             hostile = stub.ScoreBatch.future(
                 reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("hostile", HOSTILE)]), timeout=60
             )
-            time.sleep(0.5)  # the hostile sample is being scored now
+            _wait_busy(server.pid, "the hostile sample is being scored")
             bystander = stub.ScoreBatch(
                 reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("bystander", "#### 4")]), timeout=20
             )
@@ -84,7 +105,7 @@ def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within
             assert not hostile.done()
             (result,) = hostile.result().results
             assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-            assert "rule 'math' timed out after 3s" in result.error.message
+            assert "rule 'math' timed out after 5s" in result.error.message
             # The server goes on: the next math sample gets a fresh worker.
             again = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("a", r"\boxed{4}")]))
             assert again.results[0].score == 1.0
@@ -95,14 +116,14 @@ def test_hostile_math_answer_does_not_delay_a_bystander_and_sigterm_exits_within
             pending = stub.ScoreBatch.future(
                 reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("hostile-2", HOSTILE)]), timeout=60
             )
-            time.sleep(0.5)
+            _wait_busy(server.pid, "the second hostile sample is being scored")
             server.signal(signal.SIGTERM)
             (late,) = pending.result().results
             assert late.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         assert server.proc is not None and server.proc.wait(timeout=grace_s) == 0
-        deadline = time.monotonic() + 10  # the orphans' exit is asynchronous to ours
-        while [pid for pid in workers if _alive(pid)] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # the orphans' exit is asynchronous to ours
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not [pid for pid in workers if _alive(pid)], "the workers exit", timeout_s=30)
         left = {pid: _cmdline(pid) for pid in workers if _alive(pid)}
         assert not left, f"processes outlived the server: {left}"
     finally:

@@ -128,10 +128,11 @@ async def test_requests_per_minute_is_respected() -> None:
         finally:
             await source.close()
     assert all(isinstance(r, RewardOutput) for r in results)
-    arrivals = sorted(r.arrived for r in server.requests)
+    # The tenth request's slot is 0.9 s after the first: a lower bound, safe on a loaded machine (the gap
+    # between arrivals is not: a late first arrival shrinks it). The upper bound only catches a stall.
+    assert len(server.requests) == 10
     assert elapsed >= 0.88
-    assert arrivals[-1] - arrivals[0] >= 0.85
-    assert elapsed < 3.0
+    assert elapsed < 20.0
 
 
 async def test_rate_limiter_spacing_under_concurrency() -> None:
@@ -169,7 +170,7 @@ async def test_timeout_is_deadline_exceeded_for_that_sample_only() -> None:
     assert isinstance(results[0], DeadlineExceeded) and "0.3s" in str(results[0])
     assert results[1] == judged(0.4, 4.0)
     assert len(server.requests) == 2  # a timeout is not retried
-    assert elapsed < 2.0
+    assert elapsed < 20.0  # the slow reply (30 s) was not waited for
 
 
 async def test_http_error_is_source_failed_and_not_retried() -> None:
@@ -317,13 +318,13 @@ async def test_circuit_breaker_fails_samples_fast_during_an_outage_and_recovers(
 
 async def test_circuit_breaker_half_open_probe_closes_it_when_the_judge_is_back() -> None:
     async with FakeOpenAI(reply=Reply(status=503, raw_body="overloaded")) as server:
-        source = judge(server.url, breaker_failures=2, breaker_open_s=0.3, max_concurrency=1)
+        source = judge(server.url, breaker_failures=2, breaker_open_s=1.0, max_concurrency=1)
         try:
             first = await source.score_batch([sample("a"), sample("b"), sample("c")])
             assert [type(r) for r in first] == [SourceFailed, SourceFailed, DependencyFailed]
             assert len(server.requests) == 2
             server.reply = "Score: 8"
-            await asyncio.sleep(0.35)
+            await asyncio.sleep(1.05)  # a lower bound: the breaker is half-open after at least this long
             assert await source.score_batch([sample("d")]) == [judged(0.8, 8.0)]  # the probe
             assert await source.score_batch([sample("e")]) == [judged(0.8, 8.0)]  # closed again
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -285,8 +285,12 @@ async def test_forward_runs_off_the_event_loop(
     src = source("rm-slow", tiny_models.reward_model)
     real_forward = src._forward
 
+    ticked = threading.Event()
+
     def slow_forward(seqs: list[np.ndarray]) -> list[float]:
-        time.sleep(0.3)  # a long forward pass, blocking whatever thread runs it
+        # A long forward pass, blocking whatever thread runs it until the event loop has ticked 10 times:
+        # on the loop's own thread that never happens (no fixed sleep: a loaded machine ticks slowly).
+        ticked.wait(30)
         return real_forward(seqs)
 
     monkeypatch.setattr(src, "_forward", slow_forward)
@@ -297,6 +301,8 @@ async def test_forward_runs_off_the_event_loop(
         while True:
             await asyncio.sleep(0.01)
             ticks += 1
+            if ticks >= 10:
+                ticked.set()
 
     task = asyncio.create_task(ticker())
     try:

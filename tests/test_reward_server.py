@@ -18,6 +18,7 @@ from reward_engine.sources.reward_model import ModelSource
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import load_tokenizer
 from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
+from tests.support.waiting import eventually
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -195,7 +196,7 @@ async def test_drain_finishes_in_flight_refuses_new_and_reports_not_serving() ->
         call = stub.Score()
         for i in range(3):
             await call.write(req(sample(f"inflight{i}", delay=0.4), "sleepy"))
-        await asyncio.sleep(0.1)
+        await eventually(lambda: server.servicer.in_flight == 3, "the server holds the three samples")
         stopping = asyncio.create_task(server.stop(grace=5))
         await asyncio.sleep(0.05)
         async with aio.insecure_channel(server.address) as ch:

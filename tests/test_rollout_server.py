@@ -19,6 +19,7 @@ from rewardmesh.v1 import common_pb2, rollout_pb2
 from server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ async def test_reward_target_killed_mid_stream_is_rerouted(tok: Any) -> None:
                 p.extra_info.update({"delay": 0.5})
 
             async def kill_a() -> None:
-                await asyncio.sleep(0.3)  # samples are in a's queue by now
+                await eventually(lambda: a.servicer.in_flight > 0, "samples in a's queue")
                 await a.grpc.server.stop(0)
 
             killer = asyncio.create_task(kill_a())
@@ -189,10 +190,7 @@ async def test_client_cancel_aborts_in_flight_generations(tok: Any) -> None:
         assert first.sample.group_id == "quick"
         assert backend.running == 4
         call.cancel()
-        for _ in range(100):
-            if backend.running == 0:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: backend.running == 0, "the cancelled generations are aborted")
         info = await stub.GetInfo(rollout_pb2.GetInfoRequest())
     assert backend.running == 0 and backend.cancelled == 4
     assert info.load.running_samples == 0 and info.load.active_requests == 0

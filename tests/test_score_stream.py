@@ -188,13 +188,14 @@ async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_t
     from client.reward_client import RewardClient
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
-        async with RewardClient(server.address, result_timeout_s=0.3) as client:
+        # 1.5 s: quick's margin on a loaded machine, and before the source's own 2 s timeout.
+        async with RewardClient(server.address, result_timeout_s=1.5) as client:
             slow = client.submit(sample("stuck", delay=30), "sleepy")
             fast = client.submit(sample("quick", delay=0), "sleepy")
             stuck, quick = await asyncio.wait_for(asyncio.gather(slow, fast), 10)
             while server.servicer.in_flight:  # the client told the server to drop it
                 await asyncio.sleep(0.01)
-    assert CODE[stuck.error.code] == grpc.StatusCode.DEADLINE_EXCEEDED and "within 0.3s" in stuck.error.message
+    assert CODE[stuck.error.code] == grpc.StatusCode.DEADLINE_EXCEEDED and "within 1.5s" in stuck.error.message
     assert not quick.HasField("error")
 
 

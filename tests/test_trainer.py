@@ -17,6 +17,7 @@ from demo.tiny_models import TinyModelPaths
 from server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
+from tests.support.waiting import eventually
 
 
 def scored(sid: str, group: str, prompt: list[int], response: list[int], score: float, **timing: float) -> ScoredSample:
@@ -122,7 +123,8 @@ async def test_minibatches_hold_only_complete_groups_and_come_early(tok: Any) ->
     async with reward_server() as rs, rollout_server(ScriptedBackend(tok, wait_script), [rs.address]) as r1:
         async with TrainerClient([r1.address], reward="gsm8k") as client:
             got = []
-            async for mb in client.stream_minibatches(prompts(tok, 6, 0.15), n=3, minibatch_size=6):
+            # Groups wait 0, 0.5 and 1 s: the spread dwarfs the overhead a loaded machine adds to every group.
+            async for mb in client.stream_minibatches(prompts(tok, 6, 0.5), n=3, minibatch_size=6):
                 got.append((mb, mb.metrics["timing_s/gen"]))
     assert [len(mb) for mb, _ in got] == [6, 6, 6]
     for mb, _ in got:
@@ -130,6 +132,7 @@ async def test_minibatches_hold_only_complete_groups_and_come_early(tok: Any) ->
         for g in mb.group_ids:
             groups[g] = groups.get(g, 0) + 1
         assert set(groups.values()) == {3}  # whole groups only
+    assert got[-1][1] >= 1.0  # the slowest groups waited 1 s (a lower bound)
     assert got[0][1] < got[-1][1] - 0.1  # the first mini-batch was ready well before the slowest sample
 
 
@@ -143,8 +146,14 @@ async def test_one_step_off_policy_starts_the_next_step_before_handing_out_this_
                 # step k+1's groups are already running when step k is handed out ...
                 assert client.groups_started == min(handed + 2, 4) * 2
                 assert all(s.policy_version >= client.policy_version - 1 for s in batch.samples)
-                await asyncio.sleep(0.2)  # ... so while the trainer trains, they reach the rollout server
-                assert len(backend.requests) == min(handed + 2, 4) * 4
+                # ... so while the trainer trains, they reach the rollout server
+                expected = min(handed + 2, 4) * 4
+
+                def arrived(n: int = expected) -> bool:
+                    return len(backend.requests) >= n
+
+                await eventually(arrived, "the next step's requests arrive")
+                assert len(backend.requests) == expected
                 handed += 1
                 await client.update_weights({"w": torch.full((2, 2), float(handed))})
     assert handed == 4 and client.dropped_stale_samples == 0
@@ -182,8 +191,8 @@ async def test_rollout_server_killed_mid_step_loses_nothing(tok: Any) -> None:
             rollout_server(ScriptedBackend(tok, wait_script), [rs.address]) as r2:  # fmt: skip
         async with TrainerClient([r1.address, r2.address], reward="gsm8k", retry_backoff_s=0.05) as client:
 
-            async def kill() -> None:
-                await asyncio.sleep(0.15)
+            async def kill() -> None:  # while r1 is generating: its samples must be sent again elsewhere
+                await eventually(lambda: r1.worker.running_samples > 0, "r1 is generating")
                 await r1.grpc.server.stop(0)
 
             killer = asyncio.create_task(kill())

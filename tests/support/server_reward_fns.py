@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 
 async def sleepy(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> dict:
-    """Sleeps extra_info['delay'] seconds (a slow remote checker), then scores the response length."""
-    delay = float((extra_info or {}).get("delay", 0.0))
+    """Sleeps extra_info['delay'] seconds (a slow remote checker), then scores the response length. With
+    extra_info['started_file'], it first creates that file: a test in another process sees it is scoring."""
+    extra = extra_info or {}
+    delay = float(extra.get("delay", 0.0))
+    if extra.get("started_file"):
+        os.close(os.open(str(extra["started_file"]), os.O_CREAT | os.O_WRONLY))  # a tiny local write
     await asyncio.sleep(delay)
     return {"score": float(len(solution_str)), "delay": delay}
 

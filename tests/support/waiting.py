@@ -1,0 +1,24 @@
+"""Waiting for an eventual condition with a generous deadline, never sleeping a fixed time and hoping: the
+test machine may be loaded many times over, so a fixed sleep that suffices on an idle one proves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+async def eventually(condition: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition` on the event loop until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g}s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """`eventually` for synchronous tests (a condition another process or thread settles)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g}s: {what}"
+        time.sleep(0.02)
