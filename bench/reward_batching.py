@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the default tiny reward model is built and reused",
     )
     model.add_argument("--device", default="auto", help="reward model device, for (a) and the server: auto, cpu, cuda")
+    model.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of (a) and of the reward server (OMP_NUM_THREADS); 0: torch's default",
+    )
 
     load = p.add_argument_group("batching benchmark")
     load.add_argument("--samples", type=int, default=1536, help="samples N in (a) and (b)")
@@ -338,6 +344,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from reward_engine.sources.reward_model import ModelSource
 
     t_start = time.perf_counter()
+    if args.torch_threads > 0:  # the same for (a) in this process and for the server it starts
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     show = not args.no_progress
     bs = args.max_batch_size
     concurrency = args.concurrency or 4 * bs

@@ -19,12 +19,14 @@ log = logging.getLogger(__name__)
 # gain nothing from batching and a batch releases its results together, so one slow call would hold
 # back its batch-mates: they run one sample per "batch", many at once (the judge's own
 # max_concurrency and the process pool bound the real parallelism). A model waits a moment for a
-# fuller batch and computes one batch at a time while the next forms.
+# fuller batch.
 KIND_BATCHING: dict[str, BatcherConfig] = {
     "rule": BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
     "function": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=16),
     "judge": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
-    "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=1),
+    # Two model batches in flight: the second is staged (built, padded, copied) while the first computes; the
+    # forward passes themselves take turns on the model's lock.
+    "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
 }
 SOURCE_TYPES = ("rule", "function", "model", "judge")
 

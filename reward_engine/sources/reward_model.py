@@ -16,6 +16,13 @@ Sequences longer than ``max_length`` (capped by the model's ``max_position_embed
 ``max_length`` tokens: the score is read at the final token, so the end of the response must survive and the
 start of the prompt is what gets dropped.
 
+Serving (issue 16): a batch is grouped by length into at most ``length_buckets`` forward passes when that cuts
+the padded tokens by a fifth or more; each pass is staged (padded, and on CUDA pinned and copied
+non-blocking on a copy stream) before the model lock is taken, so with the pipeline's two batches in flight
+(the ``model`` kind's default) the next batch is assembled while this one computes. ``torch_compile: true``
+wraps the forward in ``torch.compile(dynamic=True, backend=compile_backend)``; off by default (the first
+batch of each shape class compiles, seconds to minutes).
+
 The batch is right-padded with an attention mask, and each row's score is the classifier logit at that row's
 last real token (found from its length, not from pad ids, so a sequence that contains the pad token is still
 scored at its true end). A sample's score therefore does not depend on its batch-mates.
@@ -59,6 +66,9 @@ class ModelSource:
         policy_tokenizer: str | None = None,
         retokenize: str = "auto",
         score_index: int = 0,
+        length_buckets: int = 4,
+        torch_compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         self.name = name
         self.target = str(path)
@@ -66,6 +76,9 @@ class ModelSource:
             raise ValueError(f"reward model {name!r}: retokenize must be one of {_RETOKENIZE}, not {retokenize!r}")
         if max_length < 1:
             raise ValueError(f"reward model {name!r}: max_length must be >= 1, not {max_length}")
+        if length_buckets < 1:
+            raise ValueError(f"reward model {name!r}: length_buckets must be >= 1, not {length_buckets}")
+        self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
 
@@ -101,6 +114,14 @@ class ModelSource:
         backbone = getattr(model, model.base_model_prefix, None)
         self._head: torch.nn.Module | None = head if isinstance(head, torch.nn.Linear) else None
         self._backbone: torch.nn.Module | None = backbone if isinstance(backbone, torch.nn.Module) else None
+        self.torch_compile = bool(torch_compile)
+        self._forward_fn: Any = self._backbone if self._head is not None and self._backbone is not None else model
+        if self.torch_compile:
+            # Compiled lazily on the first forward (and again per new shape class): warmup() pays for the first.
+            # dynamic=True: batch size and width change from batch to batch.
+            self._forward_fn = torch.compile(self._forward_fn, dynamic=True, backend=compile_backend)
+        # On CUDA, batch k+1's host-to-device copies run on their own stream while batch k computes.
+        self._copy_stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
         self.policy_tokenizer: PreTrainedTokenizerBase | None = (
             _load_tokenizer(policy_tokenizer, f"reward model {name!r} policy_tokenizer") if policy_tokenizer else None
@@ -125,6 +146,12 @@ class ModelSource:
             self.max_length,
             "re-tokenizes text" if self.retokenizes else "scores policy token ids",
         )
+        if self.torch_compile:
+            logger.info(
+                "reward model %r: torch.compile on, backend %s (the first batch of each shape class compiles)",
+                name,
+                compile_backend,
+            )
 
     # ------------------------------------------------------------------------------------------ scoring
 
@@ -157,7 +184,7 @@ class ModelSource:
 
     def _close_sync(self) -> None:
         with self._lock:
-            self._model = self._head = self._backbone = None
+            self._model = self._head = self._backbone = self._forward_fn = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -265,29 +292,99 @@ class ModelSource:
         return ids.astype(np.int64, copy=False)
 
     def _forward(self, seqs: list[np.ndarray]) -> list[float]:
+        """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), each
+        staged (padded, pinned, copied) before the model lock is taken, so with two batches in flight one is
+        assembled while the other computes."""
         lengths = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))
-        width = int(lengths.max())
-        input_ids = np.full((len(seqs), width), self.pad_token_id, dtype=np.int64)
-        attention_mask = np.zeros((len(seqs), width), dtype=np.int64)
+        scores = np.zeros(len(seqs), dtype=np.float64)
+        for rows in length_buckets(lengths, self.length_buckets):
+            staged = self._stage([seqs[r] for r in rows], lengths[rows])
+            scores[rows] = self._run(staged)
+        return scores.tolist()
+
+    def _stage(self, seqs: list[np.ndarray], lengths: np.ndarray) -> _Staged:
+        """One padded batch on the model's device. On CUDA the host buffers are pinned and the copies are
+        non-blocking on a copy stream; the forward waits for them on an event, not on the host."""
+        rows, width = len(seqs), int(lengths.max())
+        pinned = self._copy_stream is not None
+        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.int64, pin_memory=pinned)
+        mask = torch.zeros((rows, width), dtype=torch.int64, pin_memory=pinned)
+        last = torch.from_numpy(lengths - 1)
+        ids_np, mask_np = ids.numpy(), mask.numpy()
         for row, s in enumerate(seqs):
-            input_ids[row, : s.size] = s
-            attention_mask[row, : s.size] = 1
-        ids_t = torch.from_numpy(input_ids).to(self.device)
-        mask_t = torch.from_numpy(attention_mask).to(self.device)
-        last = torch.from_numpy(lengths - 1).to(self.device)
+            ids_np[row, : s.size] = s
+            mask_np[row, : s.size] = 1
+        if not pinned:
+            return _Staged(ids.to(self.device), mask.to(self.device), last.to(self.device), None, ())
+        last = last.pin_memory()
+        with torch.cuda.stream(self._copy_stream):
+            on_device = [t.to(self.device, non_blocking=True) for t in (ids, mask, last)]
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        # The pinned host buffers must outlive their asynchronous copies: the staged batch holds them.
+        return _Staged(on_device[0], on_device[1], on_device[2], ready, (ids, mask, last))
+
+    def _run(self, staged: _Staged) -> np.ndarray:
         with self._lock, torch.inference_mode():  # inference_mode is per thread: it must be set here
-            model = self._model
-            if model is None:
+            forward = self._forward_fn
+            if self._model is None or forward is None:
                 raise Unavailable(f"reward model {self.name!r} is closed")
+            ids_t, mask_t, last = staged.ids, staged.mask, staged.last
+            if staged.ready is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(staged.ready)
+                for t in (ids_t, mask_t, last):
+                    t.record_stream(current)  # their memory is not reused before this stream is done with them
             if self._head is not None and self._backbone is not None:
-                out: Any = self._backbone(input_ids=ids_t, attention_mask=mask_t, use_cache=False)
+                out: Any = forward(input_ids=ids_t, attention_mask=mask_t, use_cache=False)
                 hidden = out[0]  # last_hidden_state, [batch, width, hidden]
-                rows = torch.arange(len(seqs), device=self.device)
+                rows = torch.arange(ids_t.shape[0], device=self.device)
                 logits = self._head(hidden[rows, last])
             else:
-                logits = model(input_ids=ids_t, attention_mask=mask_t).logits
-            scores: list[float] = logits[:, self.score_index].float().cpu().tolist()
-        return scores
+                logits = forward(input_ids=ids_t, attention_mask=mask_t).logits
+            return logits[:, self.score_index].float().cpu().numpy().astype(np.float64)
+
+
+class _Staged:
+    """A padded batch on the model's device, ready for the forward pass."""
+
+    __slots__ = ("hold", "ids", "last", "mask", "ready")
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, ready: Any, hold: tuple) -> None:
+        self.ids, self.mask, self.last, self.ready, self.hold = ids, mask, last, ready, hold
+
+
+def length_buckets(
+    lengths: np.ndarray, max_buckets: int, *, min_saving: float = 0.2, min_rows: int = 4
+) -> list[np.ndarray]:
+    """Row indices grouped by length into at most `max_buckets` forward passes.
+
+    Starting from one group of all rows (sorted by length), a group is split in two at the point that saves the
+    most padded tokens (rows x longest row), as long as that saves at least `min_saving` of the batch's padded
+    tokens and leaves `min_rows` rows on each side: a forward pass has a fixed cost (kernel launches on a GPU),
+    so a batch of similar lengths stays one pass. Scores do not depend on the grouping (see `_forward`).
+    """
+    order = np.argsort(lengths, kind="stable")
+    groups = [order]
+    while len(groups) < max_buckets:
+        padded = sum(len(g) * int(lengths[g[-1]]) for g in groups)
+        best: tuple[int, int, int] | None = None  # (saving, group, split)
+        for gi, g in enumerate(groups):
+            n = len(g)
+            if n < 2 * min_rows:
+                continue
+            ls = lengths[g]
+            k = np.arange(min_rows, n - min_rows + 1)
+            saving = (k * (int(ls[-1]) - ls[k - 1])).astype(np.int64)  # the first k rows padded to ls[k-1]
+            at = int(np.argmax(saving))
+            if best is None or int(saving[at]) > best[0]:
+                best = (int(saving[at]), gi, int(k[at]))
+        if best is None or best[0] < min_saving * padded:
+            break
+        _, gi, cut = best
+        g = groups.pop(gi)
+        groups[gi:gi] = [g[:cut], g[cut:]]
+    return groups
 
 
 def _ids(ids: np.ndarray, field: str) -> np.ndarray:
