@@ -279,8 +279,8 @@ class RewardClient:
 
         The sample is copied into the stream's next message when that is written (one copy, not two): leave
         it unchanged until the future resolves. Cancelling the future cancels the sample on the reward
-        server. `timeout` bounds its wait in the
-        server's queue; the client's own `result_timeout_s` bounds the whole wait.
+        server. `timeout` bounds its wait in the server's queue; the client's own `result_timeout_s` bounds
+        the whole wait.
         """
         loop = asyncio.get_running_loop()
         p = _Pending(
