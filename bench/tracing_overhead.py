@@ -1,34 +1,36 @@
-"""What telemetry costs the reward service: throughput and CPU with telemetry off, default, sampled and all on.
+"""What telemetry costs a reward server: its CPU per sample and throughput with telemetry off, default, sampled, all.
 
-    python -m bench.tracing_overhead [--samples 6000 --repeats 5] [--reward-model]
+    python -m bench.tracing_overhead [--samples 6000 --repeats 5] [--reward-model] [--profile DIR]
 
-OpenTelemetry's providers are global and installed once per process, so every measurement runs in a fresh
-subprocess of this module (`--child`), modes interleaved (off, default, ratio, all, all, ratio, ...), medians
-reported.
+Each run starts its own reward server process (`--serve`) with that mode's OTEL_* environment: the
+OpenTelemetry providers are global and installed once per process. Modes are interleaved (off, default,
+ratio, all, all, ratio, ...); medians are reported.
 
-The workload, identical in every mode: a reward server (built-in `gsm8k` rule pipeline: dynamic batches of up
-to 256, 4 in flight; or with --reward-model a 4-layer, 256-wide reward model in batches of up to 32) and a
-RewardClient in the same process; the client keeps --concurrency samples in flight on its one long-lived Score
-stream and plays the rollout server's part with the rollout server's own code (`RolloutTelemetry`): each
-sample's ids drawn up front, its `reward` phase recorded, its traceparent sent with it. Every --step-size
-finished samples make a "step": its slowest --keep-slowest samples are kept (locally and with a KeepTraces
-call to the reward server), as a trainer does when a step ends. Samples carry 64 prompt and 128 response
-token ids plus texts.
+The workload, identical in every mode: the reward server (built-in `gsm8k` rule pipeline: dynamic batches of
+up to 256, 4 in flight; or with --reward-model a 4-layer, 256-wide reward model in batches of up to 32, torch
+--torch-threads threads) and, in this process, a RewardClient keeping --concurrency samples in flight on one
+long-lived Score stream. The client sends what a rollout server sends: each sample's traceparent (its prompt
+group's trace, the reward span's id drawn up front, the group's head-sampling decision in the flags; none with
+telemetry off) and every --step-size results a KeepTraces call naming the step's slowest --keep-slowest
+samples, as the trainer does when a step ends. The client is plain string work, so what is measured is the
+reward server. Samples carry 64 prompt and 128 response token ids plus texts.
 
   off:     OTEL_* unset: the API's no-op tracer and meter, no interceptors, no flight recorder.
   default: setup_telemetry() as a deployment gets it with exporters configured: a TracerProvider with a
            BatchSpanProcessor writing OTLP JSON lines to a temp file (real serialization and I/O), the gRPC
            OTel interceptors, a MeterProvider whose PeriodicExportingMetricReader exports every second (console
            exporter to a file), every sample's timings in the metrics, span trees for the kept samples (the
-           step's slowest, the failed, and the default random fraction of 1%).
-  ratio:   default with OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG=--sampled-ratio.
+           step's slowest, the failed, and the default head-sampling fraction of 1% of groups).
+  ratio:   default with head sampling at --sampled-ratio.
   all:     every sample's tree exported (ratio 1.0).
 
-Throughput = samples / time from the first submit to the last result (spans still queued are flushed after
-the clock stops; the table says how long that took and whether the span queue dropped anything). On a shared
-machine throughput swings with other work, so the table also gives CPU time per sample (process time: the
-event loop and the exporter threads) and its ratio, off's CPU / the mode's CPU, which is the throughput ratio
-a saturated, CPU-bound reward server sees. Targets: default/off >= 0.9, all/off >= 0.6.
+Measured in the server process between two marks around the --samples after --warmup (a full garbage
+collection first, so the one that start-up's imports make due does not land in one mode's window): CPU time
+per sample (time.process_time: the event loop, gRPC and the exporter threads; the table also gives the
+exporter threads' part), spans exported per sample. Throughput = samples / time from the first submit to the
+last result at the client. On a shared machine throughput swings with other work; CPU per sample much less,
+and off's CPU / the mode's CPU is the throughput ratio a saturated, CPU-bound reward server sees, so the
+targets apply to it: default/off >= 0.9, all/off >= 0.6.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -79,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-model", action="store_true",
                    help="score with a 4-layer, 256-wide reward model instead of the rule")  # fmt: skip
     p.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--torch-threads", type=int, default=1, help="the reward server's torch intra-op threads")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile each mode's reward server over its measured window into DIR/<mode>.prof")  # fmt: skip
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, default="off", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=None, help=argparse.SUPPRESS)
     return p
@@ -119,33 +125,38 @@ async def drive(
     concurrency: int,
     pipeline: str = PIPELINE,
     *,
+    head_ratio: float | None = None,
     step_size: int = 256,
     keep_slowest: int = 4,
 ) -> tuple[float, int]:
-    """Keep `concurrency` samples in flight, traced as a rollout server traces them; returns (seconds, errors)."""
-    from server.rollout_telemetry import RolloutTelemetry
+    """Keep `concurrency` samples in flight as a rollout server sends them; returns (seconds, errors).
 
-    traces = RolloutTelemetry()
+    `head_ratio` None: no trace context (telemetry off). Otherwise each sample carries the traceparent a
+    rollout server sends (its group's trace id, the reward span's id drawn up front, the group's head-sampling
+    decision in the flags), and every `step_size` results the step's slowest `keep_slowest` are named in a
+    KeepTraces call, as the trainer does when a step ends. Plain string work: the load generator's own
+    telemetry is not what is measured.
+    """
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(concurrency)
     done = loop.create_future()
     state = {"left": len(samples), "errors": 0}
     step: list[tuple[float, str]] = []
     keeping: list[asyncio.Task[Any]] = []
+    rng = random.Random(1234)
 
     def end_step() -> None:
         ids = [sid for _, sid in sorted(step, reverse=True)[:keep_slowest]]
         step.clear()
-        if ids and keep_slowest:
-            traces.keep(ids)  # this "rollout server"'s part, then the reward server's
+        if ids and keep_slowest and head_ratio is not None:
             keeping.append(loop.create_task(client.keep_traces(ids)))
 
-    def finished(st: Any, sid: str, fut: asyncio.Future[Any]) -> None:
+    def finished(sid: str, fut: asyncio.Future[Any]) -> None:
         result = fut.result()
         if result.HasField("error"):
             state["errors"] += 1
-        st.reward_done(result)
-        traces.finish(st)
         slots.release()
         state["left"] -= 1
         step.append((result.timing.total, sid))
@@ -154,13 +165,18 @@ async def drive(
         if state["left"] == 0 and not done.done():
             done.set_result(None)
 
+    group_trace, sampled = 0, False
     started = time.perf_counter()
-    for sample in samples:
+    for i, sample in enumerate(samples):
         await slots.acquire()
         sid = sample.sample_id
-        st = traces.begin(sid, {"rewardmesh.sample_id": sid})
-        fut = client.submit(sample, pipeline, trace_context=st.reward_context(pipeline))
-        fut.add_done_callback(lambda f, st=st, sid=sid: finished(st, sid, f))
+        ctx = None
+        if head_ratio is not None:
+            if i % 8 == 0:  # a prompt group of 8: one trace, one head-sampling decision
+                group_trace, sampled = new_trace_id(), rng.random() < head_ratio
+            ctx = {"traceparent": traceparent(group_trace, new_span_id(), sampled)}
+        fut = client.submit(sample, pipeline, trace_context=ctx)
+        fut.add_done_callback(lambda f, sid=sid: finished(sid, f))
     if samples:
         await done
     elapsed = time.perf_counter() - started
@@ -198,14 +214,16 @@ def telemetry_on(out_dir: Path, counts: _Counting) -> Any:
     return setup_telemetry("bench", span_processors=[spans, EndCounter()], metric_readers=[reader])
 
 
-async def child(args: argparse.Namespace) -> dict[str, Any]:
+async def serve(args: argparse.Namespace) -> None:
+    """The reward server process of one run: telemetry per --mode, then commands on stdin, answers on stdout.
+
+    `mark`: this process's CPU seconds (all threads: event loop, gRPC, exporters) and span counts so far;
+    `stop`: stop, flush the span queue, report. With --profile, cProfile covers the first to the second mark.
+    """
+    import gc
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    if args.out_dir is None:  # run by hand: keep the span and metric files only for the run
-        with tempfile.TemporaryDirectory(prefix="rewardmesh-trace-") as tmp:
-            args.out_dir = Path(tmp)
-            return await child(args)
     out_dir: Path = args.out_dir
     counts = _Counting()
     if args.mode != "off":
@@ -216,46 +234,151 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
 
         telemetry = setup_telemetry("bench")  # OTEL_* unset: installs nothing
         assert not telemetry.tracing and not telemetry.metrics
-    from client.reward_client import RewardClient
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     from server.reward_server import RewardServer, build_engine
     from server.serving import ServerOptions
 
-    pipeline = PIPELINE
     config = None
     if args.model_dir:  # a realistic reward cost: the 4-layer, 256-wide reward model, dynamically batched
-        pipeline = RM_PIPELINE
         config = {RM_PIPELINE: {"sources": [{"type": "model", "path": str(args.model_dir)}],
                                 "batching": {"max_batch_size": 32, "max_queue_delay_ms": 2}}}  # fmt: skip
     server = RewardServer(build_engine(config), ServerOptions(host="127.0.0.1", port=0, grace_s=2))
     await server.start()
-    try:
-        async with RewardClient([server.address]) as client:
-            steps = {"step_size": args.step_size, "keep_slowest": args.keep_slowest}
-            await drive(client, make_samples(args.warmup, "warm"), args.concurrency, pipeline, **steps)
-            samples = make_samples(args.samples, "run")
-            ended_before = counts.ended
-            cpu = time.process_time()
-            elapsed, errors = await drive(client, samples, args.concurrency, pipeline, **steps)
-            cpu = time.process_time() - cpu
-            spans_in_run = counts.ended - ended_before
-    finally:
-        await server.stop(grace=1)
+    say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
+    say(address=server.address)
+    loop = asyncio.get_running_loop()
+    profiler: Any = None
+    marks = 0
+    while (line := (await loop.run_in_executor(None, sys.stdin.readline)).strip()) not in ("stop", ""):
+        if line == "mark":
+            marks += 1
+            if marks == 1:  # steady state: the full collection that start-up's imports make due happens now,
+                gc.collect()  # not at a random point of one mode's measured window
+            if args.profile and marks == 1:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+            elif profiler is not None and marks == 2:
+                profiler.disable()
+                profiler.dump_stats(str(args.profile))
+            say(cpu_s=time.process_time(), threads=thread_cpu(), ended=counts.ended, exported=counts.exported)
+    await server.stop(grace=1)
     t = time.perf_counter()
     telemetry.shutdown()  # flushes what the span queue still holds
     flush_s = time.perf_counter() - t
-    span_bytes = (out_dir / "spans.jsonl").stat().st_size if (out_dir / "spans.jsonl").exists() else 0
+    spans = out_dir / "spans.jsonl"
+    say(flush_s=flush_s, ended=counts.ended, exported=counts.exported,
+        span_bytes=spans.stat().st_size if spans.exists() else 0)  # fmt: skip
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread name of this process (Linux /proc; empty elsewhere): where telemetry's cost is."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = names.get(int(task.name)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class ServerProcess:
+    """One run's reward server in its own process (its mode's OTEL_* environment), driven over stdin/stdout."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, out_dir: Path, profile: Path | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", PYTHONUNBUFFERED="1")
+        env.update(OMP_NUM_THREADS=str(args.torch_threads))
+        ratio = head_ratio(args, mode)
+        if ratio is not None:
+            env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio))
+        env["REWARDMESH_TRACE_KEEP_SLOWEST"] = str(args.keep_slowest)
+        argv = [sys.executable, "-m", "bench.tracing_overhead", "--serve", "--mode", mode, "--out-dir", str(out_dir)]
+        argv += ["--torch-threads", str(args.torch_threads)]
+        if args.model_dir:
+            argv += ["--model-dir", str(args.model_dir)]
+        if profile is not None:
+            argv += ["--profile", str(profile)]
+        self.mode = mode
+        self.timeout_s = args.timeout_s
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.address = self._answer()["address"]
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        raise RuntimeError(f"reward server ({self.mode}) exited with {self.proc.wait(self.timeout_s)}")
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> dict[str, Any]:
+        try:
+            return self.ask("stop")
+        finally:
+            self.proc.wait(self.timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def head_ratio(args: argparse.Namespace, mode: str) -> float | None:
+    """The trainer's head-sampling ratio in this mode (None: telemetry off, no trace context sent)."""
+    from client.telemetry import DEFAULT_HEAD_RATIO
+
+    return {"off": None, "default": DEFAULT_HEAD_RATIO, "ratio": args.sampled_ratio, "all": 1.0}[mode]
+
+
+async def one_run(args: argparse.Namespace, mode: str, out_dir: Path, profile: Path | None = None) -> dict[str, Any]:
+    """Start this mode's reward server, warm it up, measure --samples, stop it; the numbers of the run."""
+    from client.reward_client import RewardClient
+
+    server = await asyncio.to_thread(ServerProcess, args, mode, out_dir, profile)
+    pipeline = RM_PIPELINE if args.model_dir else PIPELINE
+    ratio = head_ratio(args, mode)
+    kw = {"head_ratio": ratio, "step_size": args.step_size, "keep_slowest": args.keep_slowest}
+    try:
+        async with RewardClient([server.address]) as client:
+            await drive(client, make_samples(args.warmup, "warm"), args.concurrency, pipeline, **kw)
+            samples = make_samples(args.samples, "run")
+            before = server.ask("mark")
+            elapsed, errors = await drive(client, samples, args.concurrency, pipeline, **kw)
+            after = server.ask("mark")
+        final = await asyncio.to_thread(server.close)
+    finally:
+        server.kill()
     return {
-        "mode": args.mode,
+        "mode": mode,
         "samples": args.samples,
         "elapsed_s": elapsed,
         "throughput": args.samples / elapsed,
-        "cpu_us_per_sample": cpu / args.samples * 1e6,
+        "cpu_us_per_sample": (after["cpu_s"] - before["cpu_s"]) / args.samples * 1e6,
         "errors": errors,
-        "spans_per_sample": spans_in_run / args.samples,
-        "spans_ended": counts.ended,
-        "spans_exported": counts.exported,
-        "span_bytes": span_bytes,
-        "flush_s": flush_s,
+        "spans_per_sample": (after["ended"] - before["ended"]) / args.samples,
+        "threads_us_per_sample": {
+            k: (v - before["threads"].get(k, 0.0)) / args.samples * 1e6 for k, v in after["threads"].items()
+        },
+        "spans_ended": final["ended"],
+        "spans_exported": final["exported"],
+        "span_bytes": final["span_bytes"],
+        "flush_s": final["flush_s"],
     }
 
 
@@ -273,26 +396,15 @@ class Run:
     dropped: int
     span_mb: float
     flush_s: float
+    threads: dict[str, float]
 
 
 def run_child(args: argparse.Namespace, mode: str, out_dir: Path) -> Run:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", PYTHONUNBUFFERED="1")
-    if mode == "ratio":
-        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(args.sampled_ratio))
-    elif mode == "all":
-        env.update(OTEL_TRACES_SAMPLER="parentbased_always_on")
-    env["REWARDMESH_TRACE_KEEP_SLOWEST"] = str(args.keep_slowest)
-    argv = [sys.executable, "-m", "bench.tracing_overhead", "--child", "--mode", mode, "--out-dir", str(out_dir)]
-    argv += ["--samples", str(args.samples), "--warmup", str(args.warmup), "--concurrency", str(args.concurrency)]
-    argv += ["--step-size", str(args.step_size), "--keep-slowest", str(args.keep_slowest)]
-    if args.model_dir:
-        argv += ["--model-dir", str(args.model_dir)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout_s, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"child ({mode}) exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-    r = json.loads(lines[-1])
+    """One run: this mode's reward server in a fresh process, this process as its client."""
+    profile = args.profile / f"{mode}.prof" if args.profile else None
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+    r = asyncio.run(asyncio.wait_for(one_run(args, mode, out_dir, profile), args.timeout_s))
     return Run(
         mode=mode,
         throughput=r["throughput"],
@@ -303,6 +415,7 @@ def run_child(args: argparse.Namespace, mode: str, out_dir: Path) -> Run:
         dropped=r["spans_ended"] - r["spans_exported"],
         span_mb=r["span_bytes"] / 1e6,
         flush_s=r["flush_s"],
+        threads=r["threads_us_per_sample"],
     )
 
 
@@ -349,12 +462,14 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
             if args.model_dir
             else f"the built-in `{PIPELINE}` rule"
         )
-        + f" pipeline, {args.concurrency} in flight on one Score stream (RewardClient and server in one process)",
+        + f" pipeline, {args.concurrency} in flight on one Score stream; the reward server in its own process"
+        + (f" (torch threads: {args.torch_threads})" if args.model_dir else ""),
         "telemetry on": "TracerProvider + BatchSpanProcessor -> OTLP JSON lines file, gRPC OTel interceptors, "
         "MeterProvider + PeriodicExportingMetricReader (1 s, console exporter to a file), flight recorder; "
         f"steps of {args.step_size} samples, slowest {args.keep_slowest} kept per step (KeepTraces)",
         "telemetry off": "no providers installed (OTEL_* unset): the API's no-op tracer and meter",
-        "runs": f"{args.repeats} per mode, each in a fresh subprocess, interleaved; medians",
+        "runs": f"{args.repeats} per mode, each with a fresh reward server process, interleaved; medians",
+        "CPU us/sample": "the reward server process's CPU time (all threads) over the measured samples",
         "wall time": f"{wall:.0f}s",
     }
     rows = []
@@ -372,6 +487,7 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
                 " ".join(f"{r.throughput:,.0f}" for r in rs),
                 f"{cpu:.0f}",
                 f"{cpu - off_cpu:+.0f}" if traced else "",
+                f"{median([sum(v for k, v in r.threads.items() if k.startswith('Otel')) for r in rs]):.1f}",
                 f"{median([r.spans_per_sample for r in rs]):.3f}" if traced else "",
                 f"{sum(r.dropped for r in rs)}" if traced else "",
                 f"{median([r.flush_s for r in rs]):.2f}" if traced else "",
@@ -397,6 +513,7 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
                     "runs",
                     "CPU us/sample",
                     "vs off",
+                    "of it exporter threads",
                     "spans exported/sample",
                     "spans dropped",
                     "flush after run s",
@@ -422,8 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.samples < 1 or args.repeats < 1 or args.concurrency < 1 or args.warmup < 0:
         raise SystemExit("--samples, --repeats, --concurrency must be >= 1 and --warmup >= 0")
-    if args.child:
-        print(json.dumps(asyncio.run(child(args))), flush=True)
+    if args.serve:
+        asyncio.run(serve(args))
         return 0
     if args.reward_model and args.model_dir is None:  # the same model bench.reward_batching builds and caches
         from bench.reward_batching import build_parser as batching_parser

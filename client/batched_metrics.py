@@ -14,6 +14,7 @@ import threading
 from bisect import bisect_left
 from typing import Any
 
+import numpy as np
 from opentelemetry.metrics import Counter, Histogram
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
@@ -49,11 +50,16 @@ if _ExplicitBucketHistogramAggregation is not None:
             if not values:
                 return
             bounds = self._boundaries
+            if len(values) > 32:  # bucket indexes as bisect_left gives them, in one vectorized pass
+                per_bucket = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=len(bounds) + 1)
+                added = [(i, int(c)) for i, c in enumerate(per_bucket.tolist()) if c]
+            else:
+                added = [(bisect_left(bounds, v), 1) for v in values]
             with self._lock:
                 counts: list[int] = self._value if self._value is not None else self._get_empty_bucket_counts()
                 self._value = counts  # type: ignore[assignment]
-                for v in values:
-                    counts[bisect_left(bounds, v)] += 1
+                for i, c in added:
+                    counts[i] += c
                 self._sum += float(measurement.value)  # type: ignore[assignment]
                 if self._record_min_max:
                     self._min = min(self._min, min(values))
@@ -90,17 +96,19 @@ def mark_views_installed() -> None:
 class HistogramBatch:
     """Rows of values and counts collected per attribute set and flushed to the SDK in one call each.
 
-    `add_row`/`count` are a list append under a lock. The owner flushes at every metric collection (so
-    nothing recorded before a collection is missing from it) and `add_row` flushes every `max_pending` rows
-    (bounded memory between collections).
+    `add_row` is a dict lookup and a list append, no lock: the flush takes rows off the front of each list
+    with two single C-level list operations (copy the first n, delete the first n), so a row appended
+    meanwhile from another thread stays for the next flush, never lost or counted twice (the GIL makes
+    each of those operations atomic). The owner flushes at every metric collection (so nothing recorded
+    before a collection is missing from it) and `add_row` flushes every `max_pending` rows of an attribute
+    set (bounded memory between collections).
     """
 
     def __init__(self, max_pending: int = 4096) -> None:
         self.max_pending = max_pending
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one flush at a time; new row lists
         self._rows: dict[tuple[Counter | None, tuple[Histogram, ...], str], list[tuple[float, ...]]] = {}
-        self._counts: dict[tuple[Counter, str], int] = {}
+        self._counts: dict[tuple[Counter, str], list[int]] = {}
         self._attrs: dict[str, dict[str, str]] = {}
 
     def add_row(
@@ -108,43 +116,61 @@ class HistogramBatch:
     ) -> None:
         """One sample: `counter` += 1 and row[i] recorded in histograms[i], all under `pipeline`."""
         key = (counter, histograms, pipeline)
-        with self._lock:
-            rows = self._rows.get(key)
-            if rows is None:
-                self._rows[key] = [row]
-            else:
-                rows.append(row)
-            self._pending += 1
-            full = self._pending >= self.max_pending
-        if full:
+        rows = self._rows.get(key)
+        if rows is None:
+            with self._lock:
+                rows = self._rows.setdefault(key, [])
+        rows.append(row)
+        if len(rows) >= self.max_pending:
             self.flush()
+
+    def rows(
+        self, counter: Counter | None, histograms: tuple[Histogram, ...], pipeline: str
+    ) -> list[tuple[float, ...]]:
+        """The list `add_row` appends to for this key: a hot path may keep it and append itself (then call
+        `flush` when it reaches `max_pending`); flushes take rows off its front, the list stays the same."""
+        key = (counter, histograms, pipeline)
+        rows = self._rows.get(key)
+        if rows is None:
+            with self._lock:
+                rows = self._rows.setdefault(key, [])
+        return rows
 
     def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
         self.add_row(None, (histogram,), pipeline, (value,))
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
         key = (counter, pipeline)
-        with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + n
+        ns = self._counts.get(key)
+        if ns is None:
+            with self._lock:
+                ns = self._counts.setdefault(key, [])
+        ns.append(n)
 
     def flush(self) -> None:
         with self._lock:
-            all_rows, self._rows = self._rows, {}
-            counts, self._counts = self._counts, {}
-            self._pending = 0
-        for (counter, histograms, pipeline), rows in all_rows.items():
-            attrs = self._attributes(pipeline)
-            for i, hist in enumerate(histograms):
-                values = [r[i] for r in rows]
-                if _views_installed:
-                    hist.record(_Values(values), attrs)
-                else:
-                    for v in values:
-                        hist.record(v, attrs)
-            if counter is not None:
-                counter.add(len(rows), attrs)
-        for (counter, pipeline), n in counts.items():
-            counter.add(n, self._attributes(pipeline))
+            for (counter, histograms, pipeline), pending in list(self._rows.items()):
+                n = len(pending)
+                if not n:
+                    continue
+                rows = pending[:n]
+                del pending[:n]
+                attrs = self._attributes(pipeline)
+                for hist, column in zip(histograms, zip(*rows, strict=True), strict=False):
+                    values = list(column)
+                    if _views_installed:
+                        hist.record(_Values(values), attrs)
+                    else:
+                        for v in values:
+                            hist.record(v, attrs)
+                if counter is not None:
+                    counter.add(n, attrs)
+            for (counter, pipeline), pending_counts in list(self._counts.items()):
+                n = len(pending_counts)
+                if n:
+                    total = sum(pending_counts[:n])
+                    del pending_counts[:n]
+                    counter.add(total, self._attributes(pipeline))
 
     def _attributes(self, pipeline: str) -> dict[str, str]:
         attrs = self._attrs.get(pipeline)

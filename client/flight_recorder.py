@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -70,11 +69,46 @@ def link_to(value: str) -> Link | None:
     return Link(SpanContext(parsed[0], parsed[1], True, TraceFlags(int(parsed[2]))))
 
 
-class FlightRecorder:
-    """A bounded ring of per-sample records (whatever the caller records) and the export of kept spans.
+class Ring:
+    """The last `capacity` to 2 x `capacity` records by key, in two generations of plain dicts.
 
-    `remember` costs a dict insert; the oldest records fall out once `capacity` is reached, so a keep
-    decision must come within the last `capacity` samples (a step or two at the default).
+    `put` is one dict store and a length check (no per-record bookkeeping, no ordered dict): when the young
+    generation is full it becomes the old one and the previous old one is dropped whole. Records that are
+    tuples of numbers and strings stay out of the garbage collector's way (it untracks them), so a full ring
+    costs no collection time.
+    """
+
+    __slots__ = ("_old", "_young", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._young: dict[Hashable, Any] = {}
+        self._old: dict[Hashable, Any] = {}
+
+    def put(self, key: Hashable, record: Any) -> None:
+        young = self._young
+        young[key] = record
+        if len(young) >= self.capacity:
+            self._old, self._young = young, {}
+
+    def get(self, key: Hashable) -> Any:
+        r = self._young.get(key)
+        return self._old.get(key) if r is None else r
+
+    def pop(self, key: Hashable) -> Any:
+        r = self._young.pop(key, None)
+        return self._old.pop(key, None) if r is None else r
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+
+class FlightRecorder:
+    """Per-sample records (whatever the caller records) in a bounded ring, and the export of kept spans.
+
+    `remember` costs a dict insert; the oldest records fall out after `capacity` newer ones, so a keep
+    decision must come within the last `capacity` samples (a step or two at the default). An owner with a
+    hot path of its own keeps its own `Ring` (`new_ring`) and uses `export_tree` only.
     """
 
     def __init__(self, processors: Sequence[SpanProcessor], resource: Resource, capacity: int = 32768) -> None:
@@ -82,21 +116,21 @@ class FlightRecorder:
         self.resource = resource
         self.capacity = max(1, capacity)
         # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
-        self._ring: OrderedDict[Hashable, Any] = OrderedDict()
-        self._popitem = self._ring.popitem
+        self._ring = Ring(self.capacity)
         self.exported_spans = 0
+
+    def new_ring(self) -> Ring:
+        """A ring of this recorder's capacity for one owner's records."""
+        return Ring(self.capacity)
 
     def remember(self, key: Hashable, record: Any) -> None:
         """Keep `record` under `key` (owners in one process, e.g. an in-process mesh, use distinct keys)."""
-        ring = self._ring
-        ring[key] = record
-        if len(ring) > self.capacity:
-            self._popitem(False)
+        self._ring.put(key, record)
 
     def recall(self, keys: Iterable[Hashable]) -> list[Any]:
         """The records still in the ring for these keys (unknown or evicted keys are skipped)."""
-        ring = self._ring
-        return [r for k in keys if (r := ring.get(k)) is not None]
+        get = self._ring.get
+        return [r for k in keys if (r := get(k)) is not None]
 
     def __len__(self) -> int:
         return len(self._ring)

@@ -12,6 +12,7 @@ traceparent says head-sampled, it failed here, or a KeepTraces call names it (a 
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -22,11 +23,13 @@ from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import FlightRecorder, link_to, new_span_id, new_trace_id
-from client.telemetry import meter, metrics_enabled, recorder
+from client.flight_recorder import FlightRecorder, Ring, link_to, new_span_id, new_trace_id, parse_traceparent
+from client.telemetry import meter, metrics_enabled, recorder, trace_config
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2
+
+log = logging.getLogger(__name__)
 
 _REJECTED = {
     c.value[0]
@@ -44,78 +47,66 @@ _ODD_HEX = frozenset("13579bdfBDF")
 class _Batch:
     """One executed batch, as its span would show it (built only if one of its samples is kept)."""
 
-    __slots__ = ("info", "members", "pipeline", "span_id")
+    __slots__ = ("info", "kept", "pipeline", "span_id")
 
-    def __init__(self, pipeline: str, info: BatchInfo, members: list[SampleRecord]) -> None:
+    def __init__(self, pipeline: str, info: BatchInfo) -> None:
         self.pipeline = pipeline
-        self.info = info
-        self.members = members
+        self.info = info  # its sample ids and contexts (traceparents) are the members
+        self.kept: set[str] = set()  # members exported for a reason other than head sampling
         self.span_id = 0  # set when exported (once)
 
-
-class SampleRecord:
-    """One sample's reward timeline on this server; also the batcher's per-sample context."""
-
-    __slots__ = ("_link", "arrival_ns", "batch", "exported", "result", "traceparent")
-
-    def __init__(self, traceparent: str) -> None:
-        self.traceparent = traceparent
-        self._link: Link | bool | None = False  # parsed on first use
-        self.arrival_ns = 0
-        self.result: reward_pb2.RewardResult | None = None
-        self.batch: _Batch | None = None
-        self.exported = False
-
-    def link(self) -> Link | None:
-        """A span link to this sample's reward span (what a reward.batch span points at)."""
-        if self._link is False:
-            self._link = link_to(self.traceparent)
-        return self._link  # type: ignore[return-value]
-
-    @property
-    def sampled(self) -> bool:
-        return self.traceparent[-1:] in _ODD_HEX  # the low bit of the trace flags
-
-    def spans(self, rec: FlightRecorder) -> list[ReadableSpan]:
-        link = self.link()
-        result = self.result
-        if link is None or result is None:
-            return []
-        trace_id, parent_id = link.context.trace_id, link.context.span_id
-        attrs: dict[str, AttributeValue] = {
-            "rewardmesh.sample_id": result.sample_id,
-            "rewardmesh.pipeline": result.reward,
-            "rewardmesh.batch.size": result.batch_size,
-        }
-        t0 = self.arrival_ns
-        if result.HasField("error"):
-            end = t0 + int(result.timing.total * 1e9)
-            return [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs,
-                             error=result.error.message)]  # fmt: skip
-        queue_end = t0 + int(result.timing.queue * 1e9)
-        compute_end = queue_end + int(result.timing.compute * 1e9)
-        out = [
-            rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
-            rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
-                     {**attrs, "rewardmesh.score": result.score}),
-        ]  # fmt: skip
-        batch = self.batch
-        if batch is not None and not batch.span_id:  # the first kept sample of a batch exports its span
-            batch.span_id = new_span_id()
-            info = batch.info
-            # Links to the served samples that are kept (exported): a link to a span never exported says
-            # nothing, and parsing hundreds of contexts per batch would cost every sample.
-            links = [link for m in batch.members if (m.exported or m.sampled) and (link := m.link()) is not None]
-            batch_attrs: dict[str, AttributeValue] = {
-                "rewardmesh.pipeline": batch.pipeline,
-                "rewardmesh.batch.size": info.size,
-                "rewardmesh.batch.padded_tokens": info.padded_tokens,
-                "rewardmesh.batch.real_tokens": info.real_tokens,
-            }
-            # Its own trace: a batch serves many samples, so it links to them rather than having a parent.
-            out.append(rec.span("reward.batch", new_trace_id(), batch.span_id, None, info.start_time_ns,
-                                info.end_time_ns, batch_attrs, links=links))  # fmt: skip
+    def links(self) -> list[Link]:
+        """Links to the served samples that are kept: a link to a span never exported says nothing."""
+        kept = self.kept
+        out = []
+        for sid, tp in zip(self.info.sample_ids, self.info.contexts, strict=True):
+            if type(tp) is str and (tp[-1:] in _ODD_HEX or sid in kept) and (link := link_to(tp)) is not None:
+                out.append(link)
         return out
+
+
+# A sample's record in the ring: plain numbers and strings, so the garbage collector untracks it (a ring of
+# tracked objects costs a full collection every few thousand samples: most of what telemetry cost).
+_Record = tuple[str, str, str, int, float, int, tuple[float, float, float], str, int]
+# (sample id, pipeline, traceparent, arrival ns, score, batch size, (total, queue, compute) s, error, batch no)
+
+
+def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[ReadableSpan]:
+    """A kept sample's reward.queue / reward.compute spans (one reward.queue span with the error if it failed)
+    under its reward span, plus its batch's span if no kept sample exported it yet."""
+    sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
+    parsed = parse_traceparent(tp)
+    if parsed is None:
+        return []
+    trace_id, parent_id, _ = parsed
+    attrs: dict[str, AttributeValue] = {
+        "rewardmesh.sample_id": sid,
+        "rewardmesh.pipeline": pipeline,
+        "rewardmesh.batch.size": batch_size,
+    }
+    if error:
+        end = t0 + int(total * 1e9)
+        return [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs, error=error)]
+    queue_end = t0 + int(queue * 1e9)
+    compute_end = queue_end + int(compute * 1e9)
+    out = [
+        rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
+        rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
+                 {**attrs, "rewardmesh.score": score}),
+    ]  # fmt: skip
+    if batch is not None and not batch.span_id:  # the first kept sample of a batch exports its span
+        batch.span_id = new_span_id()
+        info = batch.info
+        batch_attrs: dict[str, AttributeValue] = {
+            "rewardmesh.pipeline": batch.pipeline,
+            "rewardmesh.batch.size": info.size,
+            "rewardmesh.batch.padded_tokens": info.padded_tokens,
+            "rewardmesh.batch.real_tokens": info.real_tokens,
+        }
+        # Its own trace: a batch serves many samples, so it links to them rather than having a parent.
+        out.append(rec.span("reward.batch", new_trace_id(), batch.span_id, None, info.start_time_ns,
+                            info.end_time_ns, batch_attrs, links=batch.links()))  # fmt: skip
+    return out
 
 
 _LIVE: weakref.WeakSet[RewardTelemetry] = weakref.WeakSet()
@@ -159,57 +150,99 @@ class RewardTelemetry:
         m.create_observable_gauge("rewardmesh.reward.queue_depth", [_observe_all], unit="{sample}")
         self._timings = (self.latency, self.queue_time, self.compute_time)
         self.pending = HistogramBatch()
-        self._key = id(self)  # this server's records in the process's ring
+        capacity = trace_config().ring_size
+        self._ring = Ring(capacity)  # sample id -> _Record, for a later KeepTraces
+        self._batches = Ring(max(16, capacity // 8))  # batch number -> _Batch
+        self._batch_of: dict[str, int] = {}  # traceparent -> batch number, between the batch and its results
+        self._batch_no = 0
+        self._rows: dict[str, list[tuple[float, ...]]] = {}  # pipeline -> its pending timing rows
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
-    def begin(self, trace_context: Mapping[str, str] | None) -> SampleRecord | None:
-        """A sample arrived with its own trace context: its record (the batcher's context for it), if tracing."""
+    def begin(self, trace_context: Mapping[str, str] | None) -> str | None:
+        """A sample arrived with its own trace context: its traceparent (the batcher's context for it), if tracing."""
         if not trace_context or recorder() is None:
             return None
-        tp = trace_context.get("traceparent")
-        return SampleRecord(tp) if tp else None
+        return trace_context["traceparent"] if "traceparent" in trace_context else None
 
-    def on_result(self, result: reward_pb2.RewardResult, record: SampleRecord | None, arrival_ns: int) -> None:
-        """Count and time the sample; export its spans now if kept, else remember them for a KeepTraces."""
-        failed = result.HasField("error")
-        if metrics_enabled():
-            if failed:
-                code = result.error.code
-                counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
-                self.pending.count(counter, result.reward)
-            else:
-                t = result.timing
-                self.pending.add_row(self.scored, self._timings, result.reward, (t.total, t.queue, t.compute))
-        if record is None:
-            return  # tracing off, or the sample came without a trace context
-        record.result = result
-        record.arrival_ns = arrival_ns
-        rec = recorder()
-        if rec is None:
+    def on_result(self, result: reward_pb2.RewardResult, record: object, arrival_ns: int) -> None:
+        """Count and time the sample; export its spans now if kept, else remember them for a KeepTraces.
+
+        `record`: what `begin` returned. Per scored sample: a few field reads, a list append, a dict store.
+        """
+        if result.HasField("error"):
+            self._on_failure(result, record, arrival_ns)
             return
-        if failed or record.traceparent[-1:] in _ODD_HEX:  # failed here, or head-sampled (the flags' low bit)
-            record.exported = True
-            rec.export_tree(record)
+        pipeline = result.reward
+        t = result.timing
+        row = (t.total, t.queue, t.compute)
+        if metrics_enabled():
+            rows = self._rows.get(pipeline)
+            if rows is None:
+                rows = self._rows[pipeline] = self.pending.rows(self.scored, self._timings, pipeline)
+            rows.append(row)
+            if len(rows) >= self.pending.max_pending:
+                self.pending.flush()
+        if type(record) is not str or (rec := recorder()) is None:
+            return  # tracing off, or the sample came without a trace context
+        r: _Record = (result.sample_id, pipeline, record, arrival_ns, result.score, result.batch_size, row, "",
+                      self._batch_of.pop(record, 0))  # fmt: skip
+        if record[-1:] in _ODD_HEX:  # head-sampled (the flags' low bit)
+            self._export(rec, r, self._batches.get(r[-1]))
         else:
-            rec.remember((self._key, result.sample_id), record)
+            self._ring.put(r[0], r)
+
+    def _on_failure(self, result: reward_pb2.RewardResult, record: object, arrival_ns: int) -> None:
+        """A failed sample: counted by kind, and its span exported at once (the decision is made here)."""
+        pipeline = result.reward
+        if metrics_enabled():
+            code = result.error.code
+            counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
+            self.pending.count(counter, pipeline)
+        if type(record) is not str or (rec := recorder()) is None:
+            return
+        batch_no = self._batch_of.pop(record, 0)
+        t = result.timing
+        r: _Record = (result.sample_id, pipeline, record, arrival_ns, 0.0, result.batch_size,
+                      (t.total, t.queue, t.compute), result.error.message or "failed", batch_no)  # fmt: skip
+        batch = self._batches.get(batch_no) if batch_no else None
+        if batch is not None:
+            batch.kept.add(r[0])
+        self._export(rec, r, batch)
 
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
+        """A batch ran (before its samples' results are handed back): remember it by number for their spans."""
         if metrics_enabled():
             self.pending.add(self.batch_size, pipeline, info.size)
-        members = [c for c in info.contexts if isinstance(c, SampleRecord)]
-        if members:
-            batch = _Batch(pipeline, info, members)
-            for m in members:
-                m.batch = batch
+        if recorder() is None:
+            return
+        self._batch_no += 1
+        self._batches.put(self._batch_no, _Batch(pipeline, info))
+        batch_of = self._batch_of
+        if len(batch_of) > 65536:  # samples never answered (cancelled between batch and result): let them go
+            batch_of.clear()
+        batch_of.update(dict.fromkeys(info.contexts, self._batch_no))  # type: ignore[arg-type]  # None: no context
+
+    def _export(self, rec: FlightRecorder, r: _Record, batch: _Batch | None) -> int:
+        try:
+            spans = _spans(rec, r, batch)
+        except Exception:  # telemetry must never cost a sample its result
+            log.debug("could not build the spans of a kept sample", exc_info=True)
+            return 0
+        return rec.export(spans)
 
     def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
         """Export the trees of these samples still in the ring: (samples known, spans exported)."""
         rec = recorder()
         if rec is None:
             return 0, 0
-        found = rec.recall((self._key, sid) for sid in sample_ids)
-        fresh = [r for r in found if isinstance(r, SampleRecord) and not r.exported]
-        for record in fresh:  # all marked first, so a batch span links every kept sample of this call
-            record.exported = True
-        return len(found), sum(rec.export_tree(record) for record in fresh)
+        ring = self._ring
+        known = [r for sid in dict.fromkeys(sample_ids) if (r := ring.get(sid)) is not None]
+        found: list[_Record] = [r for r in known if r]  # () marks a sample exported by an earlier call
+        for r in found:
+            ring.put(r[0], ())
+        batches = [self._batches.get(r[-1]) for r in found]
+        for r, batch in zip(found, batches, strict=True):  # all marked first: a batch span links every kept sample
+            if batch is not None:
+                batch.kept.add(r[0])
+        return len(known), sum(self._export(rec, r, b) for r, b in zip(found, batches, strict=True))

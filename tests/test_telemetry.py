@@ -266,3 +266,46 @@ def test_histograms_fed_per_batch_match_per_value_recording() -> None:
     assert a.count == b.count == 1000 and a.bucket_counts == b.bucket_counts
     assert a.explicit_bounds == b.explicit_bounds == SECONDS_BUCKETS and len(set(a.bucket_counts)) > 3
     assert a.sum == pytest.approx(b.sum) and (a.min, a.max) == (b.min, b.max)
+
+
+async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> None:
+    """A KeepTraces names unsampled samples after their results: their reward spans hang under the ids their
+    traceparents carried, their batch span links them, and naming them again exports nothing twice."""
+    import asyncio
+
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from client.reward_client import RewardClient
+    from tests.support.servers import sample
+
+    parents = {f"k{i}": (new_trace_id(), new_span_id()) for i in range(3)}
+    SPANS.clear()
+    async with reward_server() as rs, RewardClient([rs.address]) as client:
+        futures = [client.submit(sample(sid), "gsm8k", trace_context={"traceparent": traceparent(t, s, False)})
+                   for sid, (t, s) in parents.items()]  # fmt: skip
+        results = await asyncio.gather(*futures)
+        assert not [r for r in results if r.HasField("error")]
+        telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+        assert not [s for s in SPANS.get_finished_spans() if s.name.startswith("reward.")]  # none kept yet
+        first = await client.keep_traces(["k0", "k1", "k0", "unknown"])
+        again = await client.keep_traces(["k0"])
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    spans: list[Any] = list(SPANS.get_finished_spans())
+    mine = [s for s in spans if s.name in ("reward.queue", "reward.compute")]
+    assert sorted((s.attributes["rewardmesh.sample_id"], s.name) for s in mine) == [
+        ("k0", "reward.compute"), ("k0", "reward.queue"), ("k1", "reward.compute"), ("k1", "reward.queue")]  # fmt: skip
+    for s in mine:
+        trace_id, parent_id = parents[s.attributes["rewardmesh.sample_id"]]
+        assert (s.context.trace_id, s.parent.span_id) == (trace_id, parent_id)
+    linked = {link.context.span_id for b in spans if b.name == "reward.batch" for link in b.links}
+    assert linked == {parents["k0"][1], parents["k1"][1]}  # k2 was not kept: no link to a span never exported
+    assert first == len([s for s in spans if s.name.startswith("reward.")]) and again == 0
+
+
+def test_ring_keeps_at_least_capacity_records() -> None:
+    from client.flight_recorder import Ring
+
+    ring = Ring(4)
+    for i in range(10):
+        ring.put(i, (i,))
+    assert [ring.get(i) for i in range(6, 10)] == [(6,), (7,), (8,), (9,)]
+    assert ring.get(0) is None and len(ring) <= 8
