@@ -179,6 +179,7 @@ class TrainerClient:
         # weights) get the current weights before any work; a group of their own keeps the others' group intact.
         self._join_sync = WeightSync()
         self._weights: Mapping[str, torch.Tensor] | None = None
+        self._weights_stamp: tuple[int, ...] = ()  # the version counters of `_weights` when they were sent
         self._weights_lock = asyncio.Lock()
         self.join_updates = 0
         self.behind_samples = 0  # samples refused because their server was behind the step's policy version
@@ -513,31 +514,38 @@ class TrainerClient:
         broadcast, else gRPC chunks), or "shm", "dist", "grpc". Raises WeightSyncError naming each server that
         did not apply it (those keep their old weights).
 
-        The client keeps a reference to `state` to bring servers that join later (or come back restarted) to
-        this version before they get work: pass tensors that stay as they are until the next call (a copy, if
-        training updates them in place meanwhile).
+        The client keeps a reference to `state` (no copy) to bring servers that join later (or come back
+        restarted) to this version before they get work, and notes each tensor's version counter: if training
+        then changes a tensor in place (an optimizer step), those are no longer this version's weights, so a
+        joining server is not given them; it waits, out of the pool, for the next `update_weights`. Pass a copy
+        to let servers join between updates while training changes the weights in place.
         """
         async with self._weights_lock:
             version = version if version is not None else self.policy_version + 1
-            targets = [(t.address, t.channel) for t in await self._reachable(await self.pool.wait_for_members())]
-            sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes)
+            reachable = await self._reachable(await self.pool.wait_for_members())
+            targets = [(t.address, t.channel) for t, _ in reachable]
+            infos = [i for _, i in reachable if i is not None]
+            sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes,
+                                               infos=infos if len(infos) == len(targets) else None)  # fmt: skip
             self.last_weight_sync = sync
             self.policy_version = version
             self._weights = state
+            self._weights_stamp = _stamp(state)
         return version
 
-    async def _reachable(self, members: list[_Target]) -> list[_Target]:
-        """The members that answer now. One that cannot be reached (a pod restarting) is marked down instead of
-        failing the update: the pool's join hook brings it to the current version before it gets work again."""
+    async def _reachable(self, members: list[_Target]) -> list[tuple[_Target, rollout_pb2.GetInfoResponse | None]]:
+        """The members that answer now, with their GetInfo (the push reuses it). One that cannot be reached (a pod
+        restarting) is marked down instead of failing the update: the pool's join hook brings it to the current
+        version before it gets work again."""
         infos = await asyncio.gather(
             *(self._join_sync.infos([(m.address, m.channel)]) for m in members), return_exceptions=True
         )
-        up = []
+        up: list[tuple[_Target, rollout_pb2.GetInfoResponse | None]] = []
         for member, info in zip(members, infos, strict=True):
             if isinstance(info, aio.AioRpcError) and info.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_failed(member, f"unreachable for a weight update: {info.details()}")
-            else:
-                up.append(member)  # any other failure surfaces from the push, naming the server
+            else:  # any other failure surfaces from the push (which asks again), naming the server
+                up.append((member, None if isinstance(info, BaseException) else info[0]))
         if not up:
             raise WeightSyncError(
                 "no rollout server is reachable for the weight update", {m.address: "UNAVAILABLE" for m in members}
@@ -550,17 +558,34 @@ class TrainerClient:
             if self._weights is None:
                 return  # nothing pushed yet: every server holds the base weights
             me = [(target.address, target.channel)]
-            (info,) = await self._join_sync.infos(me)
-            if info.policy_version >= self.policy_version:
+            infos = await self._join_sync.infos(me)
+            if infos[0].policy_version >= self.policy_version:
                 return
+            if _stamp(self._weights) != self._weights_stamp:  # raising keeps it out of the pool; retried later
+                raise RuntimeError(
+                    f"rollout server {target.address} needs policy version {self.policy_version}, but the tensors "
+                    "passed to update_weights for it were changed in place since: it waits for the next update"
+                )
             log.info("rollout server %s serves policy version %d: sending it version %d before any work",
-                     target.address, info.policy_version, self.policy_version)  # fmt: skip
-            await self._join_sync.push(me, self._weights, self.policy_version)
+                     target.address, infos[0].policy_version, self.policy_version)  # fmt: skip
+            await self._join_sync.push(me, self._weights, self.policy_version, infos=infos)
             self.join_updates += 1
 
     async def info(self) -> list[rollout_pb2.GetInfoResponse]:
         targets = await self.pool.wait_for_members()
         return list(await asyncio.gather(*(t.stub.GetInfo(rollout_pb2.GetInfoRequest()) for t in targets)))
+
+
+def _stamp(state: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+    """Each tensor's autograd version counter: any in-place change (an optimizer step, `copy_`) bumps it.
+    Tensors made under inference mode have none (-1): they cannot be changed in place outside it."""
+    out = []
+    for t in state.values():
+        try:
+            out.append(int(t._version))
+        except RuntimeError:
+            out.append(-1)
+    return tuple(out)
 
 
 def _timed_out(sid: str, group_id: str, timeout_s: float, started: float) -> ScoredSample:

@@ -10,10 +10,13 @@ Every blocking call here (forming a group, a broadcast) runs in a worker thread,
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import torch
 
 from client.weights import Bucket, Entry, byte_view, views
 from reward_engine.errors import InvalidInput
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 
@@ -159,42 +164,94 @@ def receive_buckets(
 # ------------------------------------------------------------------------------------------------- shm
 
 
+SHM_PREFIX = "rewardmesh-weights-"
+
+
+def sweep_stale_shm() -> list[Path]:
+    """Remove the weight files of trainers that are gone (crashed, killed): a live writer holds an exclusive
+    flock on its file for as long as it exists, so a file whose lock can be taken has no owner. Safe across
+    processes and containers sharing /dev/shm (one kernel); returns what was removed."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its writer is alive
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d weight file(s) under %s left by trainers that are gone", len(removed), SHM_DIR)
+    return removed
+
+
+def _release(fd: int, path: Path) -> None:
+    path.unlink(missing_ok=True)
+    os.close(fd)  # drops the lock
+
+
 class ShmWriter:
-    """The trainer's file under /dev/shm, reused while the layout's size stays the same."""
+    """The trainer's file under /dev/shm, reused while the layout's size stays the same.
+
+    The file is removed by `close`, at interpreter exit, or, when this process dies without either (killed),
+    by the next ShmWriter on the host (`sweep_stale_shm`): the writer holds a flock on it while it lives."""
 
     def __init__(self) -> None:
-        self.path = SHM_DIR / f"rewardmesh-weights-{os.getpid()}-{os.urandom(4).hex()}"
+        sweep_stale_shm()
+        self.path = SHM_DIR / f"{SHM_PREFIX}none"
+        self._fd = -1
         self._size = -1
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def _create(self, size: int) -> None:
+        name = f"{SHM_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        staging = SHM_DIR / f".{name}"  # locked before it gets a name the sweeper looks at
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, max(size, 1))
+            os.rename(staging, SHM_DIR / name)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+        self.path, self._fd, self._size = SHM_DIR / name, fd, size
+        self._finalizer = weakref.finalize(self, _release, fd, self.path)
 
     def rotate(self) -> None:
         """Write the next update to a new file: a straggler may still be reading this one (unlinked, it stays
         readable by whoever has it mapped, and is freed when they let go)."""
         self.close()
-        self.path = SHM_DIR / f"rewardmesh-weights-{os.getpid()}-{os.urandom(4).hex()}"
 
     def write(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], size: int) -> None:
-        if self._size not in (-1, size):
+        if self._fd >= 0 and self._size != size:
             self.rotate()  # never truncate a file someone may have mapped
-        with open(self.path, "r+b" if self._size == size else "w+b") as f:
-            if self._size != size:
-                f.truncate(max(size, 1))
-                self._size = size
-            with mmap.mmap(f.fileno(), max(size, 1)) as mm:
-                dst = torch.frombuffer(mm, dtype=torch.uint8)
-                for t, off in zip(tensors, offsets, strict=True):
-                    src = byte_view(t)
-                    dst[off : off + src.numel()].copy_(src)
-                del dst
+        if self._fd < 0:
+            self._create(size)
+        with mmap.mmap(self._fd, max(size, 1)) as mm:
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            for t, off in zip(tensors, offsets, strict=True):
+                src = byte_view(t)
+                dst[off : off + src.numel()].copy_(src)
+            del dst
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self._size = -1
+        if self._finalizer is not None:
+            self._finalizer()  # unlink and unlock, once
+            self._finalizer = None
+        self._fd, self._size = -1, -1
 
 
 def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
     """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
     resolved = Path(path).resolve()
-    if resolved.parent != SHM_DIR or not resolved.name.startswith("rewardmesh-weights-"):
+    if resolved.parent != SHM_DIR or not resolved.name.startswith(SHM_PREFIX):
         raise InvalidInput(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
     if len(offsets) != len(entries):
         raise InvalidInput(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")

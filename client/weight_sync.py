@@ -131,8 +131,11 @@ class WeightSync:
         transport: str = "auto",
         *,
         chunk_bytes: int = 4 << 20,
+        infos: Sequence[rollout_pb2.GetInfoResponse] | None = None,
     ) -> SyncResult:
-        """Send `state` as `version` to every target; WeightSyncError names each server that did not apply it."""
+        """Send `state` as `version` to every target; WeightSyncError names each server that did not apply it.
+
+        infos: each target's GetInfo answer when the caller just asked (one round trip per update, not two)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if not targets:
@@ -140,7 +143,8 @@ class WeightSync:
         started = time.perf_counter()
         manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
         device = next(iter(state.values())).device if state else torch.device("cpu")
-        infos = await self.infos(targets) if transport in ("auto", "dist") else []
+        if infos is None or len(infos) != len(targets):
+            infos = await self.infos(targets) if transport in ("auto", "dist") else []
         if transport == "auto":
             transport = self.choose(infos, device)
         if transport == "grpc":  # each message is built once and sent to every server

@@ -261,6 +261,12 @@ class WeightAssembler:
         self._pieces[name].append((chunk.offset, end))
         self.num_bytes += len(data)
 
+    @property
+    def owned(self) -> bool:
+        """Every tensor lies in writable memory of its own (none is a received chunk used as it arrived, which is
+        read-only), so a backend may adopt them."""
+        return all(b.flags.writeable for b in self._bytes.values())
+
     def finish(self) -> dict[str, torch.Tensor]:
         if not self.tensors:
             raise WeightsError("UpdateWeights: the stream carried no chunks")

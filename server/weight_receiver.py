@@ -2,10 +2,14 @@
 
 Nothing reaches the backend until every byte of the update is staged: a transfer that fails or times out
 in the middle leaves the old weights serving. The backend applies the staged tensors atomically with respect
-to decoding (between micro-batches / engine steps) and sets the new policy version.
+to decoding (between micro-batches / engine steps) and sets the new policy version. A backend that can adopt
+tensors (hf: `adopt_weights`) takes the staged buffers themselves, an O(1) swap of each parameter's storage
+instead of a copy; the buffers it held before are then free and receive the next update (double buffering).
 
 Peak extra memory during an update: the staged weights (dist: the received buckets, which the typed tensors
-are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped).
+are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped). On CPU the
+dist buffers the model gave back are kept for the next update of the same layout, so the steady state is the
+model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ class WeightReceiver:
         self.host_id = host_id()
         self.instance_id = uuid.uuid4().hex
         self._lock = asyncio.Lock()
-        # CPU staging buffers of the last dist layout, reused by the next update of the same layout: it then
-        # costs no page faults (the staged weights stay allocated between updates; a new layout frees them).
-        self._staging: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        # CPU staging buffers of the last dist layout that nothing uses, reused by the next update of the same
+        # layout: it then costs no page faults (a new layout frees them).
+        self._spare: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        # Buffers the backend adopted (the model's weights live in them now): spare after the next adopted update.
+        self._held: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
     def transports(self) -> list[Any]:
@@ -63,10 +69,30 @@ class WeightReceiver:
         device = getattr(self.backend, "device", None)
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
-    async def _apply(self, tensors: dict[str, torch.Tensor], version: int) -> tuple[int, float]:
+    async def _apply(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        owned: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
+    ) -> tuple[int, float]:
+        """Hand the staged tensors to the backend. `owned`: they lie in buffers of ours that nothing else will
+        write (dist: the buckets, grpc: fresh tensors), so a backend that can adopt them takes them without a copy.
+        """
         version = version or self.backend.policy_version + 1
         started = time.perf_counter()
-        await self.backend.update_weights(tensors, version)
+        adopt = getattr(self.backend, "adopt_weights", None)
+        if owned is not None and adopt is not None:
+            adopted = bool(await adopt(tensors, version))
+        else:
+            await self.backend.update_weights(tensors, version)
+            adopted = False
+        if owned is not None and owned[1] and owned[1][0].device.type == "cpu":
+            if adopted:  # the model left the buffers it held: they receive the next update
+                self._spare, self._held = self._held, owned
+            else:  # copied out of them: free again
+                self._spare = owned
+        elif adopted:
+            self._spare, self._held = self._held, None
         return self.backend.policy_version, time.perf_counter() - started
 
     async def receive_chunks(
@@ -83,7 +109,7 @@ class WeightReceiver:
             assembler.add(msg.chunk)
         tensors = assembler.finish()
         async with self._lock:
-            applied, spent = await self._apply(tensors, version)
+            applied, spent = await self._apply(tensors, version, owned=((), []) if assembler.owned else None)
         log.info("applied %d tensors (%d bytes) from grpc as policy version %d in %.3fs",
                  len(tensors), assembler.num_bytes, applied, spent)  # fmt: skip
         return rollout_pb2.UpdateWeightsResponse(
@@ -100,14 +126,15 @@ class WeightReceiver:
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
+        owned = None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
         async with self._lock:
             if which == "shm":
                 if not self.host_id:
                     raise InvalidInput("shm: this server has no usable /dev/shm")
                 tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
             else:
-                tensors = await self._receive_dist(request.dist, entries, timeout_s)
-            applied, spent = await self._apply(tensors, request.policy_version)
+                tensors, owned = await self._receive_dist(request.dist, entries, timeout_s)
+            applied, spent = await self._apply(tensors, request.policy_version, owned)
         total = sum(e.nbytes for e in entries)
         seconds = time.perf_counter() - started
         log.info("applied %d tensors (%d bytes) from %s as policy version %d in %.3fs (apply %.3fs)",
@@ -118,7 +145,7 @@ class WeightReceiver:
 
     async def _receive_dist(
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], tuple[tuple[int, ...], list[torch.Tensor]]]:
         if not dist_available():
             raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
         if rdv.backend not in ("gloo", "nccl"):
@@ -132,13 +159,11 @@ class WeightReceiver:
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
         group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
         sizes = tuple(b.nbytes for b in buckets)
-        if device.type != "cpu":
-            buffers: list[torch.Tensor] = []
-        elif self._staging is not None and self._staging[0] == sizes:
-            buffers = self._staging[1]
-        else:
-            self._staging = None
-            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        if self._spare is not None and self._spare[0] == sizes and self._spare[1][0].device == device:
+            buffers = self._spare[1]
+        else:  # on a GPU nothing is kept: the caching allocator makes fresh buffers cheap there
+            buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        self._spare = None  # in use now: spare again only once this update is applied (or copied out)
 
         def receive() -> dict[str, torch.Tensor]:
             pg = group
@@ -153,11 +178,9 @@ class WeightReceiver:
 
         try:
             staged = await asyncio.to_thread(receive)
-            if buffers:
-                self._staging = (sizes, buffers)
-            return staged
+            return staged, (sizes, buffers)
         except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
-            self._staging = None  # a late write may still land in these buffers: never reuse them
+            # a late write may still land in these buffers: never reuse them (self._spare is None already)
             text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TimeoutError(text) from exc

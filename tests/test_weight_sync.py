@@ -327,3 +327,112 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
         assert min(sample_versions) >= at - bound, (at, sample_versions)  # never beyond the bound
     assert b.backend.policy_version >= final - 1 and c.backend.policy_version >= final - 1, versions
     assert client.join_updates >= 1
+
+
+# ------------------------------------------------------------- O(1) swap, joiners and in-place training, shm
+
+
+def _inside(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    ptr = t.data_ptr()
+    return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in buffers)
+
+
+async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_model_left(
+    tiny_models: TinyModelPaths,
+) -> None:
+    """Whole dist updates are adopted (the parameters live in the received buckets), the buckets the model held
+    before receive the next update, and every update still lands whole; a partial update is copied in."""
+    base = policy_state(tiny_models)
+    async with servers(tiny_models, 1) as (ro,), TrainerClient([ro.address]) as client:
+        client.weight_sync.bucket_bytes = 64 << 10
+        receiver = ro.servicer.weights
+        held: list[list[torch.Tensor]] = []
+        for step in range(1, 5):
+            new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}  # the model's dtype (fp32 on CPU)
+            assert await client.update_weights(new, transport="dist") == step
+            assert same(model_weights(ro), new) and await generated_version(ro.address) == step
+            assert receiver._held is not None
+            buffers = receiver._held[1]
+            params = dict(ro.backend._lm.named_parameters())
+            assert all(_inside(p, buffers) for p in params.values())  # adopted: no copy into the model
+            held.append(buffers)
+        assert held[2] is held[0] and held[3] is held[1]  # double buffering: two sets take turns
+        assert receiver._spare is not None and receiver._spare[1] is held[2]
+        # Partial (one tensor over grpc): copied into the parameter where it lies now, the rest unchanged.
+        name = "model.norm.weight"
+        part = {name: torch.full_like(base[name], 0.5)}
+        assert await client.update_weights(part, transport="grpc") == 5
+        now = model_weights(ro)
+        assert torch.equal(now[name], part[name]) and _inside(ro.backend._lm.get_parameter(name), held[3])
+        assert same({k: v for k, v in now.items() if k != name}, {k: v for k, v in new.items() if k != name})
+
+
+async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version(tiny_models: TinyModelPaths) -> None:
+    """The trainer keeps a reference to the last state it sent; once training changes it in place, a server
+    that joins is refused those tensors (and waits for the next update); an unchanged state is sent."""
+    base = policy_state(tiny_models)
+    async with AsyncExitStack() as stack:
+        a, b, c = [await stack.enter_async_context(servers(tiny_models, 1)) for _ in range(3)]
+        pods = [a[0].address]
+        client = TrainerClient("dns:///rollout.test:1", resolve=lambda specs: list(pods), resolve_interval_s=0.05,
+                               retry_backoff_s=0.05)  # fmt: skip
+        await stack.enter_async_context(client)
+        state = perturbed(base, 30)
+        assert await client.update_weights(state) == 1
+        with torch.no_grad():
+            state["model.norm.weight"].add_(1.0)  # an optimizer step, in place
+
+        async def member(address: str) -> Any:
+            pods.append(address)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                await client.pool.refresh_now()
+                found = [m for m in client.pool.members if m.address == address]
+                if found:
+                    return found[0]
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{address} never joined the pool")
+
+        mb = await member(b[0].address)
+        with pytest.raises(RuntimeError, match="changed in place"):
+            await client._bring_up_to_date(mb)
+        assert b[0].backend.policy_version == 0 and client.join_updates == 0
+        newer = perturbed(base, 31)
+        assert await client.update_weights(newer) == 2  # b is a member: it gets this one
+        assert b[0].backend.policy_version == 2 and same(model_weights(b[0]), newer)
+        mc = await member(c[0].address)
+        await client._bring_up_to_date(mc)  # unchanged since sent: the joiner gets it (here or from the pool)
+        assert c[0].backend.policy_version == 2 and same(model_weights(c[0]), newer) and client.join_updates == 1
+
+
+def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
+    from client.weight_planes import SHM_DIR, ShmWriter, sweep_stale_shm
+
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    code = (
+        "import sys, time, torch\n"
+        "from client.weight_planes import ShmWriter\n"
+        "w = ShmWriter(); w.write([torch.ones(1000)], [0], 4000)\n"
+        "print(w.path, flush=True); time.sleep(120)\n"
+    )
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        path = Path(proc.stdout.readline().strip())
+        assert path.parent == SHM_DIR and path.exists()
+        mine = ShmWriter()  # sweeps: the live writer's file stays
+        mine.write([torch.zeros(10)], [0], 40)
+        assert path.exists() and mine.path.exists()
+        proc.kill()
+        proc.wait(timeout=30)
+        assert path.exists()  # killed: nothing removed it
+        assert path in sweep_stale_shm() and not path.exists()
+        assert mine.path.exists()  # a live writer's file (this process holds its lock) is never swept
+        mine.close()
+        assert not mine.path.exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

@@ -128,7 +128,8 @@ class _WeightSwap:
 
     tensors: dict[str, torch.Tensor]
     version: int
-    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    adopt: bool = False  # the caller hands the tensors over: swap storages instead of copying (see adopt_weights)
+    done: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)  # True: adopted
 
 
 @dataclass(eq=False)
@@ -360,7 +361,8 @@ class HFBackend:
         lm.eval()
         lm.requires_grad_(False)
         self._lm = lm
-        self._state = dict(lm.state_dict())
+        # The parameters and buffers themselves (not detached copies): adopt_weights re-points their storage.
+        self._state = dict(lm.state_dict(keep_vars=True))
         self._eos = frozenset(eos_token_ids(self.tokenizer, getattr(lm, "generation_config", None)))
         pad = self.tokenizer.pad_token_id
         self._pad_id = int(pad) if pad is not None else (min(self._eos) if self._eos else 0)
@@ -464,16 +466,30 @@ class HFBackend:
                 self._pending.append(item)
 
     def _swap_weights(self, swap: _WeightSwap) -> None:
-        """Between two steps: copy every tensor, then label the tokens that follow with the new version."""
+        """Between two steps: copy (or adopt) every tensor, then label the tokens that follow with the new version."""
         try:
             with torch.no_grad():
+                adopted = swap.adopt and self._adoptable(swap.tensors)
                 for name, tensor in swap.tensors.items():
-                    self._state[name].copy_(tensor)
+                    if adopted:
+                        self._state[name].data = tensor  # O(1): the parameter now lives in the caller's buffer
+                    else:
+                        self._state[name].copy_(tensor)
             self.policy_version = swap.version
         except BaseException as exc:
             swap.done.set_exception(exc)
         else:
-            swap.done.set_result(None)
+            swap.done.set_result(adopted)
+
+    def _adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Only a whole update of the same dtypes and device is adopted: then no parameter keeps pointing into an
+        older buffer, so the caller may reuse the buffers it handed over before (double buffering)."""
+        if tensors.keys() != self._state.keys():
+            return False
+        return all(
+            t.dtype == self._state[n].dtype and t.device == self._state[n].device and t.shape == self._state[n].shape
+            for n, t in tensors.items()
+        )
 
     @staticmethod
     def _output(row: _Row, version: int) -> GenerationOutput:
@@ -774,13 +790,24 @@ class HFBackend:
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Validate everything, then copy between two steps: no step ever sees half of the new weights."""
+        await self._submit(tensors, version, adopt=False)
+
+    async def adopt_weights(self, tensors: dict[str, torch.Tensor], version: int) -> bool:
+        """Like update_weights, but the model takes the tensors themselves (no copy) when they are a whole update
+        of the model's dtypes and device; returns True then. The caller must never write them afterwards; the
+        tensors the model held before are free once this returns True (the caller may receive into them)."""
+        return await self._submit(tensors, version, adopt=True)
+
+    async def _submit(self, tensors: dict[str, torch.Tensor], version: int, *, adopt: bool) -> bool:
         if self._worker is None:
             await self.start()
         self.validate_weights(tensors)
-        swap = _WeightSwap(tensors, int(version))
+        swap = _WeightSwap(tensors, int(version), adopt)
         self._inbox.put(swap)
-        await asyncio.wrap_future(swap.done)
-        logger.info("hf backend: applied %d tensors, policy_version=%d", len(tensors), version)
+        adopted = await asyncio.wrap_future(swap.done)
+        logger.info("hf backend: %s %d tensors, policy_version=%d", "adopted" if adopted else "applied",
+                    len(tensors), version)  # fmt: skip
+        return adopted
 
 
 def _joinable(layer: Any) -> bool:
