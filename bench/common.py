@@ -336,6 +336,7 @@ class EchoRewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def __init__(self) -> None:
         self.results_sent = 0
+        self.messages_in = self.messages_out = 0
 
     async def Score(
         self, request_iterator: AsyncIterator[reward_pb2.ScoreRequest], context: aio.ServicerContext
@@ -343,17 +344,21 @@ class EchoRewardServicer(reward_pb2_grpc.RewardServiceServicer):
         many = False  # answer in kind: several results per message once the client asks for them
         async for req in request_iterator:
             arrived = time.monotonic()
+            self.messages_in += 1
             many = many or req.max_results_per_message > 1
             if req.items:
                 results = [_echo_result(it.sample.sample_id, it.reward, arrived) for it in req.items]
                 self.results_sent += len(results)
                 if many:
+                    self.messages_out += 1
                     yield reward_pb2.ScoreResponse(results=results)
                 else:
                     for r in results:
+                        self.messages_out += 1
                         yield reward_pb2.ScoreResponse(result=r)
             elif req.HasField("sample"):
                 self.results_sent += 1
+                self.messages_out += 1
                 yield reward_pb2.ScoreResponse(result=_echo_result(req.sample.sample_id, req.reward, arrived))
 
     async def ScoreBatch(
@@ -405,7 +410,12 @@ async def serve_echo(host: str, port: int, port_file: str = "") -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
-    log.info("echo server stopped after sending %d results", servicer.results_sent)
+    log.info(
+        "echo server stopped after sending %d results (Score messages: %d in, %d out)",
+        servicer.results_sent,
+        servicer.messages_in,
+        servicer.messages_out,
+    )
 
 
 def echo_server_argv(host: str = "127.0.0.1", port: int = 0) -> list[str]:

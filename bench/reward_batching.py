@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport-only", action="store_true", help="measure only the transport (no reward model, no (a)-(c))"
     )
 
+    transport.add_argument(
+        "--servicer-only",
+        action="store_true",
+        help="measure only the reward servicer's own CPU per sample in this process (no sockets): noop samples "
+        "in messages of --servicer-items through RewardServicer.Score, parsed from bytes, answers serialized",
+    )
+    transport.add_argument("--servicer-items", type=int, default=256, help="samples per Score message")
+
     iso = p.add_argument_group("isolation benchmark")
     iso.add_argument(
         "--isolation-only",
@@ -302,6 +310,58 @@ async def run_transport_only(args: argparse.Namespace) -> dict[str, Any]:
             echo_server.stop()
     report["runtime_s"] = time.perf_counter() - t_start
     return report
+
+
+async def run_servicer_only(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per sample of RewardServicer.Score itself, gRPC left out: requests parsed from bytes (as gRPC hands
+    them over), every response serialized (as gRPC would), thread CPU time, median of --transport-rounds."""
+    from reward_engine.engine import RewardEngine
+    from rewardmesh.v1 import reward_pb2
+    from server.reward_service import RewardServicer
+
+    engine = RewardEngine()
+    engine.add_builtin_rules()
+    servicer = RewardServicer(engine)
+    per = max(1, args.servicer_items)
+    samples = to_samples(token_ids(args.transport_samples, args.seq_len, 512, args.seed + 1), "s", args.seq_len // 2)
+    wire = [
+        reward_pb2.ScoreRequest(
+            items=[reward_pb2.ScoreRequest(sample=x, reward="noop") for x in samples[lo : lo + per]],
+            max_results_per_message=per,
+        ).SerializeToString()
+        for lo in range(0, len(samples), per)
+    ]
+
+    async def requests(data: list[bytes]) -> Any:
+        for raw in data:
+            yield reward_pb2.ScoreRequest.FromString(raw)
+            await asyncio.sleep(0)  # as a stream would: the next message arrives in a later loop iteration
+
+    async def one_round(data: list[bytes]) -> int:
+        answered = 0
+        async for response in servicer.Score(requests(data), None):  # type: ignore[arg-type]
+            response.SerializeToString()
+            answered += len(response.results) or 1
+        return answered
+
+    await one_round(wire[:2])  # warm up
+    rounds = []
+    for _ in range(args.transport_rounds):
+        t = time.thread_time()
+        answered = await one_round(wire)
+        rounds.append((time.thread_time() - t) / answered * 1e6)
+    await engine.close()
+    return {"machine": machine_info(), "samples": len(samples), "per_message": per, "rounds_us": rounds}
+
+
+def render_servicer(report: dict[str, Any]) -> str:
+    m, rounds = report["machine"], report["rounds_us"]
+    return (
+        f"Reward servicer alone (no sockets; {m['cpu']}, Python {m['python']}; shared machine): "
+        f"{statistics.median(rounds):.1f} µs CPU per sample, median of {len(rounds)} rounds "
+        f"({', '.join(f'{x:.1f}' for x in rounds)}); {report['samples']} noop samples, "
+        f"{report['per_message']} per message"
+    )
 
 
 def render_transport(report: dict[str, Any]) -> str:
@@ -903,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.isolation_only:
             print(render_isolation(asyncio.run(run_isolation_only(args))), flush=True)
+            return 0
+        if args.servicer_only:
+            print(render_servicer(asyncio.run(run_servicer_only(args))), flush=True)
             return 0
         if args.transport_only:
             report = asyncio.run(run_transport_only(args))

@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import cpu_snapshot, cpu_usage, machine_info, markdown_table, progress
+from bench.common import cpu_snapshot, cpu_usage, echo_server_argv, machine_info, markdown_table, progress
 from demo.server_process import ServerProcess
 
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
@@ -179,7 +180,8 @@ async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
     tokenizer = build_tokenizer()
     prompts = prompt_specs(args.prompts, args.prompt_tokens, len(tokenizer), args.seed)
     sampling = Sampling(max_tokens=args.response_tokens)
-    reward = ServerProcess("reward-instant", reward_argv(), workdir)
+    # --echo-reward: the bare grpc.aio echo server (bench/common.py) as the reward target, the reward side's floor.
+    reward = ServerProcess("reward-instant", echo_server_argv() if args.echo_reward else reward_argv(), workdir)
     reward.start()
     rollout: ServerProcess | None = None
     try:
@@ -228,7 +230,14 @@ async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         if rollout is not None:
             rollout.stop()
         reward.stop()
-    return summarize_instant(rounds)
+    return summarize_instant(rounds) | {"score_messages": score_messages(reward.log_text())}
+
+
+def score_messages(reward_log: str) -> dict[str, int] | None:
+    """Results and Score messages (in, out) over the reward server's life, from its shutdown log line: how
+    many samples share a message decides the per-message gRPC cost per sample."""
+    m = re.search(r"after sending (\d+) results \(Score messages: (\d+) in, (\d+) out\)", reward_log)
+    return None if m is None else {"results": int(m[1]), "in": int(m[2]), "out": int(m[3])}
 
 
 def summarize_instant(rounds: dict[str, list[Round]]) -> dict[str, Any]:
@@ -255,7 +264,9 @@ def render_instant(res: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         ["bare instant engine (in process)", f"{res['bare_samples_per_s']:,.0f}", "", ""],
         [
-            "mesh: trainer -> rollout server -> reward server (`noop`) -> back",
+            "mesh: trainer -> rollout server -> "
+            + ("bare echo server" if args.echo_reward else "reward server (`noop`)")
+            + " -> back",
             f"{res['mesh_samples_per_s']:,.0f}",
             f"{res['samples_per_s_per_core']:,.0f}",
             f"{res['total_cpu_us_per_sample']:,.0f} µs (trainer {cpu['trainer']:,.0f} / rollout "
@@ -270,7 +281,18 @@ def render_instant(res: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"Errors: {res['errors']}. CPU of other processes during the mesh rounds: {res['other_cores']:.2f} cores "
         f"(median). Per-core rounds: {', '.join(f'{x:,.0f}' for x in res['rounds_per_core'])}.",
+        _messages_line(res.get("score_messages")),
     ])  # fmt: skip
+
+
+def _messages_line(msgs: dict[str, int] | None) -> str:
+    if not msgs or not msgs["in"] or not msgs["out"]:
+        return "Score messages: not reported by the reward server."
+    return (
+        f"Score stream (whole run, warmup included): {msgs['results']:,} results, "
+        f"{msgs['results'] / msgs['in']:.1f} samples per request message, "
+        f"{msgs['results'] / msgs['out']:.1f} per response message."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ hf
@@ -541,6 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--modes", default="instant,hf,vllm", help="comma-separated: instant, hf, vllm")
+    p.add_argument(
+        "--echo-reward",
+        action="store_true",
+        help="instant mode: score on the bare grpc.aio echo server instead of `rewardmesh serve reward` "
+        "(the reward side's floor: what gRPC alone costs per sample at the mesh's message sizes)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="alternating bare/mesh rounds per mode (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (random ids)")

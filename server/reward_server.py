@@ -110,4 +110,10 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
         )
         await server.gateway.start()
     await server.serve_until_signalled()
-    log.info("reward server stopped after sending %d results", server.servicer.results_sent)
+    svc = server.servicer
+    log.info(
+        "reward server stopped after sending %d results (Score messages: %d in, %d out)",
+        svc.results_sent,
+        svc.messages_in,
+        svc.messages_out,
+    )

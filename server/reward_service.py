@@ -159,6 +159,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._outboxes: set[_Outbox] = set()
         self._draining = asyncio.Event()
         self.results_sent = 0
+        self.messages_in = self.messages_out = 0  # Score messages read and written: samples per message
         self.held = 0  # samples read on Score streams and not yet answered, over all streams
 
     @property
@@ -298,6 +299,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             nonlocal per_message, room, unanswered
             try:
                 async for req in request_iterator:
+                    self.messages_in += 1
                     if req.max_results_per_message > 0:
                         per_message = req.max_results_per_message
                     items = req.items
@@ -369,6 +371,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     unanswered -= len(chunk)
                     self.held -= len(chunk)
                     self.results_sent += len(chunk)
+                    self.messages_out += 1
                     if room is not None and not room.done() and unanswered < limit:
                         room.set_result(None)
         finally:
