@@ -6,7 +6,9 @@ Workload: R requests on the tiny policy (seeded sampling at temperature 1, so ev
 tokens), max_tokens drawn uniformly in [min, max] per request, so rows finish at different steps.
   (a) offline: all R requests submitted at once (one batch, max_batch_size >= R): the throughput limit;
   (b) stream: the same requests arriving as a Poisson process spread over `--window` x (a)'s makespan, each
-      joining the running batch at the next step boundary.
+      joining the running batch at the next step boundary. (a)'s makespan is the median of every offline run so
+      far (3 calibration runs, then each round's), so a slow or fast moment of a shared machine does not stretch
+      or squeeze the window against the runs it is compared with.
   (c) ideal stream (computed): each request of (b) decodes from the instant it arrives at (a)'s mean step
       time; a stream spread over W steps needs about W more steps than (a), which bounds (b)/(a) below 1.
 Throughput is generated tokens / (last finish - first arrival); latency is each request's finish - arrival.
@@ -49,6 +51,7 @@ class Run:
     max_wait_steps: int
     steps: int
     lengths: list[int]  # tokens per request
+    arrivals: list[float]
 
     @property
     def throughput(self) -> float:
@@ -91,7 +94,7 @@ async def run(backend: HFBackend, requests: list[GenerationRequest], arrivals: l
     await asyncio.gather(*(one(i) for i in range(len(requests))))
     seconds = time.perf_counter() - start
     waits = list(backend.admission_waits)[waits_before:]
-    return Run(seconds, tokens, latencies, max(waits, default=0), backend.steps - steps_before, lengths)
+    return Run(seconds, tokens, latencies, max(waits, default=0), backend.steps - steps_before, lengths, list(arrivals))
 
 
 def poisson(n: int, window: float, seed: int) -> list[float]:
@@ -124,15 +127,19 @@ async def main_async(args: argparse.Namespace) -> int:
         requests = workload(backend, args.requests, args.min_tokens, args.max_tokens, seed=1)
         progress("warm-up and calibration")
         await run(backend, requests[:4], [0.0] * 4)
-        offline_makespan = (await run(backend, requests, [0.0] * len(requests))).seconds
-        arrivals = poisson(len(requests), args.window * offline_makespan, seed=2)
+        at_once = [0.0] * len(requests)
+        makespans = [(await run(backend, requests, at_once)).seconds for _ in range(3)]
         results: dict[str, list[Run]] = {"offline": [], "stream": []}
         for r in range(args.rounds):
             order = ["offline", "stream"] if r % 2 == 0 else ["stream", "offline"]
             for mode in order:
                 progress(f"round {r + 1}/{args.rounds}: {mode}")
-                times = [0.0] * len(requests) if mode == "offline" else arrivals
-                results[mode].append(await run(backend, requests, times))
+                if mode == "offline":
+                    results[mode].append(await run(backend, requests, at_once))
+                    makespans.append(results[mode][-1].seconds)
+                else:
+                    window = args.window * statistics.median(makespans)
+                    results[mode].append(await run(backend, requests, poisson(len(requests), window, seed=2)))
     finally:
         await backend.close()
 
@@ -156,7 +163,7 @@ async def main_async(args: argparse.Namespace) -> int:
     ideal = []
     for off, stream in zip(results["offline"], results["stream"], strict=True):
         step = off.seconds / off.steps
-        ideal.append(max(a + n * step for a, n in zip(arrivals, stream.lengths, strict=True)))
+        ideal.append(max(a + n * step for a, n in zip(stream.arrivals, stream.lengths, strict=True)))
     ideal_s = statistics.median(ideal)
     rows.append(["(c) ideal stream: each request decodes from its arrival at (a)'s step time",
                  f"{ideal_s:.2f}", f"{results['stream'][0].tokens / ideal_s:.0f}", "", ""])  # fmt: skip
@@ -166,7 +173,8 @@ async def main_async(args: argparse.Namespace) -> int:
     info = machine_info()
     print(
         f"\n{args.requests} requests, max_tokens {args.min_tokens}-{args.max_tokens}, stream arrivals over "
-        f"{args.window:g} x the offline makespan ({args.window * offline_makespan:.2f} s), {args.rounds} rounds "
+        f"{args.window:g} x the offline makespan (median {args.window * statistics.median(makespans):.2f} s), "
+        f"{args.rounds} rounds "
         f"alternating, medians; {info['cpu']}, {info['usable_cpus']} usable cores, torch {info['torch']}, "
         f"{args.threads} decode thread(s)\n"
     )

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from demo.tiny_models import TinyModelPaths
 from server.backends import make_backend
 from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
-from server.backends.hf import HFBackend, sample, trim_at_stop
+from server.backends.hf import HFBackend, _SlotCache, sample, trim_at_stop
 
 PROMPTS = [
     "What is 2 + 2?",
@@ -505,3 +505,111 @@ async def test_make_backend(tiny_models: TinyModelPaths) -> None:
     await b.close()
     with pytest.raises(ValueError, match=r"'hf'.*'vllm'"):
         make_backend("sglang", str(tiny_models.policy))
+
+
+# ----------------------------------------------------------------------------------------- the KV cache
+
+
+def test_slot_cache_keeps_every_rows_columns_through_moves_and_growth() -> None:
+    """Rows written, removed (the last row fills the hole) and carried through shifts and reallocations
+    keep exactly their own history, in order, ending at the write column."""
+    cache = _SlotCache(1)
+    history: list[list[float]] = []  # per slot, the values written for that row, in order
+    starts: list[int] = []
+    counter = 0.0
+
+    def forward(prompts: list[int]) -> None:
+        nonlocal counter
+        old = len(history)
+        n, width = old + len(prompts), max(prompts, default=1)
+        shift = cache.reserve(n, width)
+        starts[:] = [s + shift for s in starts]
+        w = cache.w
+        keys = torch.zeros((n, 1, width, 1))
+        for r in range(n):
+            length = 1 if r < old else prompts[r - old]
+            values = [counter + i for i in range(length)]
+            counter += length
+            keys[r, 0, width - length :, 0] = torch.tensor(values)
+            if r < old:
+                history[r] += values
+            else:
+                history.append(values)
+                starts.append(w + 1 - length)
+        cache.n, cache.read_lo = n, min(starts)
+        cache.prompts = [(old + j, length) for j, length in enumerate(prompts)]
+        k, _ = cache.update(keys, keys, 0)
+        cache.w, cache.lo, cache.prompts = w + 1, min(starts), []
+        assert k.shape[0] == n and k.shape[2] == w + 1 - cache.read_lo
+
+    def remove(slot: int) -> None:
+        last = len(history) - 1
+        if slot != last:
+            cache.move_rows(torch.tensor([last]), torch.tensor([slot]))
+            history[slot], starts[slot] = history[last], starts[last]
+        history.pop()
+        starts.pop()
+        cache.lo = min(starts)
+
+    def check() -> None:
+        keys = cache.k[0]
+        assert keys is not None
+        for r, values in enumerate(history):
+            assert cache.w - starts[r] == len(values)
+            assert keys[r, 0, starts[r] : cache.w, 0].tolist() == values
+
+    forward([3, 5])
+    for i in range(150):
+        forward([7] if i % 20 == 5 else [])  # a new row every 20 steps
+        if i % 20 == 15 and len(history) > 1:
+            remove(starts.index(min(starts)))  # the oldest leaves: the last row takes its slot
+        check()
+    assert cache.grows and cache.shifts  # both relayouts happened and kept every row intact
+    assert cache.w - cache.lo < 2 * 40 + 2  # dead columns were reclaimed, the live window is short
+
+
+@pytest.fixture(scope="module")
+def sliding_policy(tiny_models: TinyModelPaths, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny sliding-window model (random Mistral) with the tiny policy's tokenizer: the general cache path."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("sliding-policy")
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=511,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    MistralForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(tiny_models.policy)).save_pretrained(out)
+    return str(out)
+
+
+async def test_a_sliding_window_model_runs_on_the_general_cache(sliding_policy: str) -> None:
+    """Sliding-window layers cannot share the slot cache: rows still batch, seeded rows still match alone."""
+    b = HFBackend(sliding_policy, num_threads=1, batch_wait_ms=20)
+    try:
+        requests = [sampled(b, p, seed=30 + i, max_tokens=12 + 4 * i) for i, p in enumerate(PROMPTS[:3])]
+        alone = [await b.generate(r) for r in requests]
+        assert not b._use_slots
+        together = await asyncio.gather(*(b.generate(r) for r in requests))
+        assert b.batch_sizes[-1] == 3 and [o.token_ids for o in together] == [o.token_ids for o in alone]
+        # a request arriving mid-batch waits for an empty batch here, then runs
+        order: list[str] = []
+        first = asyncio.create_task(b.generate(greedy(b, PROMPTS[0], max_tokens=40)))
+        first.add_done_callback(lambda _: order.append("first"))
+        steps = b.steps
+        await wait_for(lambda: b.steps >= steps + 3, timeout=30)
+        second = await b.generate(greedy(b, PROMPTS[1], max_tokens=5))
+        order.append("second")
+        assert len(second.token_ids) == 5 or second.finish_reason == "stop"
+        assert order == ["first", "second"] and max(b.running_sizes) == 3
+    finally:
+        await b.close()

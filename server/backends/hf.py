@@ -2,8 +2,11 @@
 
 It exists so the whole mesh (rollouts, streaming rewards, weight sync) runs anywhere, CPU included, without
 vLLM. Rows join and leave one running batch at step boundaries: a finished or cancelled row leaves (its KV
-cache rows are dropped), and a request that arrives while others decode is prefilled and joins at the next
-step, so it never waits for the longest row of a batch it missed. Admission is bounded by ``max_batch_size``
+cache slot is freed), and a request that arrives while others decode is prefilled in the same forward pass as
+the running rows' next token and joins, so it never waits for the longest row of a batch it missed. The KV
+cache is preallocated per row (:class:`_SlotCache`), so joining and leaving copy no cache. Models whose cache
+is not plain full attention (sliding windows, linear attention) or whose attention takes no 4-D mask run on
+transformers' own cache instead, where new rows wait for an empty batch. Admission is bounded by ``max_batch_size``
 rows and ``max_batch_tokens`` (each row reserves prompt + max_tokens). Each request's future resolves the
 moment its own row finishes.
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.cache_utils import Cache
 
 from client.weights import validate_weights
 from reward_engine.devices import resolve_device, resolve_dtype
@@ -145,6 +149,8 @@ class _Row:
     versions: list[int] = field(default_factory=list)  # weights version of each token
     finish_reason: str | None = None
     first_step: int = -1  # the step that produced its first token
+    start: int = 0  # slot cache: the column of its first token
+    uniforms: list[float] = field(default_factory=list)  # its generator's next draws, drawn a few at a time
 
 
 @dataclass(eq=False)
@@ -159,6 +165,126 @@ class _Batch:
     temps: torch.Tensor | None = None
     top_ks: torch.Tensor | None = None
     top_ps: torch.Tensor | None = None
+
+
+# ------------------------------------------------------------------------------------- the slot KV cache
+
+
+class _SlotCache(Cache):
+    """The running batch's KV cache in preallocated buffers, one slot (row) per running request.
+
+    Why: transformers' DynamicCache concatenates every layer's whole cache on every step, and rows joining or
+    leaving a padded batch cost a copy of the whole cache each. Here a step writes only its new columns in place,
+    a joining row writes its prompt into a free slot, and a leaving row is replaced by the batch's last row (one
+    row copied), so a step costs the same whether or not rows come and go.
+
+    Layout: ``[rows, kv_heads, columns, head_dim]`` per layer. Every row's tokens are contiguous columns
+    ``[start, w)`` ending at the shared write column ``w``: a decode step writes each row's token at column
+    ``w``; a joining row's prompt goes right-aligned to end at ``w`` too. Attention reads columns ``[lo, w]``
+    (``lo``: the earliest live start) under a 4-D mask the backend builds, so nothing before a row's start or
+    after a prompt token's own position is seen. Columns left of ``lo`` are dead; they are reclaimed by moving
+    the live window to the left when the buffer's end is reached (amortized: at most every half capacity).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.row_cap = 0
+        self.col_cap = 0
+        self.lo = 0  # first live column
+        self.w = 0  # next column to write (exclusive end of every row's tokens)
+        # The plan of the forward pass in flight, set by the backend before it calls the model:
+        self.n = 0  # rows in the forward pass (slots 0..n-1, in tensor order)
+        self.read_lo = 0  # first column the attention reads
+        self.prompts: list[tuple[int, int]] = []  # (slot, prompt length) of rows that join in this pass
+        self.grows = 0  # buffers reallocated larger (observability; the tests check both kinds of relayout)
+        self.shifts = 0  # live columns moved within the buffers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.w - self.lo
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if k is None or v is None:  # first pass: the model says what a layer's K/V look like
+            k = key_states.new_zeros((self.row_cap, key_states.shape[1], self.col_cap, key_states.shape[-1]))
+            v = value_states.new_zeros((self.row_cap, value_states.shape[1], self.col_cap, value_states.shape[-1]))
+            self.k[layer_idx], self.v[layer_idx] = k, v
+        n, w = self.n, self.w
+        k[:n, :, w] = key_states[:, :, -1]  # every row's newest token (a running row's only one)
+        v[:n, :, w] = value_states[:, :, -1]
+        for slot, length in self.prompts:
+            if length > 1:
+                k[slot, :, w + 1 - length : w] = key_states[slot, :, -length:-1]
+                v[slot, :, w + 1 - length : w] = value_states[slot, :, -length:-1]
+        return k[:n, :, self.read_lo : w + 1], v[:n, :, self.read_lo : w + 1]
+
+    def reserve(self, rows: int, longest_prompt: int) -> int:
+        """Make room for a pass over ``rows`` rows whose longest new prompt has ``longest_prompt`` tokens.
+
+        Returns how far the live columns moved (add it to every row's start).
+        """
+        span = self.w - self.lo
+        grow_rows = rows > self.row_cap
+        if not grow_rows and self.w + 1 <= self.col_cap and longest_prompt <= self.w + 1:
+            return 0
+        # Place the live window so that it ends at new_w >= longest_prompt - 1, with room for the write.
+        new_w = max(span, longest_prompt - 1)
+        col_cap = self.col_cap
+        if 2 * (new_w + 1) > col_cap:  # less than half would be free: double (amortized O(1) per step)
+            col_cap = max(64, 2 * (new_w + 1), 2 * col_cap)
+        row_cap = max(self.row_cap, rows) if not grow_rows else max(rows, 2 * self.row_cap)
+        shift = new_w - self.w
+        old_rows = min(self.row_cap, rows)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                if t is None:
+                    continue
+                live = t[:old_rows, :, self.lo : self.w]
+                if row_cap != self.row_cap or col_cap != self.col_cap:
+                    fresh = t.new_zeros((row_cap, t.shape[1], col_cap, t.shape[-1]))
+                    fresh[:old_rows, :, new_w - span : new_w] = live
+                    store[i] = fresh
+                    self.grows += 1
+                elif shift:
+                    t[:old_rows, :, new_w - span : new_w] = live.clone()  # the windows may overlap
+                    self.shifts += 1
+        self.row_cap, self.col_cap = row_cap, col_cap
+        self.lo, self.w = new_w - span, new_w
+        return shift
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the live columns of rows ``src`` into rows ``dst`` (filling the slots of rows that left)."""
+        for store in (self.k, self.v):
+            for t in store:
+                if t is not None:
+                    t[dst, :, self.lo : self.w] = t[src, :, self.lo : self.w]
+
+
+@dataclass(eq=False)
+class _SlotBatch:
+    """Worker-thread state of the running batch on a :class:`_SlotCache`: row ``i`` lives in slot ``i``."""
+
+    cache: _SlotCache
+    rows: list[_Row] = field(default_factory=list)
+    # Per slot, sized to the cache's row capacity; entries past len(rows) are stale.
+    next_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    last: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    temps: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    top_ks: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    top_ps: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+    def grow(self, rows: int) -> None:
+        for name in ("next_pos", "last", "temps", "top_ks", "top_ps"):
+            t = getattr(self, name)
+            if t.shape[0] < rows:
+                fresh = t.new_zeros(max(rows, 2 * t.shape[0]))
+                fresh[: t.shape[0]] = t
+                setattr(self, name, fresh)
 
 
 def sample(
@@ -291,7 +417,6 @@ class HFBackend:
         self._state: dict[str, torch.Tensor] = {}
         self._eos: frozenset[int] = frozenset()
         self._pad_id = 0
-        self._can_join = True  # False for caches whose layers cannot be padded and merged (sliding windows ...)
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: asyncio.Future[None] | None = None  # the decode loop, running on the worker thread
@@ -299,7 +424,9 @@ class HFBackend:
         self._inbox: queue.SimpleQueue[_Pending | _WeightSwap | None] = queue.SimpleQueue()  # None: stop
         self._pending: collections.deque[_Pending] = collections.deque()  # worker-owned: not yet admitted
         self._outstanding: set[asyncio.Future[GenerationOutput]] = set()  # loop-owned: every unanswered call
-        self._batch = _Batch()
+        self._batch: _Batch | _SlotBatch = _Batch()
+        self._use_slots = False  # the slot cache path (plain full-attention models under sdpa or eager)
+        self._bool_mask = True  # sdpa takes a boolean mask; eager an additive one
         self._closed = False
         # Observability (and what the tests use to see continuous batching happen, by counting steps).
         self.steps = 0  # forward steps completed (each: one decode of the running rows and/or one prefill)
@@ -368,6 +495,29 @@ class HFBackend:
         self._pad_id = int(pad) if pad is not None else (min(self._eos) if self._eos else 0)
         vocab = lm.get_input_embeddings().weight.shape[0]
         self.vocab_size = int(vocab) if self.vocab_size is None else min(int(self.vocab_size), int(vocab))
+        attention = getattr(lm.config, "_attn_implementation", None)
+        layers = _cache_layers(lm.config)
+        self._use_slots = attention in ("sdpa", "eager") and bool(layers) and all(_joinable(x) for x in layers)
+        self._bool_mask = attention == "sdpa"
+        self._batch = self._new_batch()
+
+    def _new_batch(self) -> _Batch | _SlotBatch:
+        """An empty running batch: on the slot cache where the model allows it (see :class:`_SlotCache`)."""
+        if not self._use_slots:
+            return _Batch()
+        d = self.device
+
+        def empty(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(0, dtype=dtype, device=d)
+
+        return _SlotBatch(
+            cache=_SlotCache(len(_cache_layers(self._lm.config))),
+            next_pos=empty(torch.long),
+            last=empty(torch.long),
+            temps=empty(torch.float32),
+            top_ks=empty(torch.long),
+            top_ps=empty(torch.float32),
+        )
 
     async def close(self) -> None:
         """Stop the decode loop and fail every request still queued or decoding."""
@@ -441,7 +591,7 @@ class HFBackend:
                 logger.exception("hf backend: a step over %d row(s) failed", len(running) + len(admit))
                 failed = [row for row in [*batch.rows, *admit] if row.finish_reason is None]
                 self._loop.call_soon_threadsafe(self._fail_rows, failed, exc)
-                self._batch = _Batch()
+                self._batch = self._new_batch()
                 continue
             self.steps += 1
             for row in admit:
@@ -521,8 +671,8 @@ class HFBackend:
         A request that does not fit waits at the head of the queue (nothing overtakes it, so it cannot
         starve); one larger than the whole budget runs alone.
         """
-        if running and not self._can_join:
-            return []
+        if running and not self._use_slots:
+            return []  # the general path admits into an empty batch only
         reserved = sum(row.reserve for row in running)
         rows: list[_Row] = []
         while self._pending and len(running) + len(rows) < self.max_batch_size:
@@ -555,102 +705,180 @@ class HFBackend:
 
     # ------------------------------------------------------------------------------ worker thread: decoding
 
-    def _step(self, batch: _Batch, admit: list[_Row], dropped: set[_Row], version: int, step: int) -> list[_Row]:
+    def _step(
+        self, batch: _Batch | _SlotBatch, admit: list[_Row], dropped: set[_Row], version: int, step: int
+    ) -> list[_Row]:
         """One step: drop rows that finished or were cancelled, decode one token for every running row, then
         prefill the admitted rows (their first token) and merge them into the batch.
 
         Returns the rows that finished in this step.
         """
+        if isinstance(batch, _SlotBatch):
+            return self._slot_step(batch, admit, dropped, version, step)
         with torch.inference_mode():
             keep = [i for i, row in enumerate(batch.rows) if row.finish_reason is None and row not in dropped]
             if len(keep) < len(batch.rows):
                 self._compact(batch, keep)
             finished: list[_Row] = []
-            if batch.rows and admit and self._can_join:
-                logits = self._decode_and_prefill(batch, admit)  # one forward pass for both
-                batch.last = self._sample_rows(batch, logits, version, step, finished)
-                return finished
             if batch.rows:
                 logits = self._decode(batch)
                 batch.last = self._sample_rows(batch, logits, version, step, finished)
-            if admit:
+            if admit:  # only into an empty batch on this path (see _admit)
                 joining, logits = self._prefill(admit)
                 joining.last = self._sample_rows(joining, logits, version, step, finished)
-                self._merge(batch, joining)
+                self._batch = batch = joining
             return finished
 
-    def _decode_and_prefill(self, batch: _Batch, admit: list[_Row]) -> torch.Tensor:
-        """Decode the running rows and prefill the admitted ones in a single forward pass.
+    # ------------------------------------------------------------------- worker thread: the slot-cache path
 
-        The input is ``width`` tokens per row, right-aligned: a running row's last token after padding, a
-        new row's whole prompt. New rows get masked (all-zero) cache rows for the running rows' history.
-        Afterwards each row's cache keeps only the columns its mask attends to, left-padded again, so neither
-        the padding of this step nor the new rows' empty history stays in the cache.
+    def _slot_step(
+        self, batch: _SlotBatch, admit: list[_Row], dropped: set[_Row], version: int, step: int
+    ) -> list[_Row]:
+        """One forward pass over the running rows (one token each) and the admitted rows (their prompts).
+
+        The input is ``width`` tokens per row, right-aligned: a running row's last token after padding, a new
+        row's whole prompt. Only real tokens reach the cache (see :class:`_SlotCache`), so the padding of a
+        joining step costs compute in that step only.
         """
-        assert batch.mask is not None and batch.next_pos is not None and batch.last is not None
-        assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
-        device = batch.mask.device
-        old, new = len(batch.rows), len(admit)
-        prompts = [row.slot.request.prompt_ids for row in admit]
-        width = max(len(p) for p in prompts)
-        past = batch.mask.shape[1]
-        ids = torch.full((old + new, width), self._pad_id, dtype=torch.long)
-        step_mask = torch.zeros((old + new, width), dtype=torch.long)
-        ids[:old, -1] = batch.last.cpu()
-        step_mask[:old, -1] = 1
-        for r, prompt in enumerate(prompts, start=old):
-            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            step_mask[r, width - len(prompt) :] = 1
-        ids, step_mask = ids.to(device), step_mask.to(device)
-        positions = (step_mask.cumsum(-1) - 1).clamp(min=0)
-        positions[:old, -1] = batch.next_pos
-        history = torch.cat([batch.mask, batch.mask.new_zeros((new, past))])
-        mask = torch.cat([history, step_mask], dim=-1)
-        for layer in batch.cache.layers:
-            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((new, *layer.keys.shape[1:]))])
-            layer.values = torch.cat([layer.values, layer.values.new_zeros((new, *layer.values.shape[1:]))])
-        out = self._lm(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=batch.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        batch.cache = out.past_key_values
-        # Keep the attended columns of each row, in order, right-aligned: a stable sort puts the masked
-        # columns first, and the row's longest-kept count bounds the new width.
-        kept = mask.bool()
-        keep = int(kept.sum(-1).max())
-        order = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[:, -keep:]
-        batch.mask = mask.gather(1, order)
-        for layer in batch.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        requests = [row.slot.request for row in admit]
-        batch.rows = [*batch.rows, *admit]
-        batch.next_pos = torch.cat([batch.next_pos + 1, positions[old:, -1] + 1])
-        batch.temps = torch.cat([batch.temps, torch.tensor([r.temperature for r in requests], device=device)])
-        batch.top_ks = torch.cat([batch.top_ks, torch.tensor([r.top_k for r in requests], device=device)])
-        batch.top_ps = torch.cat([batch.top_ps, torch.tensor([r.top_p for r in requests], device=device)])
-        return out.logits[:, -1, :]
+        with torch.inference_mode():
+            keep = [i for i, row in enumerate(batch.rows) if row.finish_reason is None and row not in dropped]
+            if len(keep) < len(batch.rows):
+                self._slot_remove(batch, keep)
+            old, new = len(batch.rows), len(admit)
+            n = old + new
+            if n == 0:
+                return []
+            cache = batch.cache
+            lengths = [len(row.slot.request.prompt_ids) for row in admit]
+            width = max(lengths, default=1)
+            shift = cache.reserve(n, width)
+            if shift:
+                for row in batch.rows:
+                    row.start += shift
+            batch.grow(cache.row_cap)
+            w = cache.w
+            for row, length in zip(admit, lengths, strict=True):
+                row.start = w + 1 - length
+            rows = [*batch.rows, *admit]
+            starts = [row.start for row in rows]
+            read_lo = min(starts)
+            device = batch.last.device
+            cols = torch.arange(read_lo, w + 1, device=device)
+            start_t = torch.tensor(starts, device=device)
+            if not admit:  # a plain decode step
+                ids = batch.last[:n].unsqueeze(-1)
+                positions = batch.next_pos[:n].unsqueeze(-1)
+                allowed = (cols.unsqueeze(0) >= start_t.unsqueeze(-1))[:, None, None, :]
+            else:
+                ids_cpu = torch.full((n, width), self._pad_id, dtype=torch.long)
+                pos_cpu = torch.zeros((n, width), dtype=torch.long)
+                for r, (row, length) in enumerate(zip(admit, lengths, strict=True), start=old):
+                    ids_cpu[r, width - length :] = torch.tensor(row.slot.request.prompt_ids, dtype=torch.long)
+                    pos_cpu[r, width - length :] = torch.arange(length)
+                ids, positions = ids_cpu.to(device), pos_cpu.to(device)
+                if old:
+                    ids[:old, -1] = batch.last[:old]
+                    positions[:old, -1] = batch.next_pos[:old]
+                # Query q of a row with L new tokens (L=1 for running rows) sees its columns from its start up
+                # to w + 1 - L + (q - width + L), its own position; padding queries see what the first real one does.
+                news = torch.tensor([1] * old + lengths, device=device)
+                q = torch.arange(width, device=device)
+                ends = (w + 1 - news).unsqueeze(-1) + (q.unsqueeze(0) - width + news.unsqueeze(-1)).clamp(min=0)
+                c = cols.view(1, 1, -1)
+                allowed = ((c >= start_t.view(-1, 1, 1)) & (c <= ends.unsqueeze(-1))).unsqueeze(1)
+            mask = (
+                allowed
+                if self._bool_mask
+                else torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill(
+                    ~allowed, torch.finfo(self.dtype).min
+                )
+            )
+            cache.n, cache.read_lo = n, read_lo
+            cache.prompts = [(old + j, length) for j, length in enumerate(lengths)]
+            out = self._lm(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache.w = w + 1
+            cache.lo = read_lo
+            cache.prompts = []
+            if admit:
+                requests = [row.slot.request for row in admit]
+                batch.next_pos[old:n] = torch.tensor(lengths, device=device)
+                batch.temps[old:n] = torch.tensor([r.temperature for r in requests], device=device)
+                batch.top_ks[old:n] = torch.tensor([r.top_k for r in requests], device=device)
+                batch.top_ps[old:n] = torch.tensor([r.top_p for r in requests], device=device)
+            batch.next_pos[:old] += 1
+            batch.rows = rows
+            finished: list[_Row] = []
+            tokens = self._sample_slots(batch, out.logits[:, -1, :], version, step, finished)
+            batch.last[:n] = tokens
+            return finished
+
+    def _slot_remove(self, batch: _SlotBatch, keep: list[int]) -> None:
+        """Keep rows ``keep``: each row that leaves a slot below the new row count takes a kept row from the end."""
+        n, kept = len(batch.rows), len(keep)
+        kept_set = set(keep)
+        holes = [i for i in range(kept) if i not in kept_set]
+        movers = [j for j in range(kept, n) if j in kept_set]
+        rows = batch.rows
+        if holes:
+            device = batch.last.device
+            src = torch.tensor(movers, device=device)
+            dst = torch.tensor(holes, device=device)
+            batch.cache.move_rows(src, dst)
+            for name in ("next_pos", "last", "temps", "top_ks", "top_ps"):
+                t = getattr(batch, name)
+                t[dst] = t[src]
+            rows = list(rows)
+            for hole, mover in zip(holes, movers, strict=True):
+                rows[hole] = rows[mover]
+        batch.rows = rows[:kept]
+        if batch.rows:
+            batch.cache.lo = min(row.start for row in batch.rows)
+        else:
+            batch.cache.lo = batch.cache.w = 0
 
     def _sample_rows(
         self, batch: _Batch, logits: torch.Tensor, version: int, step: int, finished: list[_Row]
     ) -> torch.Tensor:
         assert batch.temps is not None and batch.top_ks is not None and batch.top_ps is not None
-        uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in batch.rows])
-        want = any(row.logprobs is not None for row in batch.rows)
-        tokens, logprobs = sample_with_logprobs(
-            logits, batch.temps, batch.top_ks, batch.top_ps, uniforms, want_logprobs=want
+        return self._sample(batch.rows, logits, batch.temps, batch.top_ks, batch.top_ps, version, step, finished)
+
+    def _sample_slots(
+        self, batch: _SlotBatch, logits: torch.Tensor, version: int, step: int, finished: list[_Row]
+    ) -> torch.Tensor:
+        n = len(batch.rows)
+        return self._sample(
+            batch.rows, logits, batch.temps[:n], batch.top_ks[:n], batch.top_ps[:n], version, step, finished
         )
-        lps = logprobs.tolist() if logprobs is not None else [0.0] * len(batch.rows)
-        for row, token, lp in zip(batch.rows, tokens.tolist(), lps, strict=True):
+
+    def _sample(
+        self,
+        rows: list[_Row],
+        logits: torch.Tensor,
+        temps: torch.Tensor,
+        top_ks: torch.Tensor,
+        top_ps: torch.Tensor,
+        version: int,
+        step: int,
+        finished: list[_Row],
+    ) -> torch.Tensor:
+        """Draw every row's next token, record it (and its log-prob and version), collect the rows that end."""
+        uniforms = torch.tensor([_next_uniform(row) for row in rows], dtype=torch.float32)
+        want = any(row.logprobs is not None for row in rows)
+        tokens, logprobs = sample_with_logprobs(logits, temps, top_ks, top_ps, uniforms, want_logprobs=want)
+        lps = logprobs.tolist() if logprobs is not None else None
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             if row.first_step < 0:
                 row.first_step = step
             row.versions.append(version)
-            if row.logprobs is not None:
-                row.logprobs.append(float(lp))
+            if row.logprobs is not None and lps is not None:
+                row.logprobs.append(float(lps[i]))
             if self._append(row, int(token)):
                 finished.append(row)
         return tokens
@@ -679,7 +907,6 @@ class HFBackend:
             logits_to_keep=1,
         )
         cache = out.past_key_values
-        self._can_join = all(_joinable(layer) for layer in getattr(cache, "layers", [None]))
         return _Batch(
             rows=list(rows),
             cache=cache,
@@ -706,7 +933,7 @@ class HFBackend:
         return out.logits[:, -1, :]
 
     def _compact(self, batch: _Batch, keep: list[int]) -> None:
-        """Keep only rows ``keep`` (tensor positions), then cut the left padding no remaining row needs."""
+        """Keep only rows ``keep`` (tensor positions)."""
         if not keep:
             batch.rows, batch.cache, batch.mask, batch.next_pos, batch.last = [], None, None, None, None
             batch.temps = batch.top_ks = batch.top_ps = None
@@ -722,38 +949,6 @@ class HFBackend:
         batch.top_ks = batch.top_ks.index_select(0, index)
         batch.top_ps = batch.top_ps.index_select(0, index)
         batch.rows = [batch.rows[i] for i in keep]
-        if self._can_join:
-            start = int(batch.mask.any(0).int().argmax())  # first column some row attends to
-            if start > 0:
-                batch.mask = batch.mask[:, start:]
-                for layer in batch.cache.layers:
-                    layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
-
-    def _merge(self, batch: _Batch, joining: _Batch) -> None:
-        """Append ``joining``'s rows to ``batch``: both left-padded to one cache width, then concatenated."""
-        if not batch.rows:
-            batch.rows, batch.cache, batch.mask, batch.next_pos = (
-                joining.rows,
-                joining.cache,
-                joining.mask,
-                joining.next_pos,
-            )
-            batch.last, batch.temps, batch.top_ks, batch.top_ps = (
-                joining.last,
-                joining.temps,
-                joining.top_ks,
-                joining.top_ps,
-            )
-            return
-        assert batch.mask is not None and joining.mask is not None
-        width = max(batch.mask.shape[1], joining.mask.shape[1])
-        batch.mask = torch.cat([_left_pad(batch.mask, width), _left_pad(joining.mask, width)])
-        for old, new in zip(batch.cache.layers, joining.cache.layers, strict=True):
-            old.keys = torch.cat([_left_pad(old.keys, width, -2), _left_pad(new.keys, width, -2)])
-            old.values = torch.cat([_left_pad(old.values, width, -2), _left_pad(new.values, width, -2)])
-        for name in ("next_pos", "last", "temps", "top_ks", "top_ps"):
-            setattr(batch, name, torch.cat([getattr(batch, name), getattr(joining, name)]))
-        batch.rows = [*batch.rows, *joining.rows]
 
     def _append(self, row: _Row, token: int) -> bool:
         """Record a sampled token; True when it ends the row (stop token, stop string or max_tokens)."""
@@ -810,6 +1005,16 @@ class HFBackend:
         return adopted
 
 
+def _cache_layers(config: Any) -> list[Any]:
+    """The cache layers transformers would build for this model (sliding windows, linear attention ...)."""
+    from transformers import DynamicCache
+
+    try:
+        return list(DynamicCache(config=config).layers)
+    except Exception:  # a config DynamicCache cannot read: take the general path
+        return []
+
+
 def _joinable(layer: Any) -> bool:
     """A plain full-attention KV layer: [batch, heads, seq, dim] tensors that can be padded and concatenated."""
     from transformers.cache_utils import DynamicLayer
@@ -817,11 +1022,14 @@ def _joinable(layer: Any) -> bool:
     return type(layer) is DynamicLayer
 
 
-def _left_pad(t: torch.Tensor, width: int, dim: int = -1) -> torch.Tensor:
-    """``t`` with zeros prepended along ``dim`` up to ``width`` (mask zeros mean "not attended")."""
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+def _next_uniform(row: _Row) -> float:
+    """The row's next uniform draw; a greedy row draws none (it never uses one).
+
+    Draws come from the row's own generator 32 at a time: ``torch.rand(32)`` yields the same numbers as 32
+    calls of ``torch.rand(1)``, so seeded outputs are unchanged, for a 32nd of the per-call cost.
+    """
+    if row.slot.request.temperature <= 1e-5:
+        return 0.0
+    if not row.uniforms:
+        row.uniforms = torch.rand(32, generator=row.generator).tolist()[::-1]
+    return row.uniforms.pop()
