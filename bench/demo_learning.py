@@ -45,15 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     accs = [h["acc"] for h in history]
     first, last = statistics.fmean(scores[:10]), statistics.fmean(scores[-10:])
     acc_first, acc_last = statistics.fmean(accs[:10]), statistics.fmean(accs[-10:])
-    curve = ", ".join(f"{i}: {accs[i - 1]:.2f}" for i in range(10, len(accs) + 1, 10))
+    windows = range(0, len(accs), 10)
+    curve = " | ".join(f"{i + 1}-{min(i + 10, len(accs))}" for i in windows)
+    curve_acc = " | ".join(f"{statistics.fmean(accs[i : i + 10]):.2f}" for i in windows)
     print(f"| machine | {os.cpu_count()} CPUs, load average {load_before:.1f} before, {load_after:.1f} after |")
-    print("| steps | wall s | score, first 10 | score, last 10 | accuracy, first 10 | accuracy, last 10 | budget | "
+    print("| steps | wall s | steps/s | score, first 10 | score, last 10 | accuracy, first 10 | accuracy, last 10 | "
+          "budget | "
           f"accuracy >= {args.target_acc} |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {len(scores)} | {wall:.0f} | {first:.3f} | {last:.3f} | {acc_first:.3f} | {acc_last:.3f} | "
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(scores)} | {wall:.0f} | {len(scores) / wall:.2f} | {first:.3f} | {last:.3f} | {acc_first:.3f} | "
+          f"{acc_last:.3f} | "
           f"{'PASS' if wall <= args.budget_s else 'FAIL'} (<= {args.budget_s:.0f} s) | "
           f"{'PASS' if acc_last >= args.target_acc else 'FAIL'} |")  # fmt: skip
-    print(f"accuracy every 10 steps: {curve}")
+    print("\nmean accuracy per 10 steps:\n")
+    print(f"| steps | {curve} |")
+    print(f"|---|{'---|' * len(windows)}")
+    print(f"| accuracy | {curve_acc} |")
     return 0
 
 

@@ -1,8 +1,9 @@
 """`rewardmesh demo`: RL post-training end to end on the mesh, on a CPU, in a few minutes.
 
 One reward server and two rollout servers (hf backend) start in-process on 127.0.0.1 (or the
-flags point at real ones); a minimal GRPO loop trains the tiny policy to answer single-digit
-additions with one token, scored by a rule, syncing weights to every rollout server after each step.
+flags point at real ones); a minimal GRPO loop trains the tiny policy to continue a count ("4 5 6" -> "7")
+with one token (or, `--task addition`, to answer single-digit additions), scored by a rule, syncing weights
+to every rollout server after each step.
 """
 
 from __future__ import annotations
@@ -31,11 +32,25 @@ COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed",
 
 
 def addition_prompts(tokenizer: Any, count: int, rng: random.Random) -> list[PromptSpec]:
+    """ "7+5=" -> "12": the answer depends on two earlier tokens, so the policy must learn to attend back."""
     out = []
     for _ in range(count):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         out.append(PromptSpec(token_ids=tokenizer.encode(f"{a}+{b}="), ground_truth=str(a + b), data_source="addition"))
     return out
+
+
+def count_prompts(tokenizer: Any, count: int, rng: random.Random) -> list[PromptSpec]:
+    """ "4 5 6" -> "7": continue the count (answers 3..18, each one token); the answer follows the last token."""
+    out = []
+    for _ in range(count):
+        a = rng.randint(0, 15)
+        text = f"{a} {a + 1} {a + 2}"
+        out.append(PromptSpec(token_ids=tokenizer.encode(text), ground_truth=str(a + 3), data_source="count"))
+    return out
+
+
+TASKS = {"count": count_prompts, "addition": addition_prompts}
 
 
 def row(step: int, batch: RolloutBatch, step_s: float) -> dict[str, float]:
@@ -54,17 +69,32 @@ def row(step: int, batch: RolloutBatch, step_s: float) -> dict[str, float]:
     }
 
 
-def plot(scores: list[float], path: Path) -> None:
+def summary(history: list[dict[str, float]], wall_s: float) -> str:
+    """The line a user reads: elapsed time, steps/s, and first-k vs last-k mean score and accuracy (k <= 10)."""
+    if not history:
+        return f"0 steps in {wall_s:.1f}s"
+    scores, accs = [h["score"] for h in history], [h["acc"] for h in history]
+    k = min(10, len(scores) // 2) or 1
+    first, final = statistics.fmean(scores[:k]), statistics.fmean(scores[-k:])
+    acc_first, acc_final = statistics.fmean(accs[:k]), statistics.fmean(accs[-k:])
+    return (f"{len(history)} steps in {wall_s:.1f}s ({len(history) / max(wall_s, 1e-9):.2f} steps/s); "
+            f"mean score first {k} steps {first:.3f} -> last {k} steps {final:.3f}; "
+            f"accuracy first {k} steps {acc_first:.3f} -> last {k} steps {acc_final:.3f}")  # fmt: skip
+
+
+def plot(history: list[dict[str, float]], path: Path, task: str = "count") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(scores) + 1), scores, marker=".")
+    steps = range(1, len(history) + 1)
+    ax.plot(steps, [h["score"] for h in history], marker=".", label="mean score")
+    ax.plot(steps, [h["acc"] for h in history], marker=".", label="accuracy")
+    ax.legend(loc="lower right")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean score")
-    ax.set_title("rewardmesh demo: GRPO on one-token additions")
+    ax.set_title(f"rewardmesh demo: GRPO on the {task} task")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -96,7 +126,7 @@ async def run_demo(args: argparse.Namespace) -> int:
 
     def steps() -> Iterator[list[PromptSpec]]:
         for _ in range(args.steps):
-            yield addition_prompts(tokenizer, args.prompts_per_step, rng)
+            yield TASKS[args.task](tokenizer, args.prompts_per_step, rng)
 
     mesh: Any = (
         contextlib.nullcontext()
@@ -108,7 +138,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     async with mesh as local:
         targets = local.rollout_addresses if local is not None else args.rollout_target.split(",")
         sampling = Sampling(temperature=args.temperature, max_tokens=1)
-        async with TrainerClient(targets, reward=args.reward, sampling=sampling,
+        async with TrainerClient(targets, reward=args.reward, sampling=sampling, normalize_adv_std=args.norm_adv_by_std,
                                  pad_token_id=tokenizer.pad_token_id or 0) as client:  # fmt: skip
             print(f"rollout servers: {', '.join(t.address for t in client.targets)}; reward pipeline '{args.reward}'")
             print("  ".join(f"{c:>10}" for c in COLUMNS))
@@ -129,13 +159,9 @@ async def run_demo(args: argparse.Namespace) -> int:
                 tqdm.write("  ".join(f"{r[c]:>10.3f}" if c != "step" else f"{int(r[c]):>10d}" for c in COLUMNS))
             bar.close()
     wall = time.perf_counter() - started
-    scores = [h["score"] for h in history]
-    k = min(10, len(scores) // 2) or 1
-    first, final = statistics.fmean(scores[:k]), statistics.fmean(scores[-k:])
-    print(f"\n{len(history)} steps in {wall:.1f}s; mean score first {k} steps {first:.3f} -> last {k} steps "
-          f"{final:.3f} ({final / max(first, 1e-9):.1f}x)")  # fmt: skip
+    print("\n" + summary(history, wall))
     if args.plot:
-        plot(scores, args.plot)
+        plot(history, args.plot, args.task)
         print(f"score curve: {args.plot}")
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(history, indent=1))

@@ -143,11 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train the tiny policy with GRPO on the mesh (in-process servers on 127.0.0.1, or real ones)",
         description="Starts a reward server and rollout servers in-process (or uses --rollout-target) and trains "
-        "the tiny policy to answer one-token additions, syncing weights after every step.",
+        'the tiny policy to continue a count ("4 5 6" -> "7") with one token, syncing weights after every step.',
     )
-    demo.add_argument("--steps", type=int, default=100, help="training steps (default %(default)s)")
+    demo.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
+    demo.add_argument("--task", choices=("count", "addition"), default="count",
+                      help="what the policy learns (default %(default)s; see the README)")  # fmt: skip
     demo.add_argument("--prompts-per-step", dest="prompts_per_step", type=int, default=32)
-    demo.add_argument("--n", type=int, default=8, help="samples per prompt, a GRPO group (default %(default)s)")
+    demo.add_argument("--n", type=int, default=16, help="samples per prompt, a GRPO group (default %(default)s)")
     demo.add_argument("--lr", type=float, default=3e-3, help="learning rate (default %(default)s)")
     demo.add_argument("--off-policy-steps", dest="off_policy_steps", type=int, default=1,
                       help="step k+1 rolls out while step k trains (default %(default)s; 0: synchronous)")  # fmt: skip
@@ -172,8 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="passes over each batch (default %(default)s)")  # fmt: skip
     demo.add_argument("--ppo-mini-batches", dest="ppo_mini_batches", type=int, default=1,
                       help="optimizer steps per pass (default %(default)s)")  # fmt: skip
-    demo.add_argument("--entropy-coeff", dest="entropy_coeff", type=float, default=0.0,
-                      help="entropy bonus (default %(default)s)")  # fmt: skip
+    demo.add_argument("--entropy-coeff", dest="entropy_coeff", type=float, default=0.02,
+                      help="entropy bonus; keeps a group exploring after it settles (default %(default)s)")  # fmt: skip
+    demo.add_argument("--norm-adv-by-std", dest="norm_adv_by_std", action=argparse.BooleanOptionalAction,
+                      default=False, help="divide GRPO advantages by the group's std (verl's norm_adv_by_std_in_grpo; "
+                      "default off: Dr. GRPO)")  # fmt: skip
     demo.add_argument(
         "--plot", type=Path, default=Path("demo_scores.png"), help="score curve PNG (default %(default)s)"
     )

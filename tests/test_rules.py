@@ -276,3 +276,13 @@ def test_rule_source_bad_config() -> None:
         RuleSource(name="x", rule="gsm9k")
     with pytest.raises(ValueError, match="'name'"):
         RuleSource(name="", rule="gsm8k")
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score", "acc"),
+    [("7", "7", 1.0, 1.0), (" 8 and more", "7", 0.55, 0.0), ("17", "7", 0.1, 0.0), ("x", "7", 0.0, 0.0)],
+)
+def test_near_number_gives_partial_credit_by_distance(response: str, truth: str, score: float, acc: float) -> None:
+    out = RULES["near_number"]("addition", response, truth, None)
+    assert isinstance(out, dict)
+    assert out["score"] == pytest.approx(score) and out["acc"] == acc

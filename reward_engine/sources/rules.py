@@ -249,6 +249,27 @@ def first_number(
     return {"score": 1.0 if correct else 0.1, "acc": float(correct), "format": 1.0}
 
 
+@register_rule("near_number")
+def near_number(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """`first_number` with partial credit for a near miss: 1 if right, else 0.1 + 0.5 x max(0, 1 - |error| / 10).
+
+    Reward shaping for the demo: a wrong answer closer to the truth scores higher, so every GRPO group
+    ranks its samples (not only the rare group holding the exact answer), and `acc` stays exact.
+    """
+    match = re.match(r"\s*(-?\d+)", solution_str)
+    if match is None:
+        return {"score": 0.0, "acc": 0.0, "format": 0.0}
+    try:
+        error = abs(int(match.group(1)) - int(ground_truth.strip()))
+    except ValueError:  # a non-numeric ground truth: only the format credit
+        return {"score": 0.1, "acc": 0.0, "format": 1.0}
+    if error == 0:
+        return {"score": 1.0, "acc": 1.0, "format": 1.0}
+    return {"score": 0.1 + 0.5 * max(0.0, 1.0 - error / 10), "acc": 0.0, "format": 1.0}
+
+
 # ---------------------------------------------------------------------------------------------- auto
 
 _GSM8K_MARKERS = ("gsm8k",)
