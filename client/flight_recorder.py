@@ -10,9 +10,12 @@ exports its own part under its own resource; ids travel in the W3C traceparent a
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
-from collections.abc import Hashable, Iterable, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -69,6 +72,22 @@ def link_to(value: str) -> Link | None:
     return Link(SpanContext(parsed[0], parsed[1], True, TraceFlags(int(parsed[2]))))
 
 
+DEFERRED_TICK_S = 0.2  # the longest a kept record waits to become spans
+FLUSH_AT_SPANS = 512  # BatchSpanProcessor's default export batch size
+
+
+class _DeferredFlush(SpanProcessor):
+    def __init__(self, recorder: FlightRecorder) -> None:
+        self.recorder = recorder
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self.recorder.flush_deferred(export_all=True)
+        return True
+
+    def shutdown(self) -> None:
+        self.recorder.stop()
+
+
 class Ring:
     """The last `capacity` to 2 x `capacity` records by key, in two generations of plain dicts.
 
@@ -118,6 +137,85 @@ class FlightRecorder:
         # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
         self._ring = Ring(self.capacity)
         self.exported_spans = 0
+        # Deferred building: owners queue kept records (plain tuples) and this recorder's builder thread
+        # turns them into spans in bursts, off the event loop, each burst exported as soon as it is built.
+        self._sources: list[weakref.WeakMethod[Callable[[], list[ReadableSpan]]]] = []
+        self._wake = threading.Event()
+        self._build_lock = threading.Lock()
+        self._builder: threading.Thread | None = None
+        self._stopped = False
+
+    def add_source(self, drain: Callable[[], list[ReadableSpan]]) -> None:
+        """Register an owner's `drain` (a bound method: the spans of the records it queued since the last
+        call); it is called from the builder thread, and from `flush_deferred` (force_flush, shutdown)."""
+        with self._build_lock:
+            self._sources.append(weakref.WeakMethod(drain))
+            if self._builder is None:
+                self._builder = threading.Thread(target=self._build_loop, name="rewardmesh-span-builder", daemon=True)
+                self._builder.start()
+
+    def wake(self) -> None:
+        """An owner's queue is long: build now rather than at the next tick."""
+        self._wake.set()
+
+    def _build_loop(self) -> None:
+        while not self._stopped:
+            self._wake.wait(DEFERRED_TICK_S)
+            self._wake.clear()
+            self.flush_deferred()
+
+    def flush_deferred(self, export_all: bool = False) -> int:
+        """Build and export what the owners queued. A burst of at least a batch processor's export size is
+        exported right away (`force_flush`), as the processor itself would once that many spans are queued;
+        `export_all` does it for any burst (provider flush, shutdown).
+
+        The cyclic garbage collector is paused for a burst exported right away: its spans are built, exported
+        and freed before any collection sees them. Otherwise collections during the burst promote thousands
+        of short-lived span objects to the old generation, and the full collections that follow cost more
+        than building the spans.
+        """
+        with self._build_lock:
+            paused = gc.isenabled()
+            if paused:
+                gc.disable()
+            try:
+                spans: list[ReadableSpan] = []
+                live = []
+                for ref in self._sources:
+                    drain = ref()
+                    if drain is None:
+                        continue
+                    live.append(ref)
+                    try:
+                        spans += drain()
+                    except Exception:  # telemetry must never fail the process
+                        log.debug("could not build deferred spans", exc_info=True)
+                self._sources = live
+                n = len(spans)
+                flush = export_all or n >= FLUSH_AT_SPANS
+                for i in range(0, n, FLUSH_AT_SPANS):  # a chunk at a time: a processor's queue is bounded
+                    self.export(spans[i : i + FLUSH_AT_SPANS])
+                    if flush:
+                        for p in self.processors:
+                            try:
+                                p.force_flush()
+                            except Exception:
+                                log.debug("span processor flush failed", exc_info=True)
+                del spans
+            finally:
+                if paused:
+                    gc.enable()
+            return n
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self.flush_deferred(export_all=True)
+
+    def flusher(self) -> SpanProcessor:
+        """A span processor to install ahead of the exporting ones: a provider's force_flush / shutdown first
+        builds what is deferred, so it is exported by the same flush."""
+        return _DeferredFlush(self)
 
     def new_ring(self) -> Ring:
         """A ring of this recorder's capacity for one owner's records."""

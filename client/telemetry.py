@@ -186,6 +186,8 @@ def setup_telemetry(
         if exporters or span_processors:
             # Step and RPC spans: roots always, children as their parent. Per-sample trees follow TraceConfig.
             provider = TracerProvider(resource=res, sampler=ParentBased(ALWAYS_ON))
+            recorder = FlightRecorder(telemetry.processors, res, telemetry.trace.ring_size)
+            provider.add_span_processor(recorder.flusher())  # first: deferred spans join every flush
             for exporter in exporters:
                 processor = BatchSpanProcessor(exporter)
                 provider.add_span_processor(processor)
@@ -195,7 +197,8 @@ def setup_telemetry(
                 telemetry.processors.append(sp)
             trace.set_tracer_provider(provider)
             telemetry.tracing, telemetry.tracer_provider = True, provider
-            telemetry.recorder = FlightRecorder(telemetry.processors, res, telemetry.trace.ring_size)
+            recorder.processors = list(telemetry.processors)
+            telemetry.recorder = recorder
         if readers:
             meter_provider = MeterProvider(resource=res, metric_readers=list(readers), views=batched_metrics.views())
             batched_metrics.mark_views_installed()
@@ -374,10 +377,27 @@ def _value_json(v: Any) -> str:
     return json.dumps(_value(v))
 
 
+_KEY_JSON: dict[str, str] = {}  # attribute key -> its '{"key":...,"value":' prefix (keys repeat across spans)
+
+
 def _attrs_json(attributes: Any) -> str:
     if not attributes:
         return "[]"
-    return "[" + ",".join('{"key":' + _esc(k) + ',"value":' + _value_json(v) + "}" for k, v in attributes.items()) + "]"
+    parts = []
+    for k, v in attributes.items():
+        prefix = _KEY_JSON.get(k)
+        if prefix is None:
+            prefix = '{"key":' + _esc(k) + ',"value":'
+            if len(_KEY_JSON) < 4096:
+                _KEY_JSON[k] = prefix
+        t = type(v)
+        if t is str:
+            parts.append(prefix + '{"stringValue":' + _esc(v) + "}}")
+        elif t is int:
+            parts.append(f'{prefix}{{"intValue":"{v}"}}}}')
+        else:
+            parts.append(prefix + _value_json(v) + "}")
+    return "[" + ",".join(parts) + "]"
 
 
 def _event_json(e: Any) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 import grpc
@@ -73,7 +74,7 @@ _Record = tuple[str, str, str, int, float, int, tuple[float, float, float], str,
 
 def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[ReadableSpan]:
     """A kept sample's reward.queue / reward.compute spans (one reward.queue span with the error if it failed)
-    under its reward span, plus its batch's span if no kept sample exported it yet."""
+    under its reward span, plus `batch`'s span when given (the first kept sample of a batch exports it)."""
     sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
     parsed = parse_traceparent(tp)
     if parsed is None:
@@ -94,8 +95,7 @@ def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[Readab
         rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
                  {**attrs, "rewardmesh.score": score}),
     ]  # fmt: skip
-    if batch is not None and not batch.span_id:  # the first kept sample of a batch exports its span
-        batch.span_id = new_span_id()
+    if batch is not None:  # this sample exports its batch's span (its id was drawn when that was decided)
         info = batch.info
         batch_attrs: dict[str, AttributeValue] = {
             "rewardmesh.pipeline": batch.pipeline,
@@ -156,6 +156,9 @@ class RewardTelemetry:
         self._batch_of: dict[str, int] = {}  # traceparent -> batch number, between the batch and its results
         self._batch_no = 0
         self._rows: dict[str, list[tuple[float, ...]]] = {}  # pipeline -> its pending timing rows
+        # Kept samples' records waiting to become spans: (record, exports its batch's span).
+        self._deferred: deque[tuple[_Record, bool]] = deque()
+        self._registered = False
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
@@ -224,12 +227,35 @@ class RewardTelemetry:
         batch_of.update(dict.fromkeys(info.contexts, self._batch_no))  # type: ignore[arg-type]  # None: no context
 
     def _export(self, rec: FlightRecorder, r: _Record, batch: _Batch | None) -> int:
-        try:
-            spans = _spans(rec, r, batch)
-        except Exception:  # telemetry must never cost a sample its result
-            log.debug("could not build the spans of a kept sample", exc_info=True)
-            return 0
-        return rec.export(spans)
+        """Queue a kept sample's spans (built in the recorder's builder thread); how many it will export."""
+        owns_batch = batch is not None and not batch.span_id  # the first kept sample of a batch exports its span
+        if owns_batch:
+            batch.span_id = new_span_id()  # type: ignore[union-attr]
+        deferred = self._deferred
+        if not deferred and not self._registered:
+            rec.add_source(self._drain)
+            self._registered = True
+        deferred.append((r, owns_batch))
+        if len(deferred) >= 256:
+            rec.wake()
+        return (1 if r[7] else 2) + owns_batch
+
+    def _drain(self) -> list[ReadableSpan]:
+        """The spans of the kept samples queued so far (the builder thread's call)."""
+        rec = recorder()
+        out: list[ReadableSpan] = []
+        popleft = self._deferred.popleft
+        while True:
+            try:
+                r, owns_batch = popleft()
+            except IndexError:
+                return out
+            if rec is None:
+                continue
+            try:
+                out += _spans(rec, r, self._batches.get(r[-1]) if owns_batch else None)
+            except Exception:  # telemetry must never cost a sample its result
+                log.debug("could not build the spans of a kept sample", exc_info=True)
 
     def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
         """Export the trees of these samples still in the ring: (samples known, spans exported)."""
