@@ -179,11 +179,12 @@ class _SlotCache(Cache):
     row copied), so a step costs the same whether or not rows come and go.
 
     Layout: ``[rows, kv_heads, columns, head_dim]`` per layer. Every row's tokens are contiguous columns
-    ``[start, w)`` ending at the shared write column ``w``: a decode step writes each row's token at column
-    ``w``; a joining row's prompt goes right-aligned to end at ``w`` too. Attention reads columns ``[lo, w]``
-    (``lo``: the earliest live start) under a 4-D mask the backend builds, so nothing before a row's start or
-    after a prompt token's own position is seen. Columns left of ``lo`` are dead; they are reclaimed by moving
-    the live window to the left when the buffer's end is reached (amortized: at most every half capacity).
+    ``[start, w)`` ending at the shared write column ``w``: a decode pass writes each row's token at column
+    ``w``; a joining row's prompt (its own pass in the same step) goes right-aligned to end at ``w`` too.
+    Attention reads columns ``[lo, w]`` (``lo``: the earliest live start) under a 4-D mask the backend builds,
+    so nothing before a row's start or after a prompt token's own position is seen. Columns left of ``lo`` are
+    dead; they are reclaimed by moving the live window to the left when the buffer's end is reached (amortized:
+    at most every half capacity).
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -197,9 +198,10 @@ class _SlotCache(Cache):
         self.lo = 0  # first live column
         self.w = 0  # next column to write (exclusive end of every row's tokens)
         # The plan of the forward pass in flight, set by the backend before it calls the model:
-        self.n = 0  # rows in the forward pass (slots 0..n-1, in tensor order)
+        self.first = 0  # the pass covers slots first .. first+n-1, in tensor order
+        self.n = 0
         self.read_lo = 0  # first column the attention reads
-        self.prompts: list[tuple[int, int]] = []  # (slot, prompt length) of rows that join in this pass
+        self.prompts: list[tuple[int, int]] = []  # (row of the pass, prompt length) of rows that join in it
         self.grows = 0  # buffers reallocated larger (observability; the tests check both kinds of relayout)
         self.shifts = 0  # live columns moved within the buffers
 
@@ -214,14 +216,13 @@ class _SlotCache(Cache):
             k = key_states.new_zeros((self.row_cap, key_states.shape[1], self.col_cap, key_states.shape[-1]))
             v = value_states.new_zeros((self.row_cap, value_states.shape[1], self.col_cap, value_states.shape[-1]))
             self.k[layer_idx], self.v[layer_idx] = k, v
-        n, w = self.n, self.w
-        k[:n, :, w] = key_states[:, :, -1]  # every row's newest token (a running row's only one)
-        v[:n, :, w] = value_states[:, :, -1]
-        for slot, length in self.prompts:
-            if length > 1:
-                k[slot, :, w + 1 - length : w] = key_states[slot, :, -length:-1]
-                v[slot, :, w + 1 - length : w] = value_states[slot, :, -length:-1]
-        return k[:n, :, self.read_lo : w + 1], v[:n, :, self.read_lo : w + 1]
+        first, end, w = self.first, self.first + self.n, self.w
+        k[first:end, :, w] = key_states[:, :, -1]  # every row's newest token (a running row's only one)
+        v[first:end, :, w] = value_states[:, :, -1]
+        for r, length in self.prompts:  # the rest of a new row's prompt, right before it
+            k[first + r, :, w + 1 - length : w] = key_states[r, :, -length:-1]
+            v[first + r, :, w + 1 - length : w] = value_states[r, :, -length:-1]
+        return k[first:end, :, self.read_lo : w + 1], v[first:end, :, self.read_lo : w + 1]
 
     def reserve(self, rows: int, longest_prompt: int) -> int:
         """Make room for a pass over ``rows`` rows whose longest new prompt has ``longest_prompt`` tokens.
@@ -734,11 +735,11 @@ class HFBackend:
     def _slot_step(
         self, batch: _SlotBatch, admit: list[_Row], dropped: set[_Row], version: int, step: int
     ) -> list[_Row]:
-        """One forward pass over the running rows (one token each) and the admitted rows (their prompts).
+        """One step: the running rows decode one token each, and the admitted rows' prompts are prefilled.
 
-        The input is ``width`` tokens per row, right-aligned: a running row's last token after padding, a new
-        row's whole prompt. Only real tokens reach the cache (see :class:`_SlotCache`), so the padding of a
-        joining step costs compute in that step only.
+        Two forward passes when rows join, so a running row is never padded to a new prompt's width (with real
+        prompts that padding would cost a running row hundreds of tokens of compute per join). Both write their
+        newest token at the same cache column, after which the new rows decode with the others.
         """
         with torch.inference_mode():
             keep = [i for i, row in enumerate(batch.rows) if row.finish_reason is None and row not in dropped]
@@ -750,8 +751,7 @@ class HFBackend:
                 return []
             cache = batch.cache
             lengths = [len(row.slot.request.prompt_ids) for row in admit]
-            width = max(lengths, default=1)
-            shift = cache.reserve(n, width)
+            shift = cache.reserve(n, max(lengths, default=1))
             if shift:
                 for row in batch.rows:
                     row.start += shift
@@ -759,42 +759,64 @@ class HFBackend:
             w = cache.w
             for row, length in zip(admit, lengths, strict=True):
                 row.start = w + 1 - length
-            rows = [*batch.rows, *admit]
-            starts = [row.start for row in rows]
-            read_lo = min(starts)
             device = batch.last.device
-            cols = torch.arange(read_lo, w + 1, device=device)
-            start_t = torch.tensor(starts, device=device)
-            if not admit:  # a plain decode step
-                ids = batch.last[:n].unsqueeze(-1)
-                positions = batch.next_pos[:n].unsqueeze(-1)
-                allowed = (cols.unsqueeze(0) >= start_t.unsqueeze(-1))[:, None, None, :]
-            else:
-                ids_cpu = torch.full((n, width), self._pad_id, dtype=torch.long)
-                pos_cpu = torch.zeros((n, width), dtype=torch.long)
-                for r, (row, length) in enumerate(zip(admit, lengths, strict=True), start=old):
-                    ids_cpu[r, width - length :] = torch.tensor(row.slot.request.prompt_ids, dtype=torch.long)
-                    pos_cpu[r, width - length :] = torch.arange(length)
-                ids, positions = ids_cpu.to(device), pos_cpu.to(device)
-                if old:
-                    ids[:old, -1] = batch.last[:old]
-                    positions[:old, -1] = batch.next_pos[:old]
-                # Query q of a row with L new tokens (L=1 for running rows) sees its columns from its start up
-                # to w + 1 - L + (q - width + L), its own position; padding queries see what the first real one does.
-                news = torch.tensor([1] * old + lengths, device=device)
-                q = torch.arange(width, device=device)
-                ends = (w + 1 - news).unsqueeze(-1) + (q.unsqueeze(0) - width + news.unsqueeze(-1)).clamp(min=0)
-                c = cols.view(1, 1, -1)
-                allowed = ((c >= start_t.view(-1, 1, 1)) & (c <= ends.unsqueeze(-1))).unsqueeze(1)
-            mask = (
-                allowed
-                if self._bool_mask
-                else torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill(
-                    ~allowed, torch.finfo(self.dtype).min
-                )
+            logits = []
+            if old:
+                logits.append(self._slot_forward(batch, 0, batch.rows, [1] * old))
+            if admit:
+                logits.append(self._slot_forward(batch, old, admit, lengths))
+                requests = [row.slot.request for row in admit]
+                batch.next_pos[old:n] = torch.tensor(lengths, device=device)
+                batch.temps[old:n] = torch.tensor([r.temperature for r in requests], device=device)
+                batch.top_ks[old:n] = torch.tensor([r.top_k for r in requests], device=device)
+                batch.top_ps[old:n] = torch.tensor([r.top_p for r in requests], device=device)
+            cache.w = w + 1
+            batch.rows = [*batch.rows, *admit]
+            cache.lo = min(row.start for row in batch.rows)
+            batch.next_pos[:old] += 1
+            finished: list[_Row] = []
+            tokens = self._sample_slots(
+                batch, torch.cat(logits) if len(logits) > 1 else logits[0], version, step, finished
             )
-            cache.n, cache.read_lo = n, read_lo
-            cache.prompts = [(old + j, length) for j, length in enumerate(lengths)]
+            batch.last[:n] = tokens
+            return finished
+
+    def _slot_forward(self, batch: _SlotBatch, first: int, rows: list[_Row], lengths: list[int]) -> torch.Tensor:
+        """One forward pass over slots ``first ..`` (``lengths``: new tokens per row, 1 for a running row); the
+        last position's logits. Each row's newest token lands at the cache's write column ``w``."""
+        cache = batch.cache
+        n, w, width = len(rows), cache.w, max(lengths)
+        device = batch.last.device
+        starts = [row.start for row in rows]
+        read_lo = min(starts)
+        cols = torch.arange(read_lo, w + 1, device=device)
+        start_t = torch.tensor(starts, device=device)
+        if width == 1:  # decoding: one token per row
+            ids = batch.last[first : first + n].unsqueeze(-1)
+            positions = batch.next_pos[first : first + n].unsqueeze(-1)
+            allowed = (cols.unsqueeze(0) >= start_t.unsqueeze(-1))[:, None, None, :]
+        else:  # prompts, right-aligned to the longest
+            ids_cpu = torch.full((n, width), self._pad_id, dtype=torch.long)
+            pos_cpu = torch.zeros((n, width), dtype=torch.long)
+            for r, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+                ids_cpu[r, width - length :] = torch.tensor(row.slot.request.prompt_ids, dtype=torch.long)
+                pos_cpu[r, width - length :] = torch.arange(length)
+            ids, positions = ids_cpu.to(device), pos_cpu.to(device)
+            # Query q of a row with L tokens sees its columns from its start up to its own position,
+            # w + 1 - L + (q - width + L); a padding query sees what the row's first real one does.
+            news = torch.tensor(lengths, device=device)
+            q = torch.arange(width, device=device)
+            ends = (w + 1 - news).unsqueeze(-1) + (q.unsqueeze(0) - width + news.unsqueeze(-1)).clamp(min=0)
+            c = cols.view(1, 1, -1)
+            allowed = ((c >= start_t.view(-1, 1, 1)) & (c <= ends.unsqueeze(-1))).unsqueeze(1)
+        if self._bool_mask:
+            mask = allowed
+        else:  # eager attention adds its mask to the scores
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        cache.first, cache.n, cache.read_lo = first, n, read_lo
+        cache.prompts = [(r, length) for r, length in enumerate(lengths) if length > 1]
+        try:
             out = self._lm(
                 input_ids=ids,
                 attention_mask=mask,
@@ -803,21 +825,10 @@ class HFBackend:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            cache.w = w + 1
-            cache.lo = read_lo
+        finally:
             cache.prompts = []
-            if admit:
-                requests = [row.slot.request for row in admit]
-                batch.next_pos[old:n] = torch.tensor(lengths, device=device)
-                batch.temps[old:n] = torch.tensor([r.temperature for r in requests], device=device)
-                batch.top_ks[old:n] = torch.tensor([r.top_k for r in requests], device=device)
-                batch.top_ps[old:n] = torch.tensor([r.top_p for r in requests], device=device)
-            batch.next_pos[:old] += 1
-            batch.rows = rows
-            finished: list[_Row] = []
-            tokens = self._sample_slots(batch, out.logits[:, -1, :], version, step, finished)
-            batch.last[:n] = tokens
-            return finished
+        logits: torch.Tensor = out.logits[:, -1, :]
+        return logits
 
     def _slot_remove(self, batch: _SlotBatch, keep: list[int]) -> None:
         """Keep rows ``keep``: each row that leaves a slot below the new row count takes a kept row from the end."""
