@@ -9,9 +9,8 @@ sending it.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -203,8 +202,116 @@ def iter_update_requests(
             yield b"".join(parts)
 
 
+@dataclass
+class ChunkView:
+    """A TensorChunk whose `data` is a slice of the received message (no copy): what `parse_update_request`
+    gives the assembler in place of the protobuf message, whose `data` getter copies the bytes on every read."""
+
+    name: str = ""
+    dtype: int = 0
+    shape: list[int] = field(default_factory=list)
+    offset: int = 0
+    data: memoryview = field(default_factory=lambda: memoryview(b""))
+
+
+@dataclass
+class UpdateView:
+    """One UpdateWeightsRequest, parsed by `parse_update_request`."""
+
+    chunk: ChunkView | rollout_pb2.TensorChunk
+    policy_version: int = 0
+    manifest: Sequence[rollout_pb2.WeightSpec] = ()
+
+
+class _Unusual(Exception):
+    """A valid encoding the fast parser leaves to protobuf (unknown fields, a repeated message field ...)."""
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise _Unusual("varint too long")
+
+
+def _int64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, value or start, end) of each field; only varint and length-delimited ones."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            yield number, wire, value, pos
+        elif wire == 2:
+            size, pos = _read_varint(buf, pos)
+            if pos + size > end:
+                raise _Unusual("truncated")
+            yield number, wire, pos, pos + size
+            pos += size
+        else:
+            raise _Unusual(f"wire type {wire}")
+
+
+def _parse_chunk(buf: memoryview) -> ChunkView:
+    chunk = ChunkView()
+    for number, wire, a, b in _fields(buf):
+        if (number, wire) == (1, 2):
+            chunk.name = bytes(buf[a:b]).decode("utf-8")
+        elif (number, wire) == (2, 0):
+            chunk.dtype = _int64(a)
+        elif (number, wire) == (3, 2):  # packed
+            pos = a
+            while pos < b:
+                dim, pos = _read_varint(buf, pos)
+                chunk.shape.append(_int64(dim))
+        elif (number, wire) == (3, 0):
+            chunk.shape.append(_int64(a))
+        elif (number, wire) == (4, 0):
+            chunk.offset = _int64(a)
+        elif (number, wire) == (5, 2):
+            chunk.data = buf[a:b]
+        else:
+            raise _Unusual(f"field {number}")
+    return chunk
+
+
+def parse_update_request(raw: bytes) -> UpdateView:
+    """The UpdateWeights request deserializer: a chunk's bytes stay where gRPC put them (a memoryview), so the
+    assembler copies them once, straight into the tensor. Anything unusual is left to protobuf."""
+    buf = memoryview(raw)
+    try:
+        chunk: ChunkView | None = None
+        version = 0
+        listing: list[rollout_pb2.WeightSpec] = []
+        for number, wire, a, b in _fields(buf):
+            if (number, wire) == (1, 2) and chunk is None:
+                chunk = _parse_chunk(buf[a:b])
+            elif (number, wire) == (2, 0):
+                version = _int64(a)
+            elif (number, wire) == (3, 2):
+                listing.append(rollout_pb2.WeightSpec.FromString(bytes(buf[a:b])))
+            else:
+                raise _Unusual(f"field {number}")
+        return UpdateView(chunk=chunk or ChunkView(), policy_version=version, manifest=listing)
+    except (_Unusual, IndexError, UnicodeDecodeError):
+        msg = rollout_pb2.UpdateWeightsRequest.FromString(raw)  # protobuf's verdict (DecodeError on garbage)
+        return UpdateView(chunk=msg.chunk, policy_version=msg.policy_version, manifest=list(msg.manifest))
+
+
 class WeightAssembler:
-    """Collects UpdateWeights chunks into one preallocated tensor each; `finish()` checks every byte arrived.
+    """Collects UpdateWeights chunks into one preallocated tensor each (fresh, writable and nobody else's, so a
+    backend may adopt them); `finish()` checks every byte arrived.
 
     `add` raises WeightsError naming the tensor (unknown name, wrong shape or dtype, bytes out of range).
     """
@@ -222,50 +329,31 @@ class WeightAssembler:
         self.expected = check_manifest(listing, self.specs)
         self.specs = {e.name: (e.shape, e.dtype) for e in self.expected}  # chunks must match the manifest
 
-    def add(self, chunk: rollout_pb2.TensorChunk) -> None:
+    def add(self, chunk: rollout_pb2.TensorChunk | ChunkView) -> None:
+        """Copy one chunk's bytes into its tensor (allocated at its first chunk): the one copy on this side."""
         name = chunk.name
         buf = self._bytes.get(name)
+        shape = tuple(chunk.shape)
         if buf is None:
             dtype = TORCH_DTYPES.get(chunk.dtype)
             if dtype is None and name in self.specs:
                 raise WeightsError(
                     f"tensor {name!r}: dtype {dtype_name(chunk.dtype)} is not one of BFLOAT16, FLOAT16, FLOAT32"
                 )
-            check_weight(name, chunk.shape, dtype, self.specs)
+            check_weight(name, shape, dtype, self.specs)
             assert dtype is not None
-            shape = tuple(chunk.shape)
-            data = chunk.data  # every read of a bytes field makes a new copy: read it once
-            if chunk.offset == 0 and len(data) == math.prod(shape) * dtype.itemsize:  # whole: use it as it is
-                with warnings.catch_warnings():  # read-only memory: the backend only copies from it
-                    warnings.simplefilter("ignore", UserWarning)
-                    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                self.tensors[name] = whole.view(dtype).view(shape)
-                self._bytes[name] = np.frombuffer(data, np.uint8)
-                self._pieces[name] = [(0, len(data))]
-                self.num_bytes += len(data)
-                return
             tensor = self.tensors[name] = torch.empty(shape, dtype=dtype)
             buf = self._bytes[name] = byte_view(tensor).numpy()
             self._pieces[name] = []
-        elif (
-            TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or tuple(chunk.shape) != self.tensors[name].shape
-        ):
+        elif TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or shape != self.tensors[name].shape:
             raise WeightsError(f"tensor {name!r}: dtype or shape changed between its chunks")
-        data = chunk.data
+        data = chunk.data  # a protobuf message copies the bytes on every read of `data`: read it once
         end = chunk.offset + len(data)
-        if not buf.flags.writeable:
-            raise WeightsError(f"tensor {name!r}: chunks overlap at byte {chunk.offset} (it already arrived whole)")
         if chunk.offset < 0 or end > len(buf):
             raise WeightsError(f"tensor {name!r}: chunk bytes {chunk.offset}..{end} outside its {len(buf)}")
         buf[chunk.offset : end] = np.frombuffer(data, np.uint8)
         self._pieces[name].append((chunk.offset, end))
         self.num_bytes += len(data)
-
-    @property
-    def owned(self) -> bool:
-        """Every tensor lies in writable memory of its own (none is a received chunk used as it arrived, which is
-        read-only), so a backend may adopt them."""
-        return all(b.flags.writeable for b in self._bytes.values())
 
     def finish(self) -> dict[str, torch.Tensor]:
         if not self.tensors:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client.reward_client import RewardClient
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import rollout_pb2
 from server.backends.base import Backend
 from server.rollout_service import RolloutServicer
 from server.rollout_worker import RolloutWorker
 from server.serving import GrpcServer, MeshServer, ServerOptions
+from server.weight_receiver import add_rollout_service
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class RolloutServer(MeshServer):
         self.rewards = RewardClient(reward_targets) if reward_targets else None
         self.worker = RolloutWorker(backend, self.rewards)
         self.servicer = RolloutServicer(self.worker, default_max_tokens=default_max_tokens, limits=self.options)
-        self.grpc = GrpcServer(self.options, [(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, self.servicer,
+        self.grpc = GrpcServer(self.options, [(add_rollout_service, self.servicer,
                                               SERVICE_NAME)], on_stopped=self._release)  # fmt: skip
 
     async def start(self, *, wait_ready: bool = True) -> int:

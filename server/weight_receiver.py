@@ -22,18 +22,51 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import torch
 
 from client.tensors import duration_seconds
 from client.weight_planes import dist_available, form_group, host_id, map_shm, receive_buckets
-from client.weights import WeightAssembler, check_manifest, layout
+from client.weights import WeightAssembler, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
-from rewardmesh.v1 import rollout_pb2
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends.base import Backend
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+
+
+_SERVICE = "rewardmesh.v1.RolloutService"
+
+
+class _FastChunks:
+    """Stands in for the server while the generated code registers RolloutService: the UpdateWeights handler is
+    registered with `parse_update_request` as its deserializer, every other method as generated."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.generic: Any = None
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        old = handlers["UpdateWeights"]
+        handlers = {**handlers, "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+            old.stream_unary, request_deserializer=parse_update_request,
+            response_serializer=old.response_serializer)}  # fmt: skip
+        self.generic = None
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+
+
+def add_rollout_service(servicer: Any, server: Any) -> None:
+    """`add_RolloutServiceServicer_to_server`, with UpdateWeights chunks parsed without copying their bytes."""
+    proxy = _FastChunks(server)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
+    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
+        server.add_generic_rpc_handlers(proxy.generic)
 
 
 class WeightReceiver:
@@ -109,7 +142,7 @@ class WeightReceiver:
             assembler.add(msg.chunk)
         tensors = assembler.finish()
         async with self._lock:
-            applied, spent = await self._apply(tensors, version, owned=((), []) if assembler.owned else None)
+            applied, spent = await self._apply(tensors, version, owned=((), []))
         log.info("applied %d tensors (%d bytes) from grpc as policy version %d in %.3fs",
                  len(tensors), assembler.num_bytes, applied, spent)  # fmt: skip
         return rollout_pb2.UpdateWeightsResponse(

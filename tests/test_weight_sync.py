@@ -92,6 +92,33 @@ def test_hand_encoded_chunks_parse_as_update_requests() -> None:
     assert torch.equal(out["a"], state["a"]) and torch.equal(out["b"], state["b"]) and out["b"].dtype == torch.bfloat16
 
 
+def test_update_requests_are_parsed_without_copying_chunks_and_read_as_protobuf_does() -> None:
+    """The server's UpdateWeights deserializer reads what protobuf reads, from our hand encoding and protobuf's own
+    (negative offset, unpacked shape, unknown fields: left to protobuf; garbage: protobuf's error)."""
+    from google.protobuf.message import DecodeError
+
+    from client.weights import ChunkView, parse_update_request
+
+    def fields(v: Any) -> tuple[Any, ...]:
+        c = v.chunk
+        return (c.name, c.dtype, list(c.shape), c.offset, bytes(c.data), v.policy_version, list(v.manifest))
+
+    state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.bfloat16)}
+    listing = manifest(state)
+    proto = rollout_pb2.UpdateWeightsRequest(chunk=rollout_pb2.TensorChunk(name="é", dtype=2, shape=[3, 0, 7],
+                                             offset=-5, data=b"xyz"), policy_version=-3, manifest=listing)  # fmt: skip
+    raws = [*iter_update_requests(state, 9, chunk_bytes=8), proto.SerializeToString(), b""]
+    unpacked = b"\x0a\x06\x18\x02\x18\x03\x2a\x00"  # shape as two unpacked varints, empty data
+    for raw in [*raws, unpacked]:
+        view = parse_update_request(raw)
+        assert isinstance(view.chunk, ChunkView) and isinstance(view.chunk.data, memoryview)  # the fast path
+        assert fields(view) == fields(rollout_pb2.UpdateWeightsRequest.FromString(raw))
+    unknown = raws[0] + b"\x38\x01"  # field 7 (varint): not ours to judge, protobuf keeps it as unknown
+    assert fields(parse_update_request(unknown)) == fields(rollout_pb2.UpdateWeightsRequest.FromString(unknown))
+    with pytest.raises(DecodeError):
+        parse_update_request(b"\x0a\xff")
+
+
 def test_manifest_checks_name_shape_dtype_and_total() -> None:
     specs = {"w": ((2, 2), torch.float32)}
     good = manifest({"w": torch.zeros(2, 2, dtype=torch.bfloat16)})
