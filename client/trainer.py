@@ -506,7 +506,7 @@ class TrainerClient:
         *,
         version: int | None = None,
         transport: str = "auto",
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = 16 << 20,
     ) -> int:
         """Send the tensors to every rollout server; returns once all of them applied the same version.
 

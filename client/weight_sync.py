@@ -130,7 +130,7 @@ class WeightSync:
         version: int,
         transport: str = "auto",
         *,
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = 16 << 20,
         infos: Sequence[rollout_pb2.GetInfoResponse] | None = None,
     ) -> SyncResult:
         """Send `state` as `version` to every target; WeightSyncError names each server that did not apply it.

@@ -176,7 +176,7 @@ def _varint(n: int) -> bytes:
 
 
 def iter_update_requests(
-    state: Mapping[str, torch.Tensor], version: int = 0, chunk_bytes: int = 4 << 20
+    state: Mapping[str, torch.Tensor], version: int = 0, chunk_bytes: int = 16 << 20
 ) -> Iterator[bytes]:
     """Serialized UpdateWeightsRequest messages, each tensor split into chunks of at most chunk_bytes.
 
@@ -316,8 +316,9 @@ class WeightAssembler:
     `add` raises WeightsError naming the tensor (unknown name, wrong shape or dtype, bytes out of range).
     """
 
-    def __init__(self, specs: Specs) -> None:
+    def __init__(self, specs: Specs, reuse: Mapping[str, torch.Tensor] | None = None) -> None:
         self.specs = specs
+        self.reuse = reuse or {}  # tensors nothing else uses, written again when name, shape and dtype match
         self.expected: list[Entry] | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, np.ndarray] = {}
@@ -342,7 +343,10 @@ class WeightAssembler:
                 )
             check_weight(name, shape, dtype, self.specs)
             assert dtype is not None
-            tensor = self.tensors[name] = torch.empty(shape, dtype=dtype)
+            old = self.reuse.get(name)
+            if old is None or old.dtype != dtype or tuple(old.shape) != shape:
+                old = torch.empty(shape, dtype=dtype)
+            tensor = self.tensors[name] = old
             buf = self._bytes[name] = byte_view(tensor).numpy()
             self._pieces[name] = []
         elif TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or shape != self.tensors[name].shape:

@@ -37,7 +37,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 
 
-_SERVICE = "rewardmesh.v1.RolloutService"
+# Buffers of ours that a backend may adopt: dist buckets (their sizes, the buffers), or grpc tensors by name.
+_Buffers = tuple[tuple[int, ...], list[torch.Tensor]] | dict[str, torch.Tensor]
+
+
+def _on_cpu(buffers: _Buffers) -> bool:
+    first = next(iter(buffers.values()), None) if isinstance(buffers, dict) else next(iter(buffers[1]), None)
+    return first is not None and first.device.type == "cpu"
 
 
 class _FastChunks:
@@ -82,9 +88,10 @@ class WeightReceiver:
         self._lock = asyncio.Lock()
         # CPU staging buffers of the last dist layout that nothing uses, reused by the next update of the same
         # layout: it then costs no page faults (a new layout frees them).
-        self._spare: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        # (grpc: the tensors by name, reused by the next grpc update whose names, shapes and dtypes match.)
+        self._spare: _Buffers | None = None
         # Buffers the backend adopted (the model's weights live in them now): spare after the next adopted update.
-        self._held: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+        self._held: _Buffers | None = None
         self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
     def transports(self) -> list[Any]:
@@ -106,7 +113,7 @@ class WeightReceiver:
         self,
         tensors: dict[str, torch.Tensor],
         version: int,
-        owned: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
+        owned: _Buffers | None = None,
     ) -> tuple[int, float]:
         """Hand the staged tensors to the backend. `owned`: they lie in buffers of ours that nothing else will
         write (dist: the buckets, grpc: fresh tensors), so a backend that can adopt them takes them without a copy.
@@ -119,20 +126,21 @@ class WeightReceiver:
         else:
             await self.backend.update_weights(tensors, version)
             adopted = False
-        if owned is not None and owned[1] and owned[1][0].device.type == "cpu":
+        if owned is not None and _on_cpu(owned):
             if adopted:  # the model left the buffers it held: they receive the next update
                 self._spare, self._held = self._held, owned
             else:  # copied out of them: free again
                 self._spare = owned
-        elif adopted:
-            self._spare, self._held = self._held, None
+        elif adopted:  # on a GPU nothing is kept (the caching allocator makes fresh buffers cheap there)
+            self._spare, self._held = None, None
         return self.backend.policy_version, time.perf_counter() - started
 
     async def receive_chunks(
         self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
     ) -> rollout_pb2.UpdateWeightsResponse:
         """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives."""
-        assembler = WeightAssembler(self.backend.weight_specs())
+        reuse, self._spare = self._spare, None  # the tensors the model left at the last grpc update, if any
+        assembler = WeightAssembler(self.backend.weight_specs(), reuse if isinstance(reuse, dict) else None)
         version, first = 0, True
         async for msg in requests:
             if first:
@@ -142,7 +150,7 @@ class WeightReceiver:
             assembler.add(msg.chunk)
         tensors = assembler.finish()
         async with self._lock:
-            applied, spent = await self._apply(tensors, version, owned=((), []))
+            applied, spent = await self._apply(tensors, version, owned=dict(tensors))
         log.info("applied %d tensors (%d bytes) from grpc as policy version %d in %.3fs",
                  len(tensors), assembler.num_bytes, applied, spent)  # fmt: skip
         return rollout_pb2.UpdateWeightsResponse(
@@ -178,7 +186,7 @@ class WeightReceiver:
 
     async def _receive_dist(
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
-    ) -> tuple[dict[str, torch.Tensor], tuple[tuple[int, ...], list[torch.Tensor]]]:
+    ) -> tuple[dict[str, torch.Tensor], _Buffers]:
         if not dist_available():
             raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
         if rdv.backend not in ("gloo", "nccl"):
@@ -192,9 +200,10 @@ class WeightReceiver:
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
         group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
         sizes = tuple(b.nbytes for b in buckets)
-        if self._spare is not None and self._spare[0] == sizes and self._spare[1][0].device == device:
-            buffers = self._spare[1]
-        else:  # on a GPU nothing is kept: the caching allocator makes fresh buffers cheap there
+        spare = self._spare
+        if isinstance(spare, tuple) and spare[0] == sizes and spare[1][0].device == device:
+            buffers = spare[1]
+        else:
             buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self._spare = None  # in use now: spare again only once this update is applied (or copied out)
 

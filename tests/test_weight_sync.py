@@ -105,8 +105,8 @@ def test_update_requests_are_parsed_without_copying_chunks_and_read_as_protobuf_
 
     state = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(5, dtype=torch.bfloat16)}
     listing = manifest(state)
-    proto = rollout_pb2.UpdateWeightsRequest(chunk=rollout_pb2.TensorChunk(name="é", dtype=2, shape=[3, 0, 7],
-                                             offset=-5, data=b"xyz"), policy_version=-3, manifest=listing)  # fmt: skip
+    odd = rollout_pb2.TensorChunk(name="é", dtype=common_pb2.DTYPE_FLOAT16, shape=[3, 0, 7], offset=-5, data=b"xyz")
+    proto = rollout_pb2.UpdateWeightsRequest(chunk=odd, policy_version=-3, manifest=listing)
     raws = [*iter_update_requests(state, 9, chunk_bytes=8), proto.SerializeToString(), b""]
     unpacked = b"\x0a\x06\x18\x02\x18\x03\x2a\x00"  # shape as two unpacked varints, empty data
     for raw in [*raws, unpacked]:
@@ -392,6 +392,16 @@ async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_
         now = model_weights(ro)
         assert torch.equal(now[name], part[name]) and _inside(ro.backend._lm.get_parameter(name), held[3])
         assert same({k: v for k, v in now.items() if k != name}, {k: v for k, v in new.items() if k != name})
+        # Whole grpc updates are adopted too, and the tensors the model left receive the one after next.
+        grpc_held = []
+        for step in range(6, 9):
+            new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}
+            assert await client.update_weights(new, transport="grpc") == step
+            assert same(model_weights(ro), new) and await generated_version(ro.address) == step
+            assert isinstance(receiver._held, dict)
+            grpc_held.append(receiver._held)
+            assert ro.backend._lm.get_parameter(name).data_ptr() == receiver._held[name].data_ptr()
+        assert all(grpc_held[2][k] is grpc_held[0][k] for k in new)
 
 
 async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version(tiny_models: TinyModelPaths) -> None:
