@@ -375,7 +375,7 @@ async def test_buckets_do_not_change_scores(tiny_models: TinyModelPaths, policy_
     bucketed = source("rm-4", tiny_models.reward_model, length_buckets=4)
     long_pair = PAIRS[3]
     batch = [sample(policy_tok, "1+1=", "2", sid=f"short{i}") for i in range(8)]
-    batch += [sample(policy_tok, long_pair[0] * 4, long_pair[1], sid=f"long{i}") for i in range(8)]
+    batch += [sample(policy_tok, long_pair[0] * 2, long_pair[1], sid=f"long{i}") for i in range(8)]
     lengths = np.array([s.num_tokens for s in batch])
     assert len(length_buckets(lengths, 4)) > 1  # the batch really is split
     assert scores(await bucketed.score_batch(batch)) == pytest.approx(
@@ -423,7 +423,7 @@ async def test_torch_compile_flag_scores_as_eager(tiny_models: TinyModelPaths, p
     eager = source("rm-eager", tiny_models.reward_model)
     compiled = source("rm-compiled", tiny_models.reward_model, torch_compile=True, compile_backend="eager")
     assert compiled.torch_compile and compiled._forward_fn is not compiled._backbone
-    batch = [sample(policy_tok, p, r, sid=str(i)) for i, (p, r) in enumerate(PAIRS)]
+    batch = [sample(policy_tok, p, r, sid=str(i)) for i, (p, r) in enumerate(PAIRS[:3])]  # one traced shape
     assert scores(await compiled.score_batch(batch)) == pytest.approx(scores(await eager.score_batch(batch)), abs=TOL)
 
 
