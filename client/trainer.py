@@ -231,6 +231,8 @@ class TrainerClient:
         target: _Target | None = None
         floor = self.policy_version  # every server applied it before this step began
         for _attempt in range(self.max_attempts):
+            if not remaining:  # every sample came, then the call failed (a server killed before its OK): done
+                return
             target = self.pool.pick(avoid=target)
             while target is None:
                 await asyncio.sleep(self.pool.retry_in())

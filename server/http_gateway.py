@@ -27,6 +27,7 @@ from client.channels import read_token
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from reward_engine.types import RewardInput
+from server.limits import DEFAULT_LIMITS, Limits, check, depth
 from server.status import SAMPLE_ERRORS, status_of
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,10 @@ class HttpGateway:
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         timeout_s: float | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
         self.engine = engine
+        self.limits = limits  # the gRPC side's limits, applied here too: a second front door, not a way round them
         self.host = host
         self.requested_port = port
         self.default_pipeline = default_pipeline
@@ -243,10 +246,27 @@ class HttpGateway:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, f"body: not valid JSON: {exc}") from None
 
-    def _input(self, prompt: str, response: str, label: Any, where: str) -> RewardInput:
+    def _input(
+        self, prompt: str, response: str, label: Any, where: str, names: tuple[str, str] = ("", "")
+    ) -> RewardInput:
+        """One input, within the server's size limits; `names` are the prompt's and response's JSON fields."""
         import numpy as np
 
         truth, source, extra = _label_fields(label, f"{where}.label")
+        lim = self.limits
+        texts = (
+            (names[0] or "prompt", prompt),
+            (names[1] or "response", response),
+            (where, truth),
+            ("data_source", source),
+        )
+        for name, text in texts:
+            check(len(text), lim.max_text_chars, f"{name} length", "max_text_chars")
+        if extra:
+            size = len(json.dumps(extra, default=str))
+            check(size, lim.max_extra_info_bytes, f"{where}.extra_info size", "max_extra_info_bytes")
+            nested = depth(extra, lim.max_extra_info_depth)
+            check(nested, lim.max_extra_info_depth, f"{where}.extra_info nesting depth", "max_extra_info_depth")
         empty = np.zeros(0, dtype=np.int32)
         return RewardInput(
             sample_id=f"http-{next(self._ids)}",
@@ -301,6 +321,7 @@ class HttpGateway:
         if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
             raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, "query: expected a list of strings (prompt + response)")
         n = len(queries)
+        check(n, self.limits.max_samples_per_request, "query: number of items", "max_samples_per_request")
         prompts: Any = body.get("prompts") if body.get("prompts") is not None else [""] * n
         labels: Any = body.get("labels") if body.get("labels") is not None else [None] * n
         for name, values in (("prompts", prompts), ("labels", labels)):
@@ -313,7 +334,8 @@ class HttpGateway:
             prompt = prompts[i]
             if not isinstance(prompt, str):
                 raise InvalidInput(f"prompts[{i}] must be a string, got {type(prompt).__name__}")
-            return self._input(prompt, strip_prompt(queries[i], prompt), labels[i], f"labels[{i}]")
+            response = strip_prompt(queries[i], prompt)
+            return self._input(prompt, response, labels[i], f"labels[{i}]", (f"prompts[{i}]", f"query[{i}]"))
 
         inputs = [self._parse("", make, i) for i in range(n)]
         outcomes = await self._score(pipeline, inputs)
@@ -337,6 +359,7 @@ class HttpGateway:
             raise _HttpError(
                 grpc.StatusCode.INVALID_ARGUMENT, "body: expected {prompt, response, label} or a list of them"
             )
+        check(len(items), self.limits.max_samples_per_request, "body: number of items", "max_samples_per_request")
 
         def make(item: dict[str, Any]) -> RewardInput:
             response = item.get("response")

@@ -107,6 +107,7 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
             default_pipeline=cfg.http_pipeline,
             token=load_token(cfg.http_token_file),
             ssl_context=server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
+            limits=cfg,
         )
         await server.gateway.start()
     await server.serve_until_signalled()

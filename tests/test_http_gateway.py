@@ -15,6 +15,7 @@ import pytest
 
 from server.config import resolve
 from server.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
+from server.limits import Limits
 from server.reward_server import RewardServerConfig
 from tests.support.fake_openai import closed_port
 from tests.support.pki import make_pki
@@ -174,6 +175,24 @@ async def test_a_judge_outage_is_502_failed_precondition_per_sample_never_a_retr
         status, reply, _ = await post(f"{gw.url}/get_reward?pipeline=judged", body)
         assert status == 200 and reply["rewards"] == [None]
         assert reply["errors"][0]["code"] == "FAILED_PRECONDITION" and "judge" in reply["errors"][0]["message"]
+
+
+async def test_the_servers_size_limits_hold_on_the_gateway_too() -> None:
+    """Issue 17 item 7 on the second front door: counts and sizes over the limits are refused naming the option."""
+    limits = Limits(max_samples_per_request=3, max_text_chars=100, max_extra_info_depth=2)
+    async with reward_server() as server, http_gateway(server, default_pipeline="gsm8k", limits=limits) as gw:
+        status, reply, _ = await post(f"{gw.url}/get_reward", {"query": ["#### 4"] * 4, "labels": ["4"] * 4})
+        assert status == 400 and "max_samples_per_request" in reply["error"]["message"], reply
+        status, reply, _ = await post(f"{gw.url}/score/gsm8k", [{"response": "#### 4"}] * 4)
+        assert status == 400 and "number of items is 4" in reply["error"]["message"], reply
+        body = {"query": ["#### 4", "x" * 101], "labels": ["4", "4"]}
+        status, reply, _ = await post(f"{gw.url}/get_reward", body)
+        assert status == 200 and reply["rewards"] == [1.0, None]  # the other sample is scored
+        assert "query[1] length is 101" in reply["errors"][1]["message"], reply
+        assert "max_text_chars" in reply["errors"][1]["message"]
+        deep = {"response": "#### 4", "label": "4", "extra_info": {"a": {"b": {"c": 1}}}}
+        status, reply, _ = await post(f"{gw.url}/score/gsm8k", deep)
+        assert status == 400 and "max_extra_info_depth" in reply["error"]["message"], reply
 
 
 @pytest.mark.integration

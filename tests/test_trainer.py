@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -230,3 +231,45 @@ async def test_short_demo_run_trains_and_plots(tiny_models: TinyModelPaths, tmp_
     assert len(history) == 3 and all("actor/pg_loss" in h and h["gen_s"] > 0 for h in history)
     # one-step off-policy by default: every update was corrected against the rollout log-probs
     assert all("actor/ppo_kl" in h and "training/rollout_probs_diff_max" in h for h in history)
+
+
+async def test_a_call_that_fails_after_its_last_sample_is_not_sent_again(tok: Any) -> None:
+    """A rollout server killed after it sent a group's last sample but before the call's OK: the call ends
+    UNAVAILABLE with nothing left to ask for. It was re-sent with n = 0 (refused INVALID_ARGUMENT: the step
+    failed, found by the chaos test); now the group is complete and nothing is sent again."""
+    from grpc import aio
+
+    from client.tensors import ids_tensor
+    from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
+
+    calls: list[rollout_pb2.GenerateRequest] = []
+
+    class AllThenUnavailable(rollout_pb2_grpc.RolloutServiceServicer):
+        async def Generate(self, request: Any, context: Any) -> Any:
+            calls.append(request)
+            if request.n < 1:  # as the real server answers it
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be >= 1, got {request.n}")
+            last = request.prompts[0].group_id.endswith("-0")  # the first group: killed after its last sample
+            if not last:
+                await asyncio.sleep(1.0)  # the other group is still running when the first one's call fails
+            for k in range(request.n):
+                sid = request.prompts[0].sample_ids[k]
+                sample = common_pb2.Sample(sample_id=sid, group_id=request.prompts[0].group_id,
+                                           prompt_ids=ids_tensor([1]), response_ids=ids_tensor([2]))  # fmt: skip
+                yield rollout_pb2.GenerateResponse(sample=sample, result=reward_pb2.RewardResult(sample_id=sid))
+            if last:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "killed before the call's end")
+
+    server = aio.server()
+    only_generate: Any = AllThenUnavailable  # the other methods are never called here
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(only_generate(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with TrainerClient([f"127.0.0.1:{port}"], retry_backoff_s=0.01) as client:
+            got = [s async for s in client.rollout(prompts(tok, 2), n=3)]
+    finally:
+        await server.stop(None)
+    assert sorted(s.sample_id for s in got) == sorted(f"{g}/{k}" for g in {s.group_id for s in got} for k in range(3))
+    assert len(got) == 6 and not any(s.failed for s in got)
+    assert [c.n for c in calls] == [3, 3]  # one call per group, none re-sent
