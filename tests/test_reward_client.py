@@ -9,6 +9,7 @@ import grpc
 
 from client.reward_client import RewardClient
 from tests.support.servers import fn_pipeline, reward_server, sample
+from tests.support.waiting import eventually
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
@@ -41,7 +42,7 @@ async def test_target_killed_mid_stream_every_sample_answered_exactly_once() -> 
     ):
         async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
             futures = {f"s{i}": client.submit(sample(f"s{i}", delay=0.3), "sleepy") for i in range(40)}
-            await asyncio.sleep(0.1)
+            await eventually(lambda: a.servicer.in_flight > 0, "a holds samples")
             await a.grpc.server.stop(0)  # abrupt: no drain, streams cut
             results = await asyncio.gather(*futures.values())
             assert client.rerouted >= 1
