@@ -251,11 +251,8 @@ class ShmWriter:
         self._fd, self._size = -1, -1
 
 
-def read_shm(
-    path: str, entries: Sequence[Entry], offsets: Sequence[int], buffer: torch.Tensor | None = None
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Read a trainer's shared-memory file into `buffer` (reused when it has the file's size, else a new one)
-    with one read: page cache to memory, no page faults of a mapping. Returns typed views of it and the buffer."""
+def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
     resolved = Path(path).resolve()
     if resolved.parent != SHM_DIR or not resolved.name.startswith(SHM_PREFIX):
         raise InvalidInput(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
@@ -265,16 +262,9 @@ def read_shm(
     for e, off in zip(entries, offsets, strict=True):
         if off < 0 or off % e.dtype.itemsize:
             raise InvalidInput(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
-    if buffer is None or buffer.numel() != end:
-        buffer = torch.empty(end, dtype=torch.uint8)
-    with open(resolved, "rb", buffering=0) as f:
+    with open(resolved, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < end:
             raise InvalidInput(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
-        view, got = memoryview(buffer.numpy()), 0  # type: ignore[arg-type]
-        while got < end:
-            n = f.readinto(view[got:])
-            if not n:
-                raise InvalidInput(f"shm.path: {path!r} ended at byte {got}, the manifest needs {end}")
-            got += n
-    return views(buffer, entries, offsets), buffer
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)

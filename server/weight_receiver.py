@@ -7,9 +7,9 @@ tensors (hf: `adopt_weights`) takes the staged buffers themselves, an O(1) swap 
 instead of a copy; the buffers it held before are then free and receive the next update (double buffering).
 
 Peak extra memory during an update: the staged weights (dist: the received buckets, which the typed tensors
-are views of; grpc: one tensor per name; shm: one buffer the file is read into). On CPU the buffers the model
-gives back are kept for the next update of the same layout, so the steady state is the model's weights plus
-one staged copy, the same as a copy-in backend that keeps its staging buffers.
+are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped). On CPU the
+dist buffers the model gave back are kept for the next update of the same layout, so the steady state is the
+model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import grpc
 import torch
 
 from client.tensors import duration_seconds
-from client.weight_planes import dist_available, form_group, host_id, read_shm, receive_buckets
+from client.weight_planes import dist_available, form_group, host_id, map_shm, receive_buckets
 from client.weights import WeightAssembler, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -167,17 +167,12 @@ class WeightReceiver:
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
-        owned: _Buffers | None = None
+        owned = None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
         async with self._lock:
             if which == "shm":
                 if not self.host_id:
                     raise InvalidInput("shm: this server has no usable /dev/shm")
-                spare, self._spare = self._spare, None  # a buffer of the file's size is reused
-                reuse = spare[1][0] if isinstance(spare, tuple) and len(spare[1]) == 1 else None
-                tensors, buffer = await asyncio.to_thread(
-                    read_shm, request.shm.path, entries, list(request.shm.offsets), reuse
-                )
-                owned = ((buffer.numel(),), [buffer])
+                tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
             else:
                 tensors, owned = await self._receive_dist(request.dist, entries, timeout_s)
             applied, spent = await self._apply(tensors, request.policy_version, owned)
