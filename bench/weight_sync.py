@@ -5,7 +5,8 @@ Side by side in one run, interleaved round by round, medians reported:
 - a bare gloo broadcast of the same bytes as one buffer (trainer -> 1 or 2 receiver processes),
 - a bare grpc.aio client stream of the same bytes in 4 MiB messages (no protobuf, a sink server per target),
 - `TrainerClient.update_weights` over each transport (grpc, dist, shm), timed until every server reports the
-  new version (the rollout servers run the hf backend in bf16, so applying is a plain copy).
+  new version (the rollout servers run the hf backend in bf16: a whole dist or grpc update is adopted, an
+  O(1) swap of each parameter's storage; shm is copied in).
 
     python -m bench.weight_sync [--params 100e6] [--rounds 5] [--device cpu|cuda]
 
@@ -69,7 +70,7 @@ def build_model(out: Path, params: float) -> Path:
 
 
 async def serve_rollout(model: str, port_file: str, threads: int, device: str) -> None:
-    """A rollout server whose hf backend holds the weights in bf16 (so applying an update is a copy)."""
+    """A rollout server whose hf backend holds the weights in bf16 (the dtype sent: updates can be adopted)."""
     from server.backends.hf import HFBackend
     from server.rollout_server import RolloutServer
     from server.serving import ServerOptions, write_port_file

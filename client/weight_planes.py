@@ -113,28 +113,25 @@ def _broadcast(group: Any, buf: torch.Tensor) -> Any:
 
 
 def send_buckets(group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], timeout_s: float) -> int:
-    """Rank 0: every broadcast is queued at once (gloo and NCCL run them in order), except that at most two
-    packed bucket buffers exist at a time (pack k+1 while k is on the wire); returns bytes sent."""
+    """Rank 0: pack bucket k+1 while bucket k is on the wire (two bucket buffers at most); returns bytes sent."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    works: list[Any] = []
-    packed: list[Any] = []  # the works of packed buckets still in flight
+    in_flight: Any = None
     sent = 0
     for b in buckets:
         first = tensors[b.first]
         if b.last - b.first == 1 and first.is_contiguous():
-            works.append(_broadcast(group, byte_view(first)))  # a tensor of its own bucket goes as it is, no copy
+            buf = byte_view(first)  # a tensor of its own bucket goes as it is, no packing copy
         else:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=first.device)
             for t, off in zip(tensors[b.first : b.last], b.offsets, strict=True):
                 src = byte_view(t)
                 buf[off : off + src.numel()].copy_(src)
-            if len(packed) >= 2:
-                packed.pop(0).wait(timeout)
-            packed.append(_broadcast(group, buf))
-            works.append(packed[-1])
+        if in_flight is not None:
+            in_flight.wait(timeout)
+        in_flight = _broadcast(group, buf)
         sent += b.nbytes
-    for work in works:
-        work.wait(timeout)
+    if in_flight is not None:
+        in_flight.wait(timeout)
     if tensors and tensors[0].is_cuda:
         torch.cuda.synchronize()
     return sent
