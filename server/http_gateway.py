@@ -213,7 +213,7 @@ class HttpGateway:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer-token check, drain refusal, and whole-request errors as JSON."""
-        if self.token is not None:
+        if self.token is not None and request.path != "/health":  # probes need no secret, as gRPC health
             auth = request.headers.get("Authorization", "")
             given = auth[7:] if auth.startswith("Bearer ") else ""
             if not hmac.compare_digest(given.encode(), self.token.encode()):
@@ -238,6 +238,8 @@ class HttpGateway:
     async def _health(self, request: web.Request) -> web.Response:
         if self._draining:
             return _error_response(grpc.StatusCode.UNAVAILABLE, "draining", busy=True)
+        if self.token is not None:  # open to probes: the status only, not what the server offers
+            return web.json_response({"status": "SERVING"})
         return web.json_response({"status": "SERVING", "pipelines": sorted(self.engine.pipelines)})
 
     async def _json(self, request: web.Request) -> Any:

@@ -116,6 +116,8 @@ async def test_bearer_token_is_required_when_configured(tmp_path: Path, monkeypa
         assert status == 401
         status, reply, _ = await post(f"{gw.url}/score/gsm8k", one, headers={"Authorization": "Bearer s3cret"})
         assert status == 200 and reply["score"] == 1.0
+        async with aiohttp.ClientSession() as session, session.get(f"{gw.url}/health") as resp:
+            assert resp.status == 200 and await resp.json() == {"status": "SERVING"}  # probes need no token
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
