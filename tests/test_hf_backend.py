@@ -613,3 +613,41 @@ async def test_a_sliding_window_model_runs_on_the_general_cache(sliding_policy: 
         assert order == ["first", "second"] and max(b.running_sizes) == 3
     finally:
         await b.close()
+
+
+async def test_eager_attention_takes_the_additive_mask_and_matches_sdpa(
+    tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slot cache's mask is boolean for sdpa and additive for eager: both give the same rows."""
+    import transformers
+
+    async def staggered(b: HFBackend) -> list[GenerationOutput]:
+        requests = [sampled(b, p, seed=50 + i, max_tokens=12 + 4 * i, logprobs=True) for i, p in enumerate(PROMPTS[:4])]
+        tasks = []
+        for r in requests:  # each joins a running batch
+            tasks.append(asyncio.create_task(b.generate(r)))
+            steps = b.steps
+            await wait_for(lambda s=steps: b.steps >= s + 2, timeout=30)  # type: ignore[misc]
+        return list(await asyncio.gather(*tasks))
+
+    outputs = []
+    for attention in ("sdpa", "eager"):
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        with monkeypatch.context() as m:
+            m.setattr(
+                transformers.AutoModelForCausalLM,
+                "from_pretrained",
+                lambda *a, _load=load, _impl=attention, **k: _load(*a, attn_implementation=_impl, **k),
+            )
+            b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20)
+            await b.start()
+        try:
+            assert b._lm.config._attn_implementation == attention and b._use_slots
+            outputs.append(await staggered(b))
+        finally:
+            await b.close()
+    sdpa, eager = outputs
+    assert [o.token_ids for o in sdpa] == [o.token_ids for o in eager]
+    for x, y in zip(sdpa, eager, strict=True):
+        assert x.logprobs is not None and y.logprobs is not None
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
