@@ -48,12 +48,6 @@ class RewardPipeline:
     async def score(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
         return await self.batcher.submit(inp, deadline=deadline, context=context)
 
-    def enqueue(
-        self, inp: RewardInput, *, deadline: float | None = None, context: object = None
-    ) -> asyncio.Future[Scored]:
-        """Queue one sample without awaiting it (see DynamicBatcher.enqueue)."""
-        return self.batcher.enqueue(inp, deadline=deadline, context=context)
-
     def put(
         self,
         inp: RewardInput,

@@ -215,7 +215,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = mono + timeout_s if timeout_s is not None else None
             # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.ticket = pipeline.batcher.put(inp, self._settle, f, deadline=deadline, context=parent, now=mono)
+            f.ticket = pipeline.put(inp, self._settle, f, deadline=deadline, context=parent, now=mono)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
             return
