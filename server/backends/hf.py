@@ -796,12 +796,8 @@ class HFBackend:
             positions = batch.next_pos[first : first + n].unsqueeze(-1)
             allowed = (cols.unsqueeze(0) >= start_t.unsqueeze(-1))[:, None, None, :]
         else:  # prompts, right-aligned to the longest
-            ids_cpu = torch.full((n, width), self._pad_id, dtype=torch.long)
-            pos_cpu = torch.zeros((n, width), dtype=torch.long)
-            for r, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-                ids_cpu[r, width - length :] = torch.tensor(row.slot.request.prompt_ids, dtype=torch.long)
-                pos_cpu[r, width - length :] = torch.arange(length)
-            ids, positions = ids_cpu.to(device), pos_cpu.to(device)
+            ids_cpu, real = self._right_aligned([row.slot.request.prompt_ids for row in rows])
+            ids, positions = ids_cpu.to(device), _positions(real).to(device)
             # Query q of a row with L tokens sees its columns from its start up to its own position,
             # w + 1 - L + (q - width + L); a padding query sees what the row's first real one does.
             news = torch.tensor(lengths, device=device)
@@ -817,18 +813,34 @@ class HFBackend:
         cache.first, cache.n, cache.read_lo = first, n, read_lo
         cache.prompts = [(r, length) for r, length in enumerate(lengths) if length > 1]
         try:
-            out = self._lm(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            return self._forward(ids, mask, positions, cache)[0]
         finally:
             cache.prompts = []
+
+    def _right_aligned(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts left-padded to the longest (CPU): their ids and the mask of real tokens."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[r, width - len(prompt) :] = 1
+        return ids, mask
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """The model over ``ids`` with its KV cache: the last position's logits and the cache it returns."""
+        out = self._lm(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits: torch.Tensor = out.logits[:, -1, :]
-        return logits
+        return logits, out.past_key_values
 
     def _slot_remove(self, batch: _SlotBatch, keep: list[int]) -> None:
         """Keep rows ``keep``: each row that leaves a slot below the new row count takes a kept row from the end."""
@@ -898,26 +910,11 @@ class HFBackend:
         """Run the admitted rows' prompts (left-padded to one width): their batch state and last logits."""
         from transformers import DynamicCache
 
-        prompts = [row.slot.request.prompt_ids for row in rows]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, prompt in enumerate(prompts):
-            ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[r, width - len(prompt) :] = 1
+        ids, mask = self._right_aligned([row.slot.request.prompt_ids for row in rows])
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = _positions(mask)
         requests = [row.slot.request for row in rows]
-        cache = DynamicCache(config=self._lm.config)
-        out = self._lm(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
+        logits, cache = self._forward(ids, mask, positions, DynamicCache(config=self._lm.config))
         return _Batch(
             rows=list(rows),
             cache=cache,
@@ -926,22 +923,17 @@ class HFBackend:
             temps=torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=self.device),
             top_ks=torch.tensor([r.top_k for r in requests], dtype=torch.long, device=self.device),
             top_ps=torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=self.device),
-        ), out.logits[:, -1, :]
+        ), logits
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
         assert batch.mask is not None and batch.next_pos is not None and batch.last is not None
         ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=batch.mask.device)
         batch.mask = torch.cat([batch.mask, ones], dim=-1)
-        out = self._lm(
-            input_ids=batch.last.unsqueeze(-1),
-            attention_mask=batch.mask,
-            position_ids=batch.next_pos.unsqueeze(-1),
-            past_key_values=batch.cache,
-            use_cache=True,
+        logits, batch.cache = self._forward(
+            batch.last.unsqueeze(-1), batch.mask, batch.next_pos.unsqueeze(-1), batch.cache
         )
-        batch.cache = out.past_key_values
         batch.next_pos = batch.next_pos + 1
-        return out.logits[:, -1, :]
+        return logits
 
     def _compact(self, batch: _Batch, keep: list[int]) -> None:
         """Keep only rows ``keep`` (tensor positions)."""
@@ -1044,3 +1036,8 @@ def _next_uniform(row: _Row) -> float:
     if not row.uniforms:
         row.uniforms = torch.rand(32, generator=row.generator).tolist()[::-1]
     return row.uniforms.pop()
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each real token's position within its row (0 for left padding)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
