@@ -233,6 +233,9 @@ def length(data_source: str, solution_str: str, ground_truth: str, extra_info: d
     return -len(solution_str) / 1000.0
 
 
+_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")  # the number a response opens with (first_number, near_number)
+
+
 @register_rule("first_number", isolate=False)
 def first_number(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
@@ -242,7 +245,7 @@ def first_number(
     The demo's task (one-token answers to single-digit additions): the small format credit gives a
     random tiny policy a gradient from the first step.
     """
-    match = re.match(r"\s*(-?\d+)", solution_str)
+    match = _LEADING_NUMBER.match(solution_str)
     if match is None:
         return {"score": 0.0, "acc": 0.0, "format": 0.0}
     correct = match.group(1) == ground_truth.strip()
@@ -258,7 +261,7 @@ def near_number(
     Reward shaping for the demo: a wrong answer closer to the truth scores higher, so every GRPO group
     ranks its samples (not only the rare group holding the exact answer), and `acc` stays exact.
     """
-    match = re.match(r"\s*(-?\d+)", solution_str)
+    match = _LEADING_NUMBER.match(solution_str)
     if match is None:
         return {"score": 0.0, "acc": 0.0, "format": 0.0}
     try:
