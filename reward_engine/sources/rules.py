@@ -252,7 +252,7 @@ def first_number(
     return {"score": 1.0 if correct else 0.1, "acc": float(correct), "format": 1.0}
 
 
-@register_rule("near_number")
+@register_rule("near_number", isolate=False)
 def near_number(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
