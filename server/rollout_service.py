@@ -15,7 +15,7 @@ from typing import Any
 from grpc import aio
 
 from client.tensors import duration_seconds, ids_from, ids_tensor
-from reward_engine.errors import InvalidInput
+from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
 from server.backends.base import GenerationRequest
@@ -142,6 +142,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         """Samples stream out as they finish; what finished together shares a message when the client asks."""
+        if reason := getattr(self.backend, "unusable", None):  # UNAVAILABLE: the trainer asks another server
+            raise Unavailable(reason)
         jobs, settings = self._plan(request)
         per_message = max(1, request.max_samples_per_message)
         loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import pytest_asyncio
 import torch
@@ -24,7 +25,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from client.tensors import ids_tensor
 from demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends import make_backend
 from server.backends.base import GenerationFailed, GenerationRequest, WeightsError
 from server.backends.hf import trim_at_stop
@@ -313,6 +316,66 @@ async def test_a_failed_commit_keeps_the_old_version_and_resumes(
         await backend.update_weights(state_dict(tiny_models.policy), version=3)
     assert [c[0] for c in engine.calls][-1] == "rewardmesh_discard_weights"
     assert "pause_generation" not in [c[0] for c in engine.calls] and backend.policy_version == 0
+    await backend.close()
+
+
+async def test_a_load_that_fails_part_way_stops_serving_until_a_full_update(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    """Half the tensors loaded: the server refuses Generate (UNAVAILABLE: the trainer asks another server)
+    rather than label a mix of two versions as either; the next update of every tensor restores it."""
+    backend = VLLMBackend(str(tiny_models.policy))
+    server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0, grace_s=0.5))
+    await server.start()
+    engine = fake_vllm.last
+    assert engine is not None
+    state = state_dict(tiny_models.policy)
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(group_id="g", token_ids=ids_tensor([5, 6, 7]))],
+        n=2,
+        sampling=rollout_pb2.SamplingParams(max_tokens=3),
+    )
+    try:
+        async with aio.insecure_channel(server.address) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            engine.model.fail_after = 3
+            with pytest.raises(RuntimeError, match="simulated failure"):
+                await backend.update_weights(perturbed(state), version=2)
+            assert backend.policy_version == 0 and backend.unusable and "version 2" in backend.unusable
+            with pytest.raises(aio.AioRpcError) as err:
+                _ = [r async for r in stub.Generate(request, timeout=10)]
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "part-way" in (err.value.details() or "")
+
+            engine.model.fail_after = None
+            await backend.update_weights({k: v for k, v in perturbed(state).items() if "mlp" in k}, version=3)
+            assert backend.unusable  # a partial update does not cover what the torn one may have changed
+            await backend.update_weights(perturbed(state, 0.1), version=4)
+            assert backend.unusable is None
+            responses = [r async for r in stub.Generate(request, timeout=10)]
+            samples = [item for r in responses for item in (r.items or [r])]
+            assert len(samples) == 2 and all(s.sample.policy_version == 4 for s in samples)
+    finally:
+        await server.stop(0)
+
+
+async def test_a_pause_that_fails_discards_the_staged_weights(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    backend = VLLMBackend(str(tiny_models.policy))
+    await backend.start()
+    engine = fake_vllm.last
+    assert engine is not None
+
+    async def broken_pause(**kwargs: Any) -> None:
+        raise RuntimeError("engine core died")
+
+    engine.pause_generation = broken_pause  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="engine core died"):
+        await backend.update_weights(perturbed(state_dict(tiny_models.policy)), version=1)
+    names = [c[0] for c in engine.calls]
+    assert names[-1] == "rewardmesh_discard_weights" and "rewardmesh_commit_weights" not in names
+    assert not engine.worker.__dict__.get("_rewardmesh_staged") and backend.policy_version == 0
+    assert backend.unusable is None  # nothing was loaded: the old weights serve on
     await backend.close()
 
 

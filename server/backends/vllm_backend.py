@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from client.weights import WeightsError, validate_weights
+from reward_engine.errors import Unavailable
 from server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
 from server.backends.hf import trim_at_stop, validate_request
 
@@ -324,6 +325,10 @@ class VLLMBackend:
         self._start_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()
         self._updates = 0  # weight updates begun: a request that saw none knows every token's version
+        # Why the engine must not serve (None: it may). Set when loading an update failed part-way: the model
+        # then holds a mix of two versions, so it refuses work until a later update covers `_torn`.
+        self.unusable: str | None = None
+        self._torn: set[str] = set()
         self._inflight: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
@@ -452,6 +457,8 @@ class VLLMBackend:
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         if self._closed:
             raise RuntimeError("VLLMBackend is closed")
+        if self.unusable:
+            raise Unavailable(self.unusable)
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         if self._engine is None:
             await self.start()
@@ -609,9 +616,21 @@ class VLLMBackend:
                     await engine.collective_rpc("rewardmesh_discard_weights")
                 raise
             self._updates += 1
-            paused = await self._pause(engine)
             try:
-                await engine.collective_rpc("rewardmesh_commit_weights", args=(expected,))
+                paused = await self._pause(engine)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await engine.collective_rpc("rewardmesh_discard_weights")
+                raise
+            try:
+                try:
+                    await engine.collective_rpc("rewardmesh_commit_weights", args=(expected,))
+                except BaseException as exc:
+                    self._mark_torn(expected, version, exc)
+                    raise
+                self._torn.difference_update(expected)
+                if not self._torn:
+                    self.unusable = None
                 self.policy_version = int(version)
                 if hasattr(engine, "update_weight_version"):
                     try:
@@ -626,6 +645,21 @@ class VLLMBackend:
         logger.info(
             "vllm backend: applied %d tensors in %d chunk(s), policy_version=%d", len(expected), chunks, version
         )
+
+    def _mark_torn(self, names: list[str], version: int, exc: BaseException) -> None:
+        """A commit that failed inside ``load_weights`` may have applied some tensors: stop serving.
+
+        The worker's own checks fail before loading anything and say "nothing applied"; any other failure
+        leaves an unknown mix of versions, which must not produce samples labelled with either.
+        """
+        if "nothing applied" in str(exc):
+            return
+        self._torn.update(names)
+        self.unusable = (
+            f"loading weights version {version} failed part-way ({exc}); the model mixes two versions and "
+            "serves again after a weight update that includes every tensor of that one"
+        )
+        logger.error("vllm backend: %s", self.unusable)
 
     async def _pause(self, engine: Any) -> bool:
         """vLLM's async-RL pause: running requests stay (their KV is dropped and recomputed on resume)."""
