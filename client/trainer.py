@@ -524,7 +524,7 @@ class TrainerClient:
         """
         async with self._weights_lock:
             version = version if version is not None else self.policy_version + 1
-            reachable = await self._reachable(await self.pool.wait_for_members())
+            reachable = await self._reachable()
             targets = [(t.address, t.channel) for t, _ in reachable]
             infos = [i for _, i in reachable if i is not None]
             sync = await self.weight_sync.push(targets, state, version, transport, chunk_bytes=chunk_bytes,
@@ -535,22 +535,31 @@ class TrainerClient:
             self._weights_stamp = _stamp(state)
         return version
 
-    async def _reachable(self, members: list[_Target]) -> list[tuple[_Target, rollout_pb2.GetInfoResponse | None]]:
+    async def _reachable(self) -> list[tuple[_Target, rollout_pb2.GetInfoResponse | None]]:
         """The members that answer now, with their GetInfo (the push reuses it). One that cannot be reached (a pod
         restarting) is marked down instead of failing the update: the pool's join hook brings it to the current
-        version before it gets work again."""
-        infos = await asyncio.gather(
-            *(self._join_sync.infos([(m.address, m.channel)]) for m in members), return_exceptions=True
-        )
-        up: list[tuple[_Target, rollout_pb2.GetInfoResponse | None]] = []
-        for member, info in zip(members, infos, strict=True):
-            if isinstance(info, aio.AioRpcError) and info.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_failed(member, f"unreachable for a weight update: {info.details()}")
-            else:  # any other failure surfaces from the push (which asks again), naming the server
-                up.append((member, None if isinstance(info, BaseException) else info[0]))
+        version before it gets work again. When none answers (every pod restarting at once), ask again as their
+        backoffs end, until one does or `weight_sync.timeout_s` has passed."""
+        deadline = time.monotonic() + self.weight_sync.timeout_s
+        while True:
+            members = await self.pool.wait_for_members()
+            infos = await asyncio.gather(
+                *(self._join_sync.infos([(m.address, m.channel)]) for m in members), return_exceptions=True
+            )
+            up: list[tuple[_Target, rollout_pb2.GetInfoResponse | None]] = []
+            for member, info in zip(members, infos, strict=True):
+                if isinstance(info, aio.AioRpcError) and info.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_failed(member, f"unreachable for a weight update: {info.details()}")
+                else:  # any other failure surfaces from the push (which asks again), naming the server
+                    up.append((member, None if isinstance(info, BaseException) else info[0]))
+            remaining = deadline - time.monotonic()
+            if up or remaining <= 0:
+                break
+            await asyncio.sleep(min(remaining, self.pool.retry_in()))
         if not up:
             raise WeightSyncError(
-                "no rollout server is reachable for the weight update", {m.address: "UNAVAILABLE" for m in members}
+                f"no rollout server was reachable for the weight update within {self.weight_sync.timeout_s:g}s",
+                {m.address: "UNAVAILABLE" for m in members},
             )
         return up
 

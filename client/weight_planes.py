@@ -118,13 +118,13 @@ def send_buckets(group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[
     in_flight: Any = None
     sent = 0
     for b in buckets:
-        first = tensors[b.first]
-        if b.last - b.first == 1 and first.is_contiguous():
+        first = tensors[b.members[0]]
+        if len(b.members) == 1 and first.is_contiguous():
             buf = byte_view(first)  # a tensor of its own bucket goes as it is, no packing copy
         else:
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=first.device)
-            for t, off in zip(tensors[b.first : b.last], b.offsets, strict=True):
-                src = byte_view(t)
+            for i, off in zip(b.members, b.offsets, strict=True):
+                src = byte_view(tensors[i])
                 buf[off : off + src.numel()].copy_(src)
         if in_flight is not None:
             in_flight.wait(timeout)
@@ -153,7 +153,7 @@ def receive_buckets(
     for i, b in enumerate(buckets):
         buf = buffers[i] if buffers else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
         works.append(_broadcast(group, buf))
-        staged.update(views(buf, entries[b.first : b.last], b.offsets))
+        staged.update(views(buf, [entries[i] for i in b.members], b.offsets))
     for work in works:
         work.wait(timeout)
     if device.type == "cuda":

@@ -115,36 +115,38 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Tensors [first, last) of the manifest, at `offsets` inside one buffer of `nbytes`."""
+    """Tensors `members` (indices into the manifest), at `offsets` inside one buffer of `nbytes`."""
 
-    first: int
-    last: int
+    members: tuple[int, ...]
     offsets: tuple[int, ...]
     nbytes: int
 
 
 def layout(sizes: Sequence[int], bucket_bytes: int, alone_bytes: int = ALONE_BYTES) -> list[Bucket]:
-    """Pack tensors in order into buckets of at most bucket_bytes; a tensor of alone_bytes or more (or larger
-    than a bucket) is a bucket of its own, broadcast from where it lies without a packing copy."""
-    buckets: list[Bucket] = []
-    first, end = 0, 0
+    """The buckets of an update, one collective call each: a tensor of alone_bytes or more (or larger than a
+    bucket) is a bucket of its own, sent from where it lies without a packing copy; every smaller tensor,
+    wherever it lies in the manifest, is packed with the others into buckets of at most bucket_bytes, which
+    come first (a model's many small norms and biases lie between its large matrices: packed in manifest
+    order they would cost a call each)."""
+    packed: list[Bucket] = []
+    members: list[int] = []
     offsets: list[int] = []
+    end = 0
+    alone = []
     for i, size in enumerate(sizes):
-        if size >= alone_bytes:
-            if offsets:
-                buckets.append(Bucket(first, i, tuple(offsets), end))
-            buckets.append(Bucket(i, i + 1, (0,), size))
-            first, offsets, end = i + 1, [], 0
+        if size >= min(alone_bytes, bucket_bytes + 1):
+            alone.append(Bucket((i,), (0,), size))
             continue
         start = _aligned(end)
-        if offsets and start + size > bucket_bytes:
-            buckets.append(Bucket(first, i, tuple(offsets), end))
-            first, offsets, start = i, [], 0
+        if members and start + size > bucket_bytes:
+            packed.append(Bucket(tuple(members), tuple(offsets), end))
+            members, offsets, start = [], [], 0
+        members.append(i)
         offsets.append(start)
         end = start + size
-    if offsets:
-        buckets.append(Bucket(first, len(sizes), tuple(offsets), end))
-    return buckets
+    if members:
+        packed.append(Bucket(tuple(members), tuple(offsets), end))
+    return packed + alone
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

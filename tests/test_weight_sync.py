@@ -77,8 +77,18 @@ async def generated_version(address: str) -> int:
 
 def test_layout_packs_in_order_aligned_and_bounded() -> None:
     buckets = layout([10, 100, 30, 500, 1], bucket_bytes=256)
-    assert [(b.first, b.last, b.offsets) for b in buckets] == [(0, 3, (0, 64, 192)), (3, 4, (0,)), (4, 5, (0,))]
-    assert buckets[0].nbytes == 222 and buckets[1].nbytes == 500  # a tensor above the bucket size goes alone
+    assert [(b.members, b.offsets) for b in buckets] == [((0, 1, 2), (0, 64, 192)), ((4,), (0,)), ((3,), (0,))]
+    assert buckets[0].nbytes == 222 and buckets[2].nbytes == 500  # a tensor above the bucket size goes alone
+
+
+def test_layout_packs_small_tensors_together_wherever_they_lie() -> None:
+    """The small norms lying between a model's large matrices share one bucket (one collective call, not one
+    each); the large ones go alone, as they lie."""
+    mb = 1 << 20
+    buckets = layout([2 * mb, 10, 3 * mb, 20, 4 * mb, 30], bucket_bytes=256 << 20)
+    assert [b.members for b in buckets] == [(1, 3, 5), (0,), (2,), (4,)]
+    assert buckets[0].offsets == (0, 64, 128) and buckets[0].nbytes == 158
+    assert [b.nbytes for b in buckets[1:]] == [2 * mb, 3 * mb, 4 * mb]
 
 
 def test_hand_encoded_chunks_parse_as_update_requests() -> None:
@@ -354,6 +364,46 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
         assert min(sample_versions) >= at - bound, (at, sample_versions)  # never beyond the bound
     assert b.backend.policy_version >= final - 1 and c.backend.policy_version >= final - 1, versions
     assert client.join_updates >= 1
+
+
+async def test_update_waits_for_a_server_to_come_back_when_none_answers_and_fails_after_timeout(
+    tiny_models: TinyModelPaths,
+) -> None:
+    """Every server down at once (here: the only one, restarting): update_weights asks again as the backoff ends
+    and sends to the server once it is back; with nobody back within timeout_s it fails naming the server."""
+    from server.rollout_server import RolloutServer
+    from server.serving import ServerOptions
+
+    base = policy_state(tiny_models)
+    async with AsyncExitStack() as stack:
+
+        async def start(port: int = 0) -> Any:
+            backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
+            server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=port, grace_s=1))
+            await server.start()
+            stack.push_async_callback(server.stop, 0.1)
+            return server
+
+        a = await start()
+        port = int(a.address.rsplit(":", 1)[1])
+        client = TrainerClient(a.address, retry_backoff_s=0.05)
+        await stack.enter_async_context(client)
+        await client.update_weights(perturbed(base, 1))
+        await a.stop(0.1)
+        update = asyncio.ensure_future(client.update_weights(perturbed(base, 2)))
+        (member,) = client.pool.members
+        deadline = time.monotonic() + 30
+        while not member.down and not update.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert member.down and not update.done()  # found unreachable, and waiting instead of failing
+        b = await start(port)
+        assert await asyncio.wait_for(update, 60) == 2
+        assert b.backend.policy_version == 2
+        await b.stop(0.1)
+        client.weight_sync.timeout_s = 0.3
+        with pytest.raises(WeightSyncError, match="no rollout server was reachable") as caught:
+            await asyncio.wait_for(client.update_weights(perturbed(base, 3)), 60)
+        assert list(caught.value.failed) == [a.address]
 
 
 # ------------------------------------------------------------- O(1) swap, joiners and in-place training, shm
