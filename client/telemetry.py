@@ -326,6 +326,9 @@ def _attrs(attributes: Any) -> list[dict[str, Any]]:
 
 _KIND = {k: int(k.value) + 1 for k in trace.SpanKind}  # OTLP numbers kinds from SPAN_KIND_INTERNAL = 1
 _STATUS = {c: int(c.value) for c in trace.StatusCode}
+# The same by the member's id: an Enum's hash is a Python-level call, and span_json looks both up per span.
+_KIND_OF = {id(k): v for k, v in _KIND.items()}
+_STATUS_OF = {id(c): v for c, v in _STATUS.items()}
 
 
 def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
@@ -422,12 +425,12 @@ def span_json(span: ReadableSpan) -> str:
     return (
         f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}",'
         + (f'"parentSpanId":"{parent.span_id:016x}",' if parent is not None else "")
-        + f'"name":{_esc(span.name)},"kind":{_KIND[span.kind]},'
+        + f'"name":{_esc(span.name)},"kind":{_KIND_OF[id(span.kind)]},'
         f'"startTimeUnixNano":"{span.start_time}","endTimeUnixNano":"{span.end_time}",'
         f'"attributes":{_attrs_json(span.attributes)},'
         f'"events":[{",".join(map(_event_json, events)) if events else ""}],'
         f'"links":[{",".join(map(_link_json, links)) if links else ""}],'
-        f'"status":{{"code":{_STATUS[span.status.status_code]}}}}}'
+        f'"status":{{"code":{_STATUS_OF[id(span.status.status_code)]}}}}}'
     )
 
 
