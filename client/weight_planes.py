@@ -9,6 +9,7 @@ Every blocking call here (forming a group, a broadcast) runs in a worker thread,
 
 from __future__ import annotations
 
+import collections
 import datetime
 import fcntl
 import hashlib
@@ -112,26 +113,47 @@ def _broadcast(group: Any, buf: torch.Tensor) -> Any:
     return group.broadcast([buf], opts)
 
 
-def send_buckets(group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], timeout_s: float) -> int:
-    """Rank 0: pack bucket k+1 while bucket k is on the wire (two bucket buffers at most); returns bytes sent."""
+def send_buckets(
+    group: Any, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], timeout_s: float, *, chain: bool = False
+) -> int:
+    """Rank 0: every bucket to the servers; returns the bytes sent. At most two packed bucket buffers at a time
+    (a tensor of its own bucket goes as it lies, no packing copy).
+
+    chain: point-to-point to rank 1 only (which forwards), every send posted at once; gloo's sends cost far
+    less per call than its broadcasts. Otherwise one broadcast per bucket, the next packed while one is on the
+    wire."""
     timeout = datetime.timedelta(seconds=timeout_s)
     in_flight: Any = None
+    packed: collections.deque[Any] = collections.deque()  # works whose buffers are packing copies
+    works: list[Any] = []
     sent = 0
     for b in buckets:
         first = tensors[b.members[0]]
-        if len(b.members) == 1 and first.is_contiguous():
-            buf = byte_view(first)  # a tensor of its own bucket goes as it is, no packing copy
+        copy = not (len(b.members) == 1 and first.is_contiguous())
+        if not copy:
+            buf = byte_view(first)
         else:
+            if len(packed) >= 2:  # a gloo send is waited once only (a second wait would block for ever)
+                done = packed.popleft()
+                done.wait(timeout)
+                works = [w for w in works if w is not done]
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=first.device)
             for i, off in zip(b.members, b.offsets, strict=True):
                 src = byte_view(tensors[i])
                 buf[off : off + src.numel()].copy_(src)
-        if in_flight is not None:
-            in_flight.wait(timeout)
-        in_flight = _broadcast(group, buf)
+        if chain:
+            work = group.send([buf], 1, b.members[0])  # each bucket its own tag, known to both sides
+            works.append(work)
+        else:
+            if in_flight is not None:
+                in_flight.wait(timeout)
+            work = in_flight = _broadcast(group, buf)
+        if copy and chain:  # (broadcasts: one in flight, so at most two packed buffers already)
+            packed.append(work)
         sent += b.nbytes
-    if in_flight is not None:
-        in_flight.wait(timeout)
+    for work in [*works, in_flight]:
+        if work is not None:
+            work.wait(timeout)
     if tensors and tensors[0].is_cuda:
         torch.cuda.synchronize()
     return sent
@@ -144,21 +166,59 @@ def receive_buckets(
     device: torch.device,
     timeout_s: float,
     buffers: Sequence[torch.Tensor] = (),
+    *,
+    chain: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rank > 0: every bucket lands in its staging buffer (`buffers` when given: one per bucket, reused), typed
-    tensors are views into it (no copy)."""
+    tensors are views into it (no copy).
+
+    chain: (rank, world_size): receive from rank - 1, and forward each bucket to rank + 1 as soon as it is in
+    while the next arrives. A forward that fails (the next server went away) does not fail this server: its own
+    bytes are whole; it raises ForwardFailed after the receive, with the staged tensors."""
     timeout = datetime.timedelta(seconds=timeout_s)
     staged: dict[str, torch.Tensor] = {}
-    works = []
-    for i, b in enumerate(buckets):
-        buf = buffers[i] if buffers else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        works.append(_broadcast(group, buf))
+    failed = False
+    bufs = [buffers[i] if buffers else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+            for i, b in enumerate(buckets)]  # fmt: skip
+    if chain is None:
+        works = [_broadcast(group, buf) for buf in bufs]
+        for work in works:
+            work.wait(timeout)
+    else:
+        rank, world = chain
+        works = [group.recv([buf], rank - 1, b.members[0]) for buf, b in zip(bufs, buckets, strict=True)]
+        forwards: list[Any] | None = []
+        for work, buf, b in zip(works, bufs, buckets, strict=True):
+            work.wait(timeout)
+            if rank + 1 < world and forwards is not None:
+                try:
+                    forwards.append(group.send([buf], rank + 1, b.members[0]))
+                except RuntimeError as exc:
+                    log.warning("dist: forwarding weights to rank %d failed: %s", rank + 1, exc)
+                    forwards = None
+        failed = forwards is None
+        for work in forwards or ():
+            try:
+                work.wait(timeout)
+            except RuntimeError as exc:
+                log.warning("dist: forwarding weights to rank %d failed: %s", rank + 1, exc)
+                failed = True
+    for buf, b in zip(bufs, buckets, strict=True):
         staged.update(views(buf, [entries[i] for i in b.members], b.offsets))
-    for work in works:
-        work.wait(timeout)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if failed:
+        raise ForwardFailed(staged)
     return staged
+
+
+class ForwardFailed(Exception):
+    """This server received every byte but could not pass them on to the next in the chain (gone, or timed out):
+    its group is broken, its update is not."""
+
+    def __init__(self, staged: dict[str, torch.Tensor]) -> None:
+        super().__init__("forwarding to the next server in the chain failed")
+        self.staged = staged
 
 
 # ------------------------------------------------------------------------------------------------- shm

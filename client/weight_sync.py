@@ -154,7 +154,7 @@ class WeightSync:
         elif transport == "shm":
             outcomes = await self._send_shm(targets, state, version)
         else:
-            outcomes = await self._send_dist(targets, state, version, [i.instance_id for i in infos])
+            outcomes = await self._send_dist(targets, state, version, infos)
         failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
         wrong = {a: f"applied version {o.policy_version}" for a, o in outcomes.items()
                  if not isinstance(o, BaseException) and o.policy_version != version}  # fmt: skip
@@ -217,10 +217,14 @@ class WeightSync:
         targets: Sequence[tuple[str, aio.Channel]],
         state: Mapping[str, torch.Tensor],
         version: int,
-        instances: Sequence[str],
+        infos: Sequence[rollout_pb2.GetInfoResponse],
     ) -> dict[str, Any]:
         tensors = [t.detach() for t in state.values()]
         backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
+        instances = [i.instance_id for i in infos]
+        # gloo: a chain of point-to-point sends (the trainer sends every byte once; gloo's sends cost far less per
+        # call than its broadcasts). NCCL's broadcast is a pipelined ring already: one call per bucket.
+        chain = backend == "gloo" and len(infos) == len(targets) and all(i.dist_chain for i in infos)
         # A server that restarted (new instance id) holds none of our groups: that is a membership change too.
         members = tuple(f"{a}#{i}" for (a, _), i in zip(targets, instances, strict=True))
         host = self._rendezvous_host(targets)
@@ -234,7 +238,7 @@ class WeightSync:
         base = self._request(state, version)
         base.dist.CopyFrom(rollout_pb2.DistRendezvous(host=host, port=store.port, group=self._group_name,
                                                       world_size=len(targets) + 1, backend=backend,
-                                                      bucket_bytes=self.bucket_bytes))  # fmt: skip
+                                                      bucket_bytes=self.bucket_bytes, chain=chain))  # fmt: skip
         requests = {}
         for rank, (address, _) in enumerate(targets, start=1):
             req = rollout_pb2.TransferWeightsRequest()
@@ -261,7 +265,7 @@ class WeightSync:
             if pg is None:
                 pg = form_group(host=host, port=store.port, group=name, rank=0, world_size=world, backend=backend,
                                 timeout_s=self.timeout_s, store=store.store)  # fmt: skip
-            send_buckets(pg, tensors, buckets, self.timeout_s)
+            send_buckets(pg, tensors, buckets, self.timeout_s, chain=chain)
             self._group = pg
 
         self._group = None  # kept again only if this transfer succeeds

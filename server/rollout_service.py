@@ -234,6 +234,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             weight_transports=self.weights.transports(),
             host_id=self.weights.host_id,
             instance_id=self.weights.instance_id,
+            dist_chain=True,
         )
 
 

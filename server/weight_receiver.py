@@ -26,7 +26,7 @@ import grpc
 import torch
 
 from client.tensors import duration_seconds
-from client.weight_planes import dist_available, form_group, host_id, map_shm, receive_buckets
+from client.weight_planes import ForwardFailed, dist_available, form_group, host_id, map_shm, receive_buckets
 from client.weights import WeightAssembler, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -212,7 +212,11 @@ class WeightReceiver:
             if pg is None:
                 pg = form_group(host=rdv.host, port=rdv.port, group=rdv.group, rank=rdv.rank,
                                 world_size=rdv.world_size, backend=rdv.backend, timeout_s=timeout_s)  # fmt: skip
-            staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers)
+            chain = (rdv.rank, rdv.world_size) if rdv.chain else None
+            try:
+                staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers, chain=chain)
+            except ForwardFailed as exc:  # our bytes are whole; the group is not (the next server went away)
+                return exc.staged
             self._groups[key] = pg
             while len(self._groups) > self.MAX_GROUPS:
                 self._groups.popitem(last=False)

@@ -277,10 +277,10 @@ async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_othe
     base = policy_state(tiny_models)
     real_send = weight_sync.send_buckets
 
-    def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float) -> int:
-        real_send(group, tensors, buckets[:1], timeout_s)  # the first bucket reaches both
+    def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float, **kw: Any) -> int:
+        real_send(group, tensors, buckets[:1], timeout_s, **kw)  # the first bucket reaches both
         victim.kill()
-        return real_send(group, tensors, buckets[1:], timeout_s)
+        return real_send(group, tensors, buckets[1:], timeout_s, **kw)
 
     try:
         await asyncio.to_thread(victim.start)
