@@ -310,6 +310,41 @@ async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_othe
         victim.stop(timeout_s=10)
 
 
+async def test_the_last_server_of_the_chain_killed_mid_transfer_leaves_the_first_with_the_new_weights(
+    tiny_models: TinyModelPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the gloo chain (trainer -> survivor -> victim) the survivor's own bytes are whole when the server after
+    it dies: it applies the update; the call fails naming the victim only."""
+    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
+    victim = ServerProcess("victim", argv, tmp_path)
+    base = policy_state(tiny_models)
+    real_send = weight_sync.send_buckets
+
+    def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float, **kw: Any) -> int:
+        assert kw.get("chain")
+        victim.kill()
+        victim.proc.wait()  # type: ignore[union-attr]
+        return real_send(group, tensors, buckets, timeout_s, **kw)
+
+    try:
+        await asyncio.to_thread(victim.start)
+        await victim.wait_serving()
+        async with servers(tiny_models, 1) as (survivor,):
+            async with TrainerClient([survivor.address, victim.address]) as client:
+                client.weight_sync.bucket_bytes = 32 << 10
+                client.weight_sync.timeout_s = 3.0
+                await client.update_weights(perturbed(base, 9), transport="dist")
+                monkeypatch.setattr(weight_sync, "send_buckets", send_then_kill)
+                with pytest.raises(WeightSyncError) as info:
+                    await asyncio.wait_for(client.update_weights(perturbed(base, 10), transport="dist"), 60)
+                assert list(info.value.failed) == [victim.address], info.value.failed
+            assert survivor.backend.policy_version == 2
+            assert same(model_weights(survivor), perturbed(base, 10))
+    finally:
+        victim.stop(timeout_s=10)
+
+
 # ------------------------------------------------------------------ servers that restart or join mid-run
 
 
