@@ -125,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport-concurrency", type=int, default=1024, help="samples in flight, the same for both servers"
     )
     transport.add_argument(
-        "--transport-rounds", type=int, default=2, help="alternating rewardmesh/echo rounds; the best of each counts"
+        "--transport-rounds",
+        type=int,
+        default=4,
+        help="alternating rewardmesh/echo rounds; the target is judged on client + server CPU per sample, medians",
     )
     transport.add_argument(
         "--transport-only", action="store_true", help="measure only the transport (no reward model, no (a)-(c))"
@@ -384,7 +387,8 @@ def render_transport(report: dict[str, Any]) -> str:
             ),
             "",
             f"rewardmesh / echo = {ratio:.2f} best rounds, {_median_ratio(t):.2f} median rounds, "
-            f"{_cpu_ratio(t):.2f} by client + server CPU per sample (target >= {TARGET_TRANSPORT_VS_ECHO})",
+            f"{_cpu_ratio(t):.2f} by client + server CPU per sample (target >= {TARGET_TRANSPORT_VS_ECHO}, judged by "
+            f"CPU per sample: {'PASS' if _cpu_ratio(t) >= TARGET_TRANSPORT_VS_ECHO else 'FAIL'})",
         ]
     )
 
@@ -606,17 +610,18 @@ async def run_transport(
     out: dict[str, Any] = {}
     for name, runs in rounds.items():
         best = max(runs, key=lambda s: s.throughput)
-        cpu_rounds = [
-            (s.cpu_us_per_sample(servers[name].pid) or 0.0) + (s.cpu_us_per_sample(os.getpid()) or 0.0) for s in runs
-        ]
+        server_cpu = [s.cpu_us_per_sample(servers[name].pid) or 0.0 for s in runs]
+        client_cpu = [s.cpu_us_per_sample(os.getpid()) or 0.0 for s in runs]
+        cpu_rounds = [a + b for a, b in zip(server_cpu, client_cpu, strict=True)]
         out[name] = {
             "throughput": best.throughput,
             "median_throughput": statistics.median(s.throughput for s in runs),
             # Client + server CPU per sample, median over rounds: what the pair costs whatever else runs on the
             # machine (a shared machine changes the rounds' wall throughput, far less their CPU per sample).
             "cpu_us_per_sample": statistics.median(cpu_rounds),
-            "server_cpu_us_per_sample": best.cpu_us_per_sample(servers[name].pid),
-            "client_cpu_us_per_sample": best.cpu_us_per_sample(os.getpid()),
+            # Medians over rounds, as the ratio they make up (the best round's CPU is no steadier than any).
+            "server_cpu_us_per_sample": statistics.median(server_cpu),
+            "client_cpu_us_per_sample": statistics.median(client_cpu),
             "rounds": [s.throughput for s in runs],
             "rounds_other_cores": [s.other_cores for s in runs],
             "other_cores": best.other_cores,
@@ -780,7 +785,7 @@ def render(report: dict[str, Any]) -> str:
     quiet = {
         name: _is_quiet(x["other_cores"]) for name, x in (("a", a), ("b", b), ("c", s), ("rm", rm), ("echo", echo))
     }
-    quiet_ab, quiet_bc, quiet_t = quiet["a"] and quiet["b"], quiet["b"] and quiet["c"], quiet["rm"] and quiet["echo"]
+    quiet_ab, quiet_bc = quiet["a"] and quiet["b"], quiet["b"] and quiet["c"]
     r_ba = b["throughput"] / a["throughput"]
     target_ba = TARGET_BATCHING_VS_OFFLINE_GPU if on_gpu else TARGET_BATCHING_VS_OFFLINE
     r_bc = b["throughput"] / s["throughput"]
@@ -809,10 +814,10 @@ def render(report: dict[str, Any]) -> str:
                     _verdict(r_bc >= TARGET_BATCHING_VS_SERIAL, quiet_bc) if on_gpu else "n/a on CPU (reported only)",
                 ],
                 [
-                    "transport: rewardmesh / echo (best rounds; median rounds; by CPU per sample)",
+                    "transport: rewardmesh / echo (best rounds; median rounds; by CPU per sample, which is judged)",
                     f">= {TARGET_TRANSPORT_VS_ECHO}",
                     f"{r_te:.2f}; {_median_ratio(t):.2f}; {_cpu_ratio(t):.2f}",
-                    _verdict(r_te >= TARGET_TRANSPORT_VS_ECHO, quiet_t),
+                    _verdict(_cpu_ratio(t) >= TARGET_TRANSPORT_VS_ECHO),
                 ],
                 [
                     "transport: rewardmesh `noop` rate",

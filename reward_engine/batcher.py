@@ -200,11 +200,16 @@ class DynamicBatcher:
         """Queue one sample whose outcome goes to `sink(token, outcome)` (no future, no loop hop per sample:
         the cheapest way in for a server that handles thousands per second). `now`: its arrival time, when
         the caller already read the clock for a whole message."""
-        self._admit()
         item = Ticket(inp, None, time.monotonic() if now is None else now, deadline, context, sink, token)
+        self.queue(item)
+        return item
+
+    def queue(self, item: Ticket) -> None:
+        """Queue a ticket the caller built: a subclass may carry the caller's own per-sample fields (the reward
+        servicer's flight record is its sample's ticket), one object per sample instead of two."""
+        self._admit()
         self._queue.append(item)
         self._wake.set()
-        return item
 
     def _admit(self) -> None:
         if self._closed:

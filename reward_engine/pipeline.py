@@ -61,6 +61,10 @@ class RewardPipeline:
         """Queue one sample, its outcome to `sink(token, outcome)` (see DynamicBatcher.put)."""
         return self.batcher.put(inp, sink, token, deadline=deadline, context=context, now=now)
 
+    def queue(self, item: Ticket) -> None:
+        """Queue a ticket the caller built (see DynamicBatcher.queue)."""
+        self.batcher.queue(item)
+
     async def compute(self, batch: list[RewardInput]) -> BatchResult:
         if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
             only = self.sources[0]

@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from grpc import aio
 
 from client.tensors import duration_seconds, ids_from
-from reward_engine.batcher import Scored, Ticket
+from reward_engine.batcher import Scored, Sink, Ticket
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from reward_engine.types import RewardInput
@@ -110,12 +110,13 @@ class _Outbox:
                 self.waiter = None
 
 
-class _Flight:
-    """A sample between arrival and result: who asked (its stream's outbox) and its batcher ticket."""
+class _Flight(Ticket):
+    """A sample between arrival and result: who asked (its stream's outbox), and, once queued, its own batcher
+    ticket (a Ticket subclass: one object per sample, not a record plus a ticket)."""
 
-    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid", "ticket")
+    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid")
 
-    def __init__(
+    def __init__(  # the ticket's own fields are set by _arm once the sample is decoded
         self,
         sid: str,
         reward: str,
@@ -132,7 +133,18 @@ class _Flight:
         self.arrived = arrived
         self.arrival_ns = arrival_ns
         self.parent = parent
-        self.ticket: Ticket | None = None
+
+    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None) -> None:
+        """Fill in the ticket half: the batcher answers `sink(self, outcome)`."""
+        self.inp = inp
+        self.future = None
+        self.sink = sink
+        self.token = self
+        self.done = False
+        self.enqueued = self.arrived
+        self.deadline = deadline
+        self.context = self.parent
+        self.tokens = inp.prompt_ids.shape[0] + inp.response_ids.shape[0]
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -215,7 +227,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = mono + timeout_s if timeout_s is not None else None
             # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.ticket = pipeline.put(inp, self._settle, f, deadline=deadline, context=parent, now=mono)
+            f.arm(inp, self._settle, deadline)
+            pipeline.queue(f)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
             return
@@ -232,7 +245,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def _cancel(self, f: _Flight, why: str) -> None:
         if self._in_flight.get(f.sid) is f:
             del self._in_flight[f.sid]
-        if f.ticket is not None and f.ticket.cancel():
+        if f.cancel():  # every flight in _in_flight is queued (armed)
             self._finish(f, error=Cancelled(why))
 
     def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
