@@ -95,6 +95,13 @@ def ids_tensor(ids: Sequence[int] | np.ndarray) -> common_pb2.Tensor:
 
 def ids_from(t: common_pb2.Tensor, field: str) -> np.ndarray:
     """A 1-D int32 id tensor of values >= 0; an unset tensor is empty (text-only samples are fine)."""
+    ids = ids_checked(t, field)
+    return np.frombuffer(ids, dtype=_I4) if ids.__class__ is bytes else ids  # type: ignore[return-value]
+
+
+def ids_checked(t: common_pb2.Tensor, field: str) -> bytes | np.ndarray:
+    """What ids_from checks, without making the array in the common case: the tensor's little-endian int32
+    bytes (for reward_engine.types.WireInput, which makes the array only if a source reads it), else the array."""
     raw = t.raw_data
     shape = t.shape  # each attribute access builds a wrapper: read it once (this runs twice per scored sample)
     if t.dtype == _INT32 and len(shape) == 1 and shape[0] * 4 == len(raw):  # the common case, checked cheaply
@@ -104,7 +111,7 @@ def ids_from(t: common_pb2.Tensor, field: str) -> np.ndarray:
             arr = np.frombuffer(raw, dtype=_I4)
             bad = int(np.argmax(arr < 0))
             raise InvalidInput(f"{field}[{bad}] is {int(arr[bad])}: token ids and mask values must be >= 0")
-        return np.frombuffer(raw, dtype=_I4)
+        return raw
     if not raw and not t.shape and t.dtype == common_pb2.DTYPE_UNSPECIFIED:
         return _EMPTY_IDS
     arr = tensor_to_numpy(t, field, dtype=common_pb2.DTYPE_INT32, ndim=1)  # raises InvalidInput naming the problem

@@ -9,14 +9,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
 from google.protobuf import json_format
 from grpc import aio
 
-from client.tensors import duration_seconds, ids_from
+from client.tensors import duration_seconds, ids_checked, ids_from
 from reward_engine.batcher import Scored, Sink, Ticket
 from reward_engine.engine import RewardEngine
 from reward_engine.errors import Cancelled, InvalidInput, Unavailable
-from reward_engine.types import RewardInput
+from reward_engine.types import RewardInput, WireInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from server.decoding import decoder
 from server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
@@ -49,25 +50,20 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
         check(len(sid), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
         for name, text in zip(("prompt_text", "response_text", "ground_truth", "data_source"), texts, strict=True):
             check(len(text), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
-    prompt_ids = ids_from(sample.prompt_ids, "sample.prompt_ids")
-    response_ids = ids_from(sample.response_ids, "sample.response_ids")
-    if prompt_ids.size > lim.max_tensor_elements or response_ids.size > lim.max_tensor_elements:
-        check(prompt_ids.size, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
-        check(response_ids.size, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
+    # Checked here, made into arrays only if a source reads them (WireInput): rules and judges never do.
+    prompt_ids = ids_checked(sample.prompt_ids, "sample.prompt_ids")
+    response_ids = ids_checked(sample.response_ids, "sample.response_ids")
+    n_prompt, n_response = _count(prompt_ids), _count(response_ids)
+    if n_prompt > lim.max_tensor_elements or n_response > lim.max_tensor_elements:
+        check(n_prompt, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
+        check(n_response, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
     mask = None
     if sample.HasField("response_mask"):
         mask = ids_from(sample.response_mask, "sample.response_mask")
-        if mask.shape != response_ids.shape:
+        if mask.shape != (n_response,):
             raise InvalidInput(
-                f"sample.response_mask has shape {list(mask.shape)}, "
-                f"but sample.response_ids has {list(response_ids.shape)}"
+                f"sample.response_mask has shape {list(mask.shape)}, but sample.response_ids has [{n_response}]"
             )
-    if tokenizer is not None and ((not prompt_text and prompt_ids.size) or (not response_text and response_ids.size)):
-        decode = decoder(tokenizer)
-        if not prompt_text and prompt_ids.size:
-            prompt_text = decode(prompt_ids.tolist())
-        if not response_text and response_ids.size:
-            response_text = decode(response_ids.tolist())
     extra: dict[str, Any] = {}
     if sample.HasField("extra_info"):
         size = sample.extra_info.ByteSize()
@@ -75,10 +71,21 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
         extra = json_format.MessageToDict(sample.extra_info)
         nested = depth(extra, lim.max_extra_info_depth)
         check(nested, lim.max_extra_info_depth, "sample.extra_info nesting depth", "max_extra_info_depth")
-    # Positional (keywords cost a fifth more per sample): the order of RewardInput's fields.
-    return RewardInput(
+    inp = WireInput.of(
         sid, prompt_ids, response_ids, prompt_text, response_text, data_source, ground_truth, extra, mask
     )
+    if tokenizer is not None and ((not prompt_text and n_prompt) or (not response_text and n_response)):
+        decode = decoder(tokenizer)
+        if not prompt_text and n_prompt:
+            inp.prompt_text = decode(inp.prompt_ids.tolist())
+        if not response_text and n_response:
+            inp.response_text = decode(inp.response_ids.tolist())
+    return inp
+
+
+def _count(ids: bytes | np.ndarray) -> int:
+    """Elements of what ids_checked returned."""
+    return len(ids) >> 2 if ids.__class__ is bytes else ids.size  # type: ignore[union-attr]
 
 
 _RESULT = reward_pb2.RewardResult
@@ -144,7 +151,7 @@ class _Flight(Ticket):
         self.enqueued = self.arrived
         self.deadline = deadline
         self.context = self.parent
-        self.tokens = inp.prompt_ids.shape[0] + inp.response_ids.shape[0]
+        self.tokens = inp.num_tokens  # a WireInput counts its ids without making arrays
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pickle
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,9 +16,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.tensors import ids_tensor
 from demo.tiny_models import TinyModelPaths
+from reward_engine.errors import InvalidInput
 from reward_engine.sources.reward_model import ModelSource
+from reward_engine.types import RewardInput
 from rewardmesh.v1 import common_pb2, reward_pb2
 from server.reward_server import load_tokenizer
+from server.reward_service import to_reward_input
 from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
 from tests.support.waiting import eventually
 
@@ -259,3 +264,20 @@ async def test_custom_function_from_file_and_decoding_ids_with_tokenizer(tiny_mo
         decoded = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[ids_only]))
     assert [r.score for r in response.results] == [1.0, 0.0]
     assert decoded.results[0].score == 1.0  # the rule read text the server decoded from ids
+
+
+def test_wire_sample_ids_stay_bytes_until_a_source_reads_them() -> None:
+    """Rules never read token ids, so the server checks them and leaves the arrays to be made on first read."""
+    s = common_pb2.Sample(
+        sample_id="a", prompt_ids=ids_tensor([1, 2, 3]), response_ids=ids_tensor([4, 5]), response_text="x"
+    )
+    inp = to_reward_input(s)
+    assert inp.num_tokens == 5 and type(inp.__dict__["prompt_ids"]) is bytes  # counted without an array
+    assert inp.prompt_ids.tolist() == [1, 2, 3] and inp.response_ids.dtype == np.int32
+    back = pickle.loads(pickle.dumps(inp))  # as a worker process would receive it: a plain RewardInput
+    assert type(back) is RewardInput and back.response_ids.tolist() == [4, 5] and back.response_text == "x"
+    with pytest.raises(InvalidInput, match=r"sample\.response_ids\[1\] is -2"):
+        to_reward_input(common_pb2.Sample(sample_id="b", response_ids=ids_tensor([1, -2])))
+    masked = common_pb2.Sample(sample_id="c", response_ids=ids_tensor([4, 5]), response_mask=ids_tensor([1]))
+    with pytest.raises(InvalidInput, match=r"response_mask has shape \[1\], but sample\.response_ids has \[2\]"):
+        to_reward_input(masked)
