@@ -15,6 +15,7 @@ model's weights plus one staged copy, the same as a copy-in backend that keeps i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -39,6 +40,23 @@ DEFAULT_TIMEOUT_S = 120.0
 
 # Buffers of ours that a backend may adopt: dist buckets (their sizes, the buffers), or grpc tensors by name.
 _Buffers = tuple[tuple[int, ...], list[torch.Tensor]] | dict[str, torch.Tensor]
+
+
+DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
+
+
+async def _drain(requests: AsyncIterator[Any], limit_s: float) -> None:
+    """Read (and drop) what the client still sends after a chunk was refused.
+
+    A server that answers while its client is still writing makes the client's next write fail, and grpc.aio
+    then reports that failed write (INTERNAL "Failed execute_batch SendMessageOperation") instead of the
+    status naming the bad tensor; reading the rest first lets the status through. Bounded in time and by the
+    chunk limit, so a client that never stops sending is cut off all the same.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(limit_s):
+            async for _ in requests:
+                pass
 
 
 def _on_cpu(buffers: _Buffers) -> bool:
@@ -142,12 +160,16 @@ class WeightReceiver:
         reuse, self._spare = self._spare, None  # the tensors the model left at the last grpc update, if any
         assembler = WeightAssembler(self.backend.weight_specs(), reuse if isinstance(reuse, dict) else None)
         version, first = 0, True
-        async for msg in requests:
-            if first:
-                version, first = msg.policy_version, False
-                if msg.manifest:
-                    assembler.expect(msg.manifest)
-            assembler.add(msg.chunk)
+        try:
+            async for msg in requests:
+                if first:
+                    version, first = msg.policy_version, False
+                    if msg.manifest:
+                        assembler.expect(msg.manifest)
+                assembler.add(msg.chunk)
+        except Exception:
+            await _drain(requests, DRAIN_S)
+            raise
         tensors = assembler.finish()
         async with self._lock:
             applied, spent = await self._apply(tensors, version, owned=dict(tensors))

@@ -229,6 +229,20 @@ async def test_update_weights_applies_atomically_and_validates(tok: Any) -> None
     assert info.policy_version == 7 and info.backend == "scripted" and "calculator" in info.tools
 
 
+async def test_a_refused_update_still_names_the_tensor_while_the_client_is_sending(tok: Any) -> None:
+    """The first chunk is refused while hundreds more are on their way: the client must hear INVALID_ARGUMENT
+    naming the tensor, not the failed write of its next chunk (grpc.aio's INTERNAL SendMessageOperation)."""
+    backend = ScriptedBackend(tok, timed_script)
+    async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
+        for _ in range(5):
+            raw = iter_update_requests({"nope": torch.zeros(1024, 1024)}, 0, chunk_bytes=16384)
+            with pytest.raises(aio.AioRpcError) as info:
+                await stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest.FromString(r) for r in raw)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert "unknown tensor 'nope'" in (info.value.details() or "")
+        assert backend.policy_version == 0
+
+
 def test_partial_chunks_are_rejected() -> None:
     from client.weights import WeightAssembler
 
