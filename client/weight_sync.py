@@ -29,7 +29,7 @@ from client.weight_planes import (
     local_address_towards,
     send_buckets,
 )
-from client.weights import DEFAULT_BUCKET_BYTES, iter_update_requests, layout, manifest
+from client.weights import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION, iter_update_requests, layout, manifest
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ class WeightSync:
         local = [shm in o and i.host_id == self.host_id for o, i in zip(offered, infos, strict=True)]
         if device.type == "cpu" and self.host_id and all(local):
             return "shm"
-        if dist_available() and all(rollout_pb2.WEIGHT_TRANSPORT_DIST in o for o in offered):
+        dist = rollout_pb2.WEIGHT_TRANSPORT_DIST
+        same_layout = all(i.dist_layout == LAYOUT_VERSION for i in infos)  # older servers unpack another layout
+        if dist_available() and same_layout and all(dist in o for o in offered):
             return "dist"
         return "grpc"
 
@@ -238,7 +240,8 @@ class WeightSync:
         base = self._request(state, version)
         base.dist.CopyFrom(rollout_pb2.DistRendezvous(host=host, port=store.port, group=self._group_name,
                                                       world_size=len(targets) + 1, backend=backend,
-                                                      bucket_bytes=self.bucket_bytes, chain=chain))  # fmt: skip
+                                                      bucket_bytes=self.bucket_bytes, chain=chain,
+                                                      layout=LAYOUT_VERSION))  # fmt: skip
         requests = {}
         for rank, (address, _) in enumerate(targets, start=1):
             req = rollout_pb2.TransferWeightsRequest()

@@ -32,6 +32,7 @@ WEIGHT_DTYPES = set(TORCH_DTYPES)
 ALIGN = 64  # every tensor starts at a multiple of this in a bucket or a shared-memory file
 DEFAULT_BUCKET_BYTES = 256 << 20
 ALONE_BYTES = 1 << 20  # see `layout`
+LAYOUT_VERSION = 2  # what `layout` computes; on the wire as DistRendezvous.layout / GetInfoResponse.dist_layout
 
 
 class WeightsError(InvalidInput):

@@ -15,6 +15,7 @@ from typing import Any
 from grpc import aio
 
 from client.tensors import duration_seconds, ids_from, ids_tensor
+from client.weights import LAYOUT_VERSION
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 from server.agent_loop import AgentSettings
@@ -235,6 +236,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             host_id=self.weights.host_id,
             instance_id=self.weights.instance_id,
             dist_chain=True,
+            dist_layout=LAYOUT_VERSION,
         )
 
 

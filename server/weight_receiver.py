@@ -28,7 +28,7 @@ import torch
 
 from client.tensors import duration_seconds
 from client.weight_planes import ForwardFailed, dist_available, form_group, host_id, map_shm, receive_buckets
-from client.weights import WeightAssembler, check_manifest, layout, parse_update_request
+from client.weights import LAYOUT_VERSION, WeightAssembler, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends.base import Backend
@@ -215,6 +215,11 @@ class WeightReceiver:
             raise InvalidInput(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
         if not 0 < rdv.rank < rdv.world_size:
             raise InvalidInput(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
+        if rdv.layout != LAYOUT_VERSION:
+            raise InvalidInput(
+                f"dist.layout: {rdv.layout} is not this server's bucket layout {LAYOUT_VERSION} (a trainer and a "
+                "server of different rewardmesh releases); upgrade the older one, or use transport='grpc'"
+            )
         if rdv.bucket_bytes < 1:
             raise InvalidInput(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
         device = self._device() if rdv.backend == "nccl" else torch.device("cpu")

@@ -22,7 +22,15 @@ from client import weight_sync
 from client.tensors import ids_tensor
 from client.trainer import PromptSpec, Sampling, TrainerClient
 from client.weight_sync import WeightSyncError
-from client.weights import WeightAssembler, WeightsError, check_manifest, iter_update_requests, layout, manifest
+from client.weights import (
+    LAYOUT_VERSION,
+    WeightAssembler,
+    WeightsError,
+    check_manifest,
+    iter_update_requests,
+    layout,
+    manifest,
+)
 from demo.server_process import ServerProcess
 from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2
@@ -178,6 +186,10 @@ async def test_auto_picks_shm_on_one_host_and_info_says_what_is_offered(tiny_mod
         client.weight_sync.host_id = "elsewhere"  # as a trainer on another host sees it
         await client.update_weights(perturbed(policy_state(tiny_models), 4))
         assert client.last_weight_sync.transport == "dist"
+        older = rollout_pb2.GetInfoResponse()
+        older.CopyFrom(info)
+        older.dist_layout = 0  # a server of an older release unpacks dist buckets another way: never sent dist bytes
+        assert client.weight_sync.choose([older], torch.device("cpu")) == "grpc"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -220,8 +232,12 @@ async def test_transfer_requests_are_checked_before_anything_is_received(tiny_mo
             (rollout_pb2.TransferWeightsRequest(tensors=good, shm={"path": "/etc/passwd", "offsets": [0] * len(good)}),
              "shm.path"),
             (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 0,
-                                                                    "world_size": 2, "backend": "gloo"}),
+                                                                    "world_size": 2, "backend": "gloo",
+                                                                    "layout": LAYOUT_VERSION}),
              "dist.rank"),
+            (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 1,
+                                                                    "world_size": 2, "backend": "gloo"}),
+             "dist.layout: 0 is not this server's bucket layout"),  # a trainer of an older release
         ]  # fmt: skip
         for request, text in cases:
             with pytest.raises(aio.AioRpcError) as info:
