@@ -611,14 +611,9 @@ class VLLMBackend:
                 while (blob := await asyncio.to_thread(next, stream, None)) is not None:
                     await engine.collective_rpc("rewardmesh_stage_weights", args=(blob,))
                     chunks += 1
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await engine.collective_rpc("rewardmesh_discard_weights")
-                raise
-            self._updates += 1
-            try:
+                self._updates += 1
                 paused = await self._pause(engine)
-            except BaseException:
+            except BaseException:  # nothing loaded yet: drop what was staged, the old weights serve on
                 with contextlib.suppress(Exception):
                     await engine.collective_rpc("rewardmesh_discard_weights")
                 raise
