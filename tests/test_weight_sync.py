@@ -284,12 +284,17 @@ async def test_grpc_stream_broken_midway_applies_nothing(tiny_models: TinyModelP
 # ------------------------------------------------------------------------- a server dies in the middle
 
 
+def victim_process(tiny_models: TinyModelPaths, tmp_path: Path) -> ServerProcess:
+    """An hf rollout server in a process of its own, so that it can really die mid-transfer."""
+    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
+    return ServerProcess("victim", argv, tmp_path)
+
+
 async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_other_keeps_old_weights(
     tiny_models: TinyModelPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
-            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
-    victim = ServerProcess("victim", argv, tmp_path)  # a real process, so that it can really die
+    victim = victim_process(tiny_models, tmp_path)
     base = policy_state(tiny_models)
     real_send = weight_sync.send_buckets
 
@@ -331,9 +336,7 @@ async def test_the_last_server_of_the_chain_killed_mid_transfer_leaves_the_first
 ) -> None:
     """Over the gloo chain (trainer -> survivor -> victim) the survivor's own bytes are whole when the server after
     it dies: it applies the update; the call fails naming the victim only."""
-    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
-            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
-    victim = ServerProcess("victim", argv, tmp_path)
+    victim = victim_process(tiny_models, tmp_path)
     base = policy_state(tiny_models)
     real_send = weight_sync.send_buckets
 
