@@ -11,9 +11,10 @@ up to 256, 4 in flight; or with --reward-model a 4-layer, 256-wide reward model 
 --torch-threads threads) and, in this process, a RewardClient keeping --concurrency samples in flight on one
 long-lived Score stream. The client sends what a rollout server sends: each sample's traceparent (its prompt
 group's trace, the reward span's id drawn up front, the group's head-sampling decision in the flags; none with
-telemetry off) and every --step-size results a KeepTraces call naming the step's slowest --keep-slowest
-samples, as the trainer does when a step ends. The client is plain string work, so what is measured is the
-reward server. Samples carry 64 prompt and 128 response token ids plus texts.
+telemetry off) and every --step-size results the step's slowest --keep-slowest samples, named on the Score
+stream (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. The client
+is plain string work, so what is measured is the reward server. Samples carry 64 prompt and 128 response
+token ids plus texts.
 
   off:     OTEL_* unset: the API's no-op tracer and meter, no interceptors, no flight recorder.
   default: setup_telemetry() as a deployment gets it with exporters configured: a TracerProvider with a
@@ -135,9 +136,9 @@ async def drive(
 
     `head_ratio` None: no trace context (telemetry off). Otherwise each sample carries the traceparent a
     rollout server sends (its group's trace id, the reward span's id drawn up front, the group's head-sampling
-    decision in the flags), and every `step_size` results the step's slowest `keep_slowest` are named in a
-    KeepTraces call, as the trainer does when a step ends. Plain string work: the load generator's own
-    telemetry is not what is measured.
+    decision in the flags), and every `step_size` results the step's slowest `keep_slowest` are named on the
+    stream (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. Plain
+    string work: the load generator's own telemetry is not what is measured.
     """
     from client.flight_recorder import new_span_id, new_trace_id, traceparent
 
@@ -153,7 +154,7 @@ async def drive(
         ids = [sid for _, sid in sorted(step, reverse=True)[:keep_slowest]]
         step.clear()
         if ids and keep_slowest and head_ratio is not None:
-            keeping.append(loop.create_task(client.keep_traces(ids)))
+            keeping.append(loop.create_task(client.announce_kept(ids)))  # as a rollout server does
 
     def finished(sid: str, fut: asyncio.Future[Any]) -> None:
         result = fut.result()
@@ -468,7 +469,7 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
         + (f" (torch threads: {args.torch_threads})" if args.model_dir else ""),
         "telemetry on": "TracerProvider + BatchSpanProcessor -> OTLP JSON lines file, gRPC OTel interceptors, "
         "MeterProvider + PeriodicExportingMetricReader (1 s, console exporter to a file), flight recorder; "
-        f"steps of {args.step_size} samples, slowest {args.keep_slowest} kept per step (KeepTraces)",
+        f"steps of {args.step_size} samples, slowest {args.keep_slowest} kept per step (named on the Score stream)",
         "telemetry off": "no providers installed (OTEL_* unset): the API's no-op tracer and meter",
         "runs": f"{args.repeats} per mode, each with a fresh reward server process, interleaved; medians",
         "CPU us/sample": "the reward server process's CPU time (all threads) over the measured samples",

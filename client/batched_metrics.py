@@ -11,7 +11,7 @@ Without that view (a MeterProvider installed by someone else) values are recorde
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -31,10 +31,10 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 class _Values(float):
     """Several values passed through `Histogram.record` as one measurement (the float itself is their sum)."""
 
-    values: list[float]
+    values: np.ndarray
 
-    def __new__(cls, values: list[float]) -> _Values:
-        obj = super().__new__(cls, sum(values))
+    def __new__(cls, values: np.ndarray) -> _Values:
+        obj = super().__new__(cls, float(values.sum()))
         obj.values = values
         return obj
 
@@ -47,14 +47,12 @@ if _ExplicitBucketHistogramAggregation is not None:
             if values is None:
                 super().aggregate(measurement, should_sample_exemplar)
                 return
-            if not values:
+            if not len(values):
                 return
-            bounds = self._boundaries
-            if len(values) > 32:  # bucket indexes as bisect_left gives them, in one vectorized pass
-                per_bucket = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=len(bounds) + 1)
-                added = [(i, int(c)) for i, c in enumerate(per_bucket.tolist()) if c]
-            else:
-                added = [(bisect_left(bounds, v), 1) for v in values]
+            # Bucket indexes as bisect_left gives them, in one vectorized pass.
+            per_bucket = np.bincount(np.searchsorted(self._boundaries, values, side="left"),
+                                     minlength=len(self._boundaries) + 1)  # fmt: skip
+            added = [(i, int(c)) for i, c in enumerate(per_bucket.tolist()) if c]
             with self._lock:
                 counts: list[int] = self._value if self._value is not None else self._get_empty_bucket_counts()
                 self._value = counts  # type: ignore[assignment]
@@ -62,8 +60,8 @@ if _ExplicitBucketHistogramAggregation is not None:
                     counts[i] += c
                 self._sum += float(measurement.value)  # type: ignore[assignment]
                 if self._record_min_max:
-                    self._min = min(self._min, min(values))
-                    self._max = max(self._max, max(values))
+                    self._min = min(self._min, float(values.min()))
+                    self._max = max(self._max, float(values.max()))
 
 
 class BatchedHistogramAggregation(ExplicitBucketHistogramAggregation):
@@ -94,50 +92,45 @@ def mark_views_installed() -> None:
 
 
 class HistogramBatch:
-    """Rows of values and counts collected per attribute set and flushed to the SDK in one call each.
+    """Values and counts collected per attribute set, in blocks (one per batch of samples), flushed to the SDK
+    in one call per instrument.
 
-    `add_row` is a dict lookup and a list append, no lock: the flush takes rows off the front of each list
-    with two single C-level list operations (copy the first n, delete the first n), so a row appended
-    meanwhile from another thread stays for the next flush, never lost or counted twice (the GIL makes
-    each of those operations atomic). The owner flushes at every metric collection (so nothing recorded
-    before a collection is missing from it) and `add_row` flushes every `max_pending` rows of an attribute
-    set (bounded memory between collections).
+    `add_columns` is a dict lookup and a list append, no lock: the flush takes blocks off the front of each
+    list with two single C-level list operations (copy the first n, delete the first n), so a block appended
+    meanwhile from another thread stays for the next flush, never lost or counted twice (the GIL makes each
+    of those operations atomic). The owner flushes at every metric collection (so nothing recorded before a
+    collection is missing from it), and `add_columns` flushes once `max_pending` values wait (bounded memory
+    between collections).
     """
 
-    def __init__(self, max_pending: int = 4096) -> None:
+    def __init__(self, max_pending: int = 65536) -> None:
         self.max_pending = max_pending
-        self._lock = threading.Lock()  # one flush at a time; new row lists
-        self._rows: dict[tuple[Counter | None, tuple[Histogram, ...], str], list[tuple[float, ...]]] = {}
+        self._lock = threading.Lock()  # one flush at a time; new block lists
+        self._blocks: dict[tuple[Counter | None, tuple[Histogram, ...], str], list[tuple[list[float], ...]]] = {}
         self._counts: dict[tuple[Counter, str], list[int]] = {}
         self._attrs: dict[str, dict[str, str]] = {}
+        self._waiting = 0  # values added since the last flush (a trigger, not an exact count)
 
-    def add_row(
-        self, counter: Counter | None, histograms: tuple[Histogram, ...], pipeline: str, row: tuple[float, ...]
+    def add_columns(
+        self,
+        counter: Counter | None,
+        histograms: tuple[Histogram, ...],
+        pipeline: str,
+        columns: tuple[list[float], ...],
     ) -> None:
-        """One sample: `counter` += 1 and row[i] recorded in histograms[i], all under `pipeline`."""
+        """n samples: `counter` += n and columns[i] (n values each) recorded in histograms[i], under `pipeline`."""
         key = (counter, histograms, pipeline)
-        rows = self._rows.get(key)
-        if rows is None:
+        blocks = self._blocks.get(key)
+        if blocks is None:
             with self._lock:
-                rows = self._rows.setdefault(key, [])
-        rows.append(row)
-        if len(rows) >= self.max_pending:
+                blocks = self._blocks.setdefault(key, [])
+        blocks.append(columns)
+        self._waiting += len(columns[0])
+        if self._waiting >= self.max_pending:
             self.flush()
 
-    def rows(
-        self, counter: Counter | None, histograms: tuple[Histogram, ...], pipeline: str
-    ) -> list[tuple[float, ...]]:
-        """The list `add_row` appends to for this key: a hot path may keep it and append itself (then call
-        `flush` when it reaches `max_pending`); flushes take rows off its front, the list stays the same."""
-        key = (counter, histograms, pipeline)
-        rows = self._rows.get(key)
-        if rows is None:
-            with self._lock:
-                rows = self._rows.setdefault(key, [])
-        return rows
-
     def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
-        self.add_row(None, (histogram,), pipeline, (value,))
+        self.add_columns(None, (histogram,), pipeline, ([value],))
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
         key = (counter, pipeline)
@@ -149,22 +142,25 @@ class HistogramBatch:
 
     def flush(self) -> None:
         with self._lock:
-            for (counter, histograms, pipeline), pending in list(self._rows.items()):
+            self._waiting = 0
+            for (counter, histograms, pipeline), pending in list(self._blocks.items()):
                 n = len(pending)
                 if not n:
                     continue
-                rows = pending[:n]
+                blocks = pending[:n]
                 del pending[:n]
                 attrs = self._attributes(pipeline)
-                for hist, column in zip(histograms, zip(*rows, strict=True), strict=False):
-                    values = list(column)
+                samples = 0
+                for i, hist in enumerate(histograms):
+                    values = np.fromiter(chain.from_iterable(b[i] for b in blocks), dtype=np.float64)
+                    samples = len(values)
                     if _views_installed:
                         hist.record(_Values(values), attrs)
                     else:
-                        for v in values:
+                        for v in values.tolist():
                             hist.record(v, attrs)
                 if counter is not None:
-                    counter.add(n, attrs)
+                    counter.add(samples, attrs)
             for (counter, pipeline), pending_counts in list(self._counts.items()):
                 n = len(pending_counts)
                 if n:

@@ -77,6 +77,7 @@ class _TargetStream(Member):
         self.pending: dict[str, _Pending] = {}
         self._queued: collections.deque[_Pending] = collections.deque()
         self._cancels: list[str] = []
+        self._keeps: list[str] = []  # sample ids whose traces the server should keep (on the next message)
         self._wake: asyncio.Future[None] | None = None
         self._open = False  # the request stream is open (its writer waits on _wake)
         self._task: asyncio.Task[None] | None = None
@@ -117,17 +118,25 @@ class _TargetStream(Member):
             self._cancels.append(p.sample_id)
             self._poke()
 
+    def keep_traces(self, sample_ids: Sequence[str]) -> bool:
+        """Ask the server to keep these samples' traces on the next message; False if the stream is not open."""
+        if not self._open:
+            return False
+        self._keeps.extend(sample_ids)
+        self._poke()
+        return True
+
     async def _requests(self) -> AsyncIterator[reward_pb2.ScoreRequest]:
         first = True
         queued, loop = self._queued, asyncio.get_running_loop()
         while self._open:
-            if not queued and not self._cancels:
+            if not queued and not self._cancels and not self._keeps:
                 self._wake = loop.create_future()
                 await self._wake
                 self._wake = None
                 continue
             msg = reward_pb2.ScoreRequest()
-            if len(queued) == 1 and not self._cancels:
+            if len(queued) == 1 and not self._cancels and not self._keeps:
                 queued.popleft().fill(msg)
             else:
                 add = msg.items.add
@@ -136,6 +145,9 @@ class _TargetStream(Member):
                 if self._cancels:
                     msg.cancel_sample_ids.extend(self._cancels)
                     self._cancels.clear()
+                if self._keeps:
+                    msg.keep_trace_sample_ids.extend(self._keeps)
+                    self._keeps.clear()
             if first:  # read by the server on every message; the last value set wins
                 msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
                 first = False
@@ -174,6 +186,7 @@ class _TargetStream(Member):
         self._poke()
         self._queued.clear()
         self._cancels.clear()
+        self._keeps.clear()
         self._task = self._call = None
 
     async def close(self) -> None:
@@ -443,6 +456,21 @@ class RewardClient:
                 return 0
 
         return sum(await asyncio.gather(*(one(s) for s in self.streams)))
+
+    async def announce_kept(self, sample_ids: Sequence[str]) -> None:
+        """As keep_traces, for a hot path: the ids ride on each target's open Score stream (no call, no answer);
+        a target without one gets the KeepTraces call. Best effort, like every trace decision."""
+        if not sample_ids:
+            return
+        request = reward_pb2.KeepTracesRequest(sample_ids=sample_ids)
+
+        async def call(stream: _TargetStream) -> None:
+            try:
+                await stream.stub.KeepTraces(request, timeout=10.0)
+            except aio.AioRpcError as exc:
+                log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
+
+        await asyncio.gather(*(call(s) for s in self.streams if not s.keep_traces(sample_ids)))
 
     async def list_rewards(self) -> reward_pb2.ListRewardsResponse:
         (first, *_) = await self.pool.wait_for_members()

@@ -11,8 +11,9 @@ recorder (`client.flight_recorder`) and exports a sample's spans only when the s
 (a random fraction of prompt groups, decided by the trainer and carried in the trace flags:
 OTEL_TRACES_SAMPLER=traceidratio / parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG, always_on = every
 sample, always_off = none; unset: DEFAULT_HEAD_RATIO), failed, or among its step's slowest
-(REWARDMESH_TRACE_KEEP_SLOWEST, default 4, announced by the trainer with KeepTraces). Step and RPC spans are
-ordinary SDK spans; a step span is always recorded, so the kept trees of a step hang under it.
+(REWARDMESH_TRACE_KEEP_SLOWEST, default 4, announced by the trainer with KeepTraces, which rollout servers pass
+on to their reward targets on the Score stream). Step and RPC spans are ordinary SDK spans; a step span is
+always recorded, so the kept trees of a step hang under it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
@@ -76,6 +76,10 @@ class BatchInfo:
     start_time_ns: int
     end_time_ns: int
     contexts: list[object]
+    # Per sample, in sample_ids' order: seconds queued before the batch started, and the outcome (the output
+    # or the exception that sample raised). What per-sample metrics and spans need, handed over once per batch.
+    queue_s: list[float] = field(default_factory=list)
+    outcomes: BatchResult = field(default_factory=list)
 
 
 class Ticket:
@@ -341,6 +345,7 @@ class DynamicBatcher:
                 results = [err] * len(live)
             end = time.monotonic()
             compute_s = end - start
+            queued = [start - it.enqueued for it in live]
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
             if self._on_batch is not None:
@@ -355,12 +360,14 @@ class DynamicBatcher:
                             start_time_ns=start_ns,
                             end_time_ns=time.time_ns(),
                             contexts=[it.context for it in live],
+                            queue_s=queued,
+                            outcomes=results,
                         )
                     )
                 except Exception:  # metrics or spans must never cost the batch its results
                     log.exception("pipeline %s: batch listener failed", self.name)
             size = len(live)
-            for it, res in zip(live, results, strict=True):
-                it.resolve(res if isinstance(res, BaseException) else Scored(res, start - it.enqueued, compute_s, size))
+            for it, res, waited in zip(live, results, queued, strict=True):
+                it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
         finally:
             self._slots.release()

@@ -171,6 +171,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.telemetry = RewardTelemetry(engine)
+        self._sink: Sink = self._settle  # bound once: a bound method per sample is an allocation per sample
         # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
         # so gRPC flow control pushes back on a client that writes and never reads.
         self.max_stream_unanswered = max_stream_unanswered
@@ -234,7 +235,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = mono + timeout_s if timeout_s is not None else None
             # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.arm(inp, self._settle, deadline)
+            f.arm(inp, self._sink, deadline)
             pipeline.queue(f)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
@@ -272,7 +273,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         if error is not None or result is None:
             result = _RESULT(sample_id=f.sid, reward=f.reward, error=status_proto(error or Cancelled("no result")))
             result.timing.total = time.monotonic() - f.arrived
-        self.telemetry.on_result(result, f.parent, f.arrival_ns)
+            self.telemetry.on_failure(result, f.parent, f.arrival_ns)  # a scored sample's telemetry: its batch's
         f.deliver(result)
 
     def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
@@ -348,6 +349,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         f = self._in_flight.get(sid)
                         if f is not None and f.owner is box:
                             self._cancel(f, f"sample '{sid}' was cancelled by the client")
+                    if req.keep_trace_sample_ids:  # a step's keep decision, as KeepTraces without a call
+                        self.telemetry.keep(req.keep_trace_sample_ids)
                     while unanswered >= limit:  # stop reading: flow control pushes back on the writer
                         room = asyncio.get_running_loop().create_future()
                         await room

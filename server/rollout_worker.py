@@ -96,7 +96,7 @@ class RolloutWorker:
         """Export these samples' span trees here and on every reward target: (samples known, spans exported)."""
         kept, exported = self.traces.keep(sample_ids)
         if self.rewards is not None and kept:
-            await self.rewards.keep_traces(sample_ids)
+            await self.rewards.announce_kept(sample_ids)
         return kept, exported
 
     async def run(self, job: Job, settings: RunSettings) -> rollout_pb2.GenerateResponse:

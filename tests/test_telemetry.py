@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -251,8 +252,11 @@ def test_histograms_fed_per_batch_match_per_value_recording() -> None:
     h2 = plain.create_histogram("rewardmesh.t", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
     values = [0.0001 * (i % 97) + 0.003 * (i % 5) + (2.0 if i % 31 == 0 else 0.0) for i in range(1000)]
     pending = HistogramBatch(max_pending=300)  # flushes on the way, like a busy server between collections
-    for v in values:
-        pending.add_row(None, (h1,), "p", (v,))
+    cuts = [0, 1, 3, 40, 41, 297, 298, 700, 1000]  # blocks of several sizes, as batches come
+    for lo, hi in itertools.pairwise(cuts):
+        pending.add_columns(None, (h1,), "p", (values[lo:hi],))
+    pending.add(h1, "p", 0.5)
+    for v in [*values, 0.5]:
         h2.record(v, {"pipeline": "p"})
     pending.flush()
 
@@ -263,7 +267,7 @@ def test_histograms_fed_per_batch_match_per_value_recording() -> None:
         return p
 
     a, b = point(readers[0]), point(readers[1])
-    assert a.count == b.count == 1000 and a.bucket_counts == b.bucket_counts
+    assert a.count == b.count == 1001 and a.bucket_counts == b.bucket_counts
     assert a.explicit_bounds == b.explicit_bounds == SECONDS_BUCKETS and len(set(a.bucket_counts)) > 3
     assert a.sum == pytest.approx(b.sum) and (a.min, a.max) == (b.min, b.max)
 
@@ -299,6 +303,45 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
     linked = {link.context.span_id for b in spans if b.name == "reward.batch" for link in b.links}
     assert linked == {parents["k0"][1], parents["k1"][1]}  # k2 was not kept: no link to a span never exported
     assert first == len([s for s in spans if s.name.startswith("reward.")]) and again == 0
+
+
+async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> None:
+    """announce_kept (a rollout server's path) puts the ids on the open Score stream instead of a call: the named
+    samples' trees are exported once, a failed sample's was already, and a target with no open stream gets
+    the KeepTraces call instead."""
+    import asyncio
+
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from client.reward_client import RewardClient
+    from tests.support.servers import sample
+
+    parents = {f"a{i}": (new_trace_id(), new_span_id()) for i in range(3)}
+
+    def reward_spans() -> list[Any]:
+        telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+        return [s for s in SPANS.get_finished_spans() if s.name in ("reward.queue", "reward.compute")]
+
+    SPANS.clear()
+    async with reward_server() as rs, RewardClient([rs.address]) as client:
+        futures = [client.submit(sample(sid), "gsm8k", trace_context={"traceparent": traceparent(t, s, False)})
+                   for sid, (t, s) in parents.items()]  # fmt: skip
+        assert not [r for r in await asyncio.gather(*futures) if r.HasField("error")]
+        (stream,) = client.streams
+        calls_before = rs.servicer.messages_in
+        await client.announce_kept(["a0", "a2", "unknown"])
+        for _ in range(200):  # no answer comes back: wait for the spans
+            if len(reward_spans()) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert rs.servicer.messages_in == calls_before + 1  # one message on the stream, no call of its own
+        assert sorted(s.attributes["rewardmesh.sample_id"] for s in reward_spans()) == ["a0", "a0", "a2", "a2"]
+        await client.announce_kept(["a0"])  # again: nothing more; a result after it shows it was processed
+        assert not (await client.submit(sample("a3"), "gsm8k")).HasField("error")
+        assert len(reward_spans()) == 4
+        async with RewardClient([rs.address]) as fresh:  # no stream open yet: the KeepTraces call
+            await fresh.announce_kept(["a1"])
+        assert sorted(s.attributes["rewardmesh.sample_id"] for s in reward_spans()).count("a1") == 2
+        assert stream in client.streams
 
 
 def test_ring_keeps_at_least_capacity_records() -> None:

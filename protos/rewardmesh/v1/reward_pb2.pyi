@@ -25,7 +25,7 @@ REWARD_SOURCE_KIND_MODEL: RewardSourceKind
 REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message")
+    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_trace_sample_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ScoreRequest(_message.Message):
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TRACE_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     reward: str
     timeout: _duration_pb2.Duration
@@ -47,7 +48,8 @@ class ScoreRequest(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
     cancel_sample_ids: _containers.RepeatedScalarFieldContainer[str]
     max_results_per_message: int
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ...) -> None: ...
+    keep_trace_sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_trace_sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("result", "results")
