@@ -94,22 +94,41 @@ _DRAIN = object()  # the server is draining: finish what is in flight, then end 
 
 
 class _Outbox:
-    """One stream's queue of finished results and sentinels, with one waiter: the stream's writer."""
+    """One stream's results, gathered in place in the next ScoreResponse (a result is built where it is sent:
+    no copy into the message), and its sentinels; one waiter: the stream's writer."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("add", "items", "response", "waiter")
 
     def __init__(self) -> None:
-        self.items: collections.deque[Any] = collections.deque()
+        self.items: collections.deque[Any] = collections.deque()  # END, DRAIN or the reader's exception
+        self.response = reward_pb2.ScoreResponse()
+        self.add: Callable[..., reward_pb2.RewardResult] = self._add
         self.waiter: asyncio.Future[None] | None = None
+
+    def _add(self, **fields: Any) -> reward_pb2.RewardResult:
+        """A new result in the response being gathered; fill it in place."""
+        self.wake()
+        return self.response.results.add(**fields)
+
+    def take(self) -> reward_pb2.ScoreResponse | None:
+        """The gathered results (None if there are none); the next ones gather in a new message."""
+        response = self.response
+        if not response.results:
+            return None
+        self.response = reward_pb2.ScoreResponse()
+        return response
 
     def put(self, item: Any) -> None:
         self.items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     async def wait(self) -> None:
-        while not self.items:
+        while not self.items and not self.response.results:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -118,8 +137,9 @@ class _Outbox:
 
 
 class _Flight(Ticket):
-    """A sample between arrival and result: who asked (its stream's outbox), and, once queued, its own batcher
-    ticket (a Ticket subclass: one object per sample, not a record plus a ticket)."""
+    """A sample between arrival and result: who asked (its stream's outbox, where its result is built, or an
+    `owner` with a `deliver` callback), and, once queued, its own batcher ticket (a Ticket subclass: one object
+    per sample, not a record plus a ticket)."""
 
     __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid")
 
@@ -127,7 +147,7 @@ class _Flight(Ticket):
         self,
         sid: str,
         reward: str,
-        deliver: Callable[[reward_pb2.RewardResult], None],
+        deliver: Callable[[reward_pb2.RewardResult], None] | None,
         owner: object,
         parent: Any,
         arrived: float,
@@ -202,12 +222,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         reward: str,
         timeout_s: float | None,
         trace_context: Any,
-        deliver: Callable[[reward_pb2.RewardResult], None],
+        deliver: Callable[[reward_pb2.RewardResult], None] | None,
         owner: object,
         refused: BaseException | None = None,
         arrived: tuple[float, int] | None = None,
     ) -> None:
-        """Validate, decode and queue one sample; `deliver` gets its result exactly once, whatever happens.
+        """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
+        stream's next message when `owner` is a stream's outbox, else handed to `deliver`.
         ``refused``: answer the sample with this error without looking at it (its message was over a limit).
         ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items."""
         # This sample's timeline in the flight recorder (None when tracing is off), carried through its batch.
@@ -257,11 +278,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             self._finish(f, error=Cancelled(why))
 
     def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
+        owner = f.owner
+        new = owner.add if owner.__class__ is _Outbox else _RESULT
         result = None
         if scored is not None:
             try:  # fields by keyword, the timing submessage touched once: the cheapest way to build it
                 out = scored.output
-                result = _RESULT(sample_id=f.sid, reward=f.reward, score=out.score, batch_size=scored.batch_size)
+                result = new(sample_id=f.sid, reward=f.reward, score=out.score, batch_size=scored.batch_size)
                 if out.extras:
                     result.extras.update(out.extras)
                 timing = result.timing
@@ -271,10 +294,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
                 error = exc
         if error is not None or result is None:
-            result = _RESULT(sample_id=f.sid, reward=f.reward, error=status_proto(error or Cancelled("no result")))
+            failure = status_proto(error or Cancelled("no result"))
+            if result is None:
+                result = new(sample_id=f.sid, reward=f.reward, error=failure)
+            else:  # already in its message: made over into the error
+                result.Clear()
+                result.sample_id, result.reward = f.sid, f.reward
+                result.error.CopyFrom(failure)
             result.timing.total = time.monotonic() - f.arrived
             self.telemetry.on_failure(result, f.parent, f.arrival_ns)  # a scored sample's telemetry: its batch's
-        f.deliver(result)
+        if f.deliver is not None:
+            f.deliver(result)
 
     def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
         try:
@@ -312,7 +342,6 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
         limit = self.max_stream_unanswered
 
-        deliver = box.put
         begin = self._begin
         timeout = self._timeout
 
@@ -336,7 +365,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                 item.reward,
                                 timeout(item),
                                 item.trace_context,
-                                deliver,
+                                None,
                                 box,
                                 refused,
                                 arrived,
@@ -344,7 +373,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     elif req.HasField("sample"):
                         unanswered += 1
                         self.held += 1
-                        begin(req.sample, req.reward, timeout(req), req.trace_context, deliver, box)
+                        begin(req.sample, req.reward, timeout(req), req.trace_context, None, box)
                     for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
                         f = self._in_flight.get(sid)
                         if f is not None and f.owner is box:
@@ -369,31 +398,35 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             while True:
                 if not unanswered and (reader_done or draining):
                     break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
-                if not box.items:
+                if not box.items and not box.response.results:
                     await box.wait()
-                batch: list[reward_pb2.RewardResult] = []
                 items = box.items
                 while items:
                     item = items.popleft()
-                    if item.__class__ is _RESULT:  # not isinstance: an ABC check per result
-                        batch.append(item)
-                    elif item is _END:
+                    if item is _END:
                         reader_done = True
                     elif item is _DRAIN:
                         draining = True
                     else:
                         raise item
-                if not batch:
+                response = box.take()
+                if response is None:
                     continue
-                for lo in range(0, len(batch), per_message):
-                    chunk = batch[lo : lo + per_message]
-                    if per_message > 1 and len(chunk) > 1:
-                        yield reward_pb2.ScoreResponse(results=chunk)
-                    else:
-                        yield reward_pb2.ScoreResponse(result=chunk[0])
-                    unanswered -= len(chunk)
-                    self.held -= len(chunk)
-                    self.results_sent += len(chunk)
+                results = response.results
+                n = len(results)
+                if per_message > 1 and n <= per_message:
+                    messages: Any = (response,)  # as gathered: no copy
+                elif per_message > 1:
+                    messages = (reward_pb2.ScoreResponse(results=results[lo : lo + per_message])
+                                for lo in range(0, n, per_message))  # fmt: skip
+                else:  # a client that takes one result per message
+                    messages = (reward_pb2.ScoreResponse(result=r) for r in results)
+                for message in messages:
+                    yield message
+                    sent = len(message.results) or 1
+                    unanswered -= sent
+                    self.held -= sent
+                    self.results_sent += sent
                     self.messages_out += 1
                     if room is not None and not room.done() and unanswered < limit:
                         room.set_result(None)
