@@ -221,7 +221,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         sample: common_pb2.Sample,
         reward: str,
         timeout_s: float | None,
-        trace_context: Any,
+        parent: str | None,
         deliver: Callable[[reward_pb2.RewardResult], None] | None,
         owner: object,
         refused: BaseException | None = None,
@@ -230,9 +230,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
         stream's next message when `owner` is a stream's outbox, else handed to `deliver`.
         ``refused``: answer the sample with this error without looking at it (its message was over a limit).
-        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items."""
-        # This sample's timeline in the flight recorder (None when tracing is off), carried through its batch.
-        parent = self.telemetry.begin(trace_context)
+        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
+        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch."""
         sid = sample.sample_id
         mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
         f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
@@ -323,7 +322,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         """One sample, awaited (for in-process callers and tests)."""
         done: asyncio.Future[reward_pb2.RewardResult] = asyncio.get_running_loop().create_future()
         owner = object()
-        self._begin(sample, reward, timeout_s, trace_context, done.set_result, owner)
+        self._begin(sample, reward, timeout_s, self.telemetry.begin(trace_context), done.set_result, owner)
         try:
             return await done
         finally:
@@ -344,6 +343,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
         begin = self._begin
         timeout = self._timeout
+        telemetry = self.telemetry
 
         async def read() -> None:
             nonlocal per_message, room, unanswered
@@ -359,12 +359,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
                         unanswered += n
                         self.held += n
+                        traced = telemetry.tracing  # once per message: the trace context is not read otherwise
                         for item in items:
+                            tc = item.trace_context if traced else None
                             begin(
                                 item.sample,
                                 item.reward,
-                                timeout(item),
-                                item.trace_context,
+                                duration_seconds(item.timeout) if item.HasField("timeout") else None,
+                                tc.get("traceparent") if tc else None,
                                 None,
                                 box,
                                 refused,
@@ -373,7 +375,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     elif req.HasField("sample"):
                         unanswered += 1
                         self.held += 1
-                        begin(req.sample, req.reward, timeout(req), req.trace_context, None, box)
+                        parent = telemetry.begin(req.trace_context)
+                        begin(req.sample, req.reward, timeout(req), parent, None, box)
                     for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
                         f = self._in_flight.get(sid)
                         if f is not None and f.owner is box:

@@ -218,6 +218,10 @@ class RewardTelemetry:
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
+    @property
+    def tracing(self) -> bool:
+        return recorder() is not None
+
     def begin(self, trace_context: Mapping[str, str] | None) -> str | None:
         """A sample arrived with its own trace context: its traceparent (the batcher's context for it), if tracing."""
         if not trace_context or recorder() is None:
