@@ -101,7 +101,7 @@ class _Recent:
     sample id, in two generations of plain dicts (the young one becomes the old one when full, the previous
     old one is dropped whole): one dict update per batch, nothing per sample."""
 
-    __slots__ = ("_old", "_old_ids", "_young", "_young_ids", "capacity")
+    __slots__ = ("_old", "_old_ids", "_young", "_young_ids", "_young_samples", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -109,14 +109,16 @@ class _Recent:
         self._old: dict[int, _Batch] = {}
         self._young_ids: dict[str, int] = {}
         self._old_ids: dict[str, int] = {}
+        self._young_samples = 0  # samples (not distinct ids: a client may reuse ids) in the young generation
 
     def add(self, batch: _Batch) -> None:
         self._young[batch.number] = batch
         ids = self._young_ids
         ids.update(dict.fromkeys(batch.sample_ids, batch.number))
-        if len(ids) >= self.capacity:
+        self._young_samples += len(batch.sample_ids)
+        if self._young_samples >= self.capacity:
             self._old, self._old_ids = self._young, ids
-            self._young, self._young_ids = {}, {}
+            self._young, self._young_ids, self._young_samples = {}, {}, 0
 
     def find(self, sample_id: str) -> tuple[_Batch, int] | None:
         """The latest batch that served this sample id and its place in it, if still remembered."""

@@ -344,6 +344,24 @@ async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> 
         assert stream in client.streams
 
 
+def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
+    """Clients may reuse sample ids (every step names its samples s0..sN): the batches remembered for a later
+    KeepTraces are bounded by samples seen, not distinct ids, and an id finds its latest batch."""
+    from reward_engine.batcher import BatchInfo
+    from reward_engine.types import RewardOutput
+    from server.reward_telemetry import _Batch, _Recent
+
+    recent = _Recent(capacity=8)
+    for number in range(1, 101):
+        ids = [f"s{i}" for i in range(4)]
+        info = BatchInfo(4, 4, 4, 0.001, ids, 0, 1, [None] * 4, [0.0] * 4, [RewardOutput(float(number))] * 4)
+        recent.add(_Batch(number, "p", info, [float(number)] * 4))
+    remembered = len(recent._young) + len(recent._old)
+    assert remembered <= 4  # 8 to 16 samples' worth: 2 to 4 batches of 4
+    found = recent.find("s2")
+    assert found is not None and found[0].number == 100 and found[1] == 2 and found[0].scores[2] == 100.0
+
+
 def test_ring_keeps_at_least_capacity_records() -> None:
     from client.flight_recorder import Ring
 
