@@ -11,7 +11,8 @@ Without that view (a MeterProvider installed by someone else) values are recorde
 from __future__ import annotations
 
 import threading
-from itertools import chain
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -92,45 +93,54 @@ def mark_views_installed() -> None:
 
 
 class HistogramBatch:
-    """Values and counts collected per attribute set, in blocks (one per batch of samples), flushed to the SDK
-    in one call per instrument.
+    """Values and counts collected per attribute set and flushed to the SDK in one call per instrument.
 
-    `add_columns` is a dict lookup and a list append, no lock: the flush takes blocks off the front of each
-    list with two single C-level list operations (copy the first n, delete the first n), so a block appended
-    meanwhile from another thread stays for the next flush, never lost or counted twice (the GIL makes each
-    of those operations atomic). The owner flushes at every metric collection (so nothing recorded before a
-    collection is missing from it), and `add_columns` flushes once `max_pending` values wait (bounded memory
-    between collections).
+    Held compactly: a batch of samples' timings is one float array and one number, not an object per value
+    (floats held until the next collection, tens of thousands of them, cost the event loop more than
+    recording them did). Appending is a dict lookup and a list append, no lock: the flush takes blocks off
+    the front of each list with two single C-level list operations (copy the first n, delete the first n), so
+    a block appended meanwhile from another thread stays for the next flush, never lost or counted twice (the
+    GIL makes each of those operations atomic). The owner flushes at every metric collection (so nothing
+    recorded before a collection is missing from it), and appending flushes once `max_pending` values wait
+    (bounded memory between collections).
     """
 
-    def __init__(self, max_pending: int = 65536) -> None:
+    def __init__(self, max_pending: int = 16384) -> None:
         self.max_pending = max_pending
         self._lock = threading.Lock()  # one flush at a time; new block lists
-        self._blocks: dict[tuple[Counter | None, tuple[Histogram, ...], str], list[tuple[list[float], ...]]] = {}
+        self._timings: dict[tuple[Counter, tuple[Histogram, ...], str], list[tuple[array, float]]] = {}
+        self._values: dict[tuple[Histogram, str], list[float]] = {}
         self._counts: dict[tuple[Counter, str], list[int]] = {}
         self._attrs: dict[str, dict[str, str]] = {}
         self._waiting = 0  # values added since the last flush (a trigger, not an exact count)
 
-    def add_columns(
+    def add_timings(
         self,
-        counter: Counter | None,
-        histograms: tuple[Histogram, ...],
+        counter: Counter,
+        histograms: tuple[Histogram, Histogram, Histogram],
         pipeline: str,
-        columns: tuple[list[float], ...],
+        queue_s: Sequence[float],
+        compute_s: float,
     ) -> None:
-        """n samples: `counter` += n and columns[i] (n values each) recorded in histograms[i], under `pipeline`."""
+        """A batch of n samples under `pipeline`: `counter` += n, and sample i's latency (queue_s[i] + compute_s),
+        queue time (queue_s[i]) and compute time (compute_s) recorded in `histograms` (in that order)."""
         key = (counter, histograms, pipeline)
-        blocks = self._blocks.get(key)
+        blocks = self._timings.get(key)
         if blocks is None:
             with self._lock:
-                blocks = self._blocks.setdefault(key, [])
-        blocks.append(columns)
-        self._waiting += len(columns[0])
+                blocks = self._timings.setdefault(key, [])
+        blocks.append((array("d", queue_s), compute_s))
+        self._waiting += len(queue_s)
         if self._waiting >= self.max_pending:
             self.flush()
 
     def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
-        self.add_columns(None, (histogram,), pipeline, ([value],))
+        key = (histogram, pipeline)
+        values = self._values.get(key)
+        if values is None:
+            with self._lock:
+                values = self._values.setdefault(key, [])
+        values.append(value)
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
         key = (counter, pipeline)
@@ -143,24 +153,25 @@ class HistogramBatch:
     def flush(self) -> None:
         with self._lock:
             self._waiting = 0
-            for (counter, histograms, pipeline), pending in list(self._blocks.items()):
+            for (counter, (latency, queue, compute), pipeline), pending in list(self._timings.items()):
                 n = len(pending)
                 if not n:
                     continue
                 blocks = pending[:n]
                 del pending[:n]
+                queued = np.concatenate([np.frombuffer(q, dtype=np.float64) for q, _ in blocks])
+                computed = np.repeat(np.array([c for _, c in blocks]), [len(q) for q, _ in blocks])
                 attrs = self._attributes(pipeline)
-                samples = 0
-                for i, hist in enumerate(histograms):
-                    values = np.fromiter(chain.from_iterable(b[i] for b in blocks), dtype=np.float64)
-                    samples = len(values)
-                    if _views_installed:
-                        hist.record(_Values(values), attrs)
-                    else:
-                        for v in values.tolist():
-                            hist.record(v, attrs)
-                if counter is not None:
-                    counter.add(samples, attrs)
+                _record(latency, queued + computed, attrs)
+                _record(queue, queued, attrs)
+                _record(compute, computed, attrs)
+                counter.add(len(queued), attrs)
+            for (histogram, pipeline), pending_values in list(self._values.items()):
+                n = len(pending_values)
+                if n:
+                    values = np.array(pending_values[:n], dtype=np.float64)
+                    del pending_values[:n]
+                    _record(histogram, values, self._attributes(pipeline))
             for (counter, pipeline), pending_counts in list(self._counts.items()):
                 n = len(pending_counts)
                 if n:
@@ -173,3 +184,12 @@ class HistogramBatch:
         if attrs is None:
             attrs = self._attrs[pipeline] = {"pipeline": pipeline}
         return attrs
+
+
+def _record(histogram: Histogram, values: np.ndarray, attrs: dict[str, str]) -> None:
+    """All of `values` in one measurement through the batched view; one by one without it."""
+    if _views_installed:
+        histogram.record(_Values(values), attrs)
+    else:
+        for v in values.tolist():
+            histogram.record(v, attrs)

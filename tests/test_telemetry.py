@@ -238,7 +238,8 @@ async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
 
 
 def test_histograms_fed_per_batch_match_per_value_recording() -> None:
-    """Exact counts and bucket shape: a batch through the batched view equals the same values one by one."""
+    """Exact counts and bucket shape: batches of timings through the batched view equal the same values recorded
+    one by one (latency = queue + compute per sample), flushed on the way as a busy server does."""
     from opentelemetry.sdk.metrics import MeterProvider
 
     from client import batched_metrics
@@ -248,28 +249,41 @@ def test_histograms_fed_per_batch_match_per_value_recording() -> None:
     readers = InMemoryMetricReader(), InMemoryMetricReader()
     batched = MeterProvider(metric_readers=[readers[0]], views=batched_metrics.views()).get_meter("t")
     plain = MeterProvider(metric_readers=[readers[1]]).get_meter("t")
-    h1 = batched.create_histogram("rewardmesh.t", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
-    h2 = plain.create_histogram("rewardmesh.t", unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
-    values = [0.0001 * (i % 97) + 0.003 * (i % 5) + (2.0 if i % 31 == 0 else 0.0) for i in range(1000)]
+    names = ("rewardmesh.latency", "rewardmesh.queue", "rewardmesh.compute")
+    mine = tuple(batched.create_histogram(n, unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS)
+                 for n in names)  # fmt: skip
+    theirs = [plain.create_histogram(n, unit="s", explicit_bucket_boundaries_advisory=SECONDS_BUCKETS) for n in names]
+    sizes_mine = batched.create_histogram("rewardmesh.size", explicit_bucket_boundaries_advisory=(1, 4, 16, 64))
+    sizes_theirs = plain.create_histogram("rewardmesh.size", explicit_bucket_boundaries_advisory=(1, 4, 16, 64))
+    scored_mine, scored_theirs = batched.create_counter("rewardmesh.scored"), plain.create_counter("rewardmesh.scored")
+    queue = [0.0001 * (i % 97) + 0.003 * (i % 5) + (2.0 if i % 31 == 0 else 0.0) for i in range(1000)]
     pending = HistogramBatch(max_pending=300)  # flushes on the way, like a busy server between collections
-    cuts = [0, 1, 3, 40, 41, 297, 298, 700, 1000]  # blocks of several sizes, as batches come
-    for lo, hi in itertools.pairwise(cuts):
-        pending.add_columns(None, (h1,), "p", (values[lo:hi],))
-    pending.add(h1, "p", 0.5)
-    for v in [*values, 0.5]:
-        h2.record(v, {"pipeline": "p"})
+    cuts = [0, 1, 3, 40, 41, 297, 298, 700, 1000]  # batches of several sizes
+    attrs = {"pipeline": "p"}
+    for k, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        compute = 0.001 * (k + 1)
+        pending.add_timings(scored_mine, mine, "p", queue[lo:hi], compute)  # type: ignore[arg-type]
+        pending.add(sizes_mine, "p", hi - lo)
+        sizes_theirs.record(hi - lo, attrs)
+        scored_theirs.add(hi - lo, attrs)
+        for q in queue[lo:hi]:
+            for h, v in zip(theirs, (q + compute, q, compute), strict=True):
+                h.record(v, attrs)
     pending.flush()
 
-    def point(reader: InMemoryMetricReader) -> Any:
+    def points(reader: InMemoryMetricReader) -> dict[str, Any]:
         data = reader.get_metrics_data()
         assert data is not None
-        ((p,),) = [m.data.data_points for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
-        return p
+        return {m.name: m.data.data_points[0] for rm in data.resource_metrics for sm in rm.scope_metrics
+                for m in sm.metrics}  # fmt: skip
 
-    a, b = point(readers[0]), point(readers[1])
-    assert a.count == b.count == 1001 and a.bucket_counts == b.bucket_counts
-    assert a.explicit_bounds == b.explicit_bounds == SECONDS_BUCKETS and len(set(a.bucket_counts)) > 3
-    assert a.sum == pytest.approx(b.sum) and (a.min, a.max) == (b.min, b.max)
+    a, b = points(readers[0]), points(readers[1])
+    assert a["rewardmesh.scored"].value == b["rewardmesh.scored"].value == 1000
+    for name in (*names, "rewardmesh.size"):
+        x, y = a[name], b[name]
+        assert x.count == y.count and x.bucket_counts == y.bucket_counts and x.explicit_bounds == y.explicit_bounds
+        assert x.sum == pytest.approx(y.sum) and (x.min, x.max) == pytest.approx((y.min, y.max))
+    assert a["rewardmesh.latency"].count == 1000 and len(set(a["rewardmesh.latency"].bucket_counts)) > 3
 
 
 async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> None:
@@ -351,15 +365,86 @@ def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
     from reward_engine.types import RewardOutput
     from server.reward_telemetry import _Batch, _Recent
 
-    recent = _Recent(capacity=8)
+    recent = _Recent(capacity=10)
     for number in range(1, 101):
         ids = [f"s{i}" for i in range(4)]
         info = BatchInfo(4, 4, 4, 0.001, ids, 0, 1, [None] * 4, [0.0] * 4, [RewardOutput(float(number))] * 4)
-        recent.add(_Batch(number, "p", info, [float(number)] * 4))
-    remembered = len(recent._young) + len(recent._old)
-    assert remembered <= 4  # 8 to 16 samples' worth: 2 to 4 batches of 4
+        recent.add(_Batch(number, "p", info, [float(number)] * 4), ids)
+    assert sorted(recent._batches) == [98, 99, 100]  # 10 samples: the last 2 of 98, all of 99 and 100
     found = recent.find("s2")
     assert found is not None and found[0].number == 100 and found[1] == 2 and found[0].scores[2] == 100.0
+    assert recent.find("s9") is None
+
+
+def test_recent_batches_find_members_of_any_batch_in_the_ring() -> None:
+    """Members of older batches still in the ring are found; ones pushed out are not; a failed member's score
+    reads as not scored."""
+    import math
+
+    from reward_engine.batcher import BatchInfo
+    from reward_engine.types import RewardOutput
+    from server.reward_telemetry import _Batch, _Recent
+
+    recent = _Recent(capacity=32)
+    for number in range(1, 21):
+        ids = [f"b{number}-{i}" for i in range(number % 4 + 1)]
+        scores = [math.nan if number == 19 else float(number)] * len(ids)
+        info = BatchInfo(len(ids), 1, 1, 0.5, ids, 10, 20, [None] * len(ids), [0.1] * len(ids),
+                         [RewardOutput(0.0)] * len(ids))  # fmt: skip
+        recent.add(_Batch(number, "p", info, scores), ids)
+    assert recent.find("b1-0") is None and recent.find("b6-2") is None  # 50 samples in all: the first 18 are gone
+    b, i = recent.find("b15-3") or (None, -1)
+    assert b is not None and b.number == 15 and i == 3 and b.scored(i)
+    b, i = recent.find("b19-2") or (None, -1)
+    assert b is not None and not b.scored(i)
+    r = recent.find("b20-0")
+    assert r is not None and r[0].record(0, "b20-0")[:2] == ("b20-0", "p")
+    assert r[0].record(0, "b20-0")[6] == pytest.approx((0.6, 0.1, 0.5))
+
+
+def test_batch_finds_its_head_sampled_members() -> None:
+    """Head-sampled members (odd trace flags) are found with every member traced and with some untraced."""
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from reward_engine.batcher import BatchInfo
+    from reward_engine.types import RewardOutput
+    from server.reward_telemetry import _Batch
+
+    def batch(contexts: list[str | None]) -> _Batch:
+        n = len(contexts)
+        ids = [f"s{i}" for i in range(n)]
+        info = BatchInfo(n, n, n, 0.1, ids, 0, 1, list(contexts), [0.0] * n, [RewardOutput(1.0)] * n)
+        return _Batch(1, "p", info, [1.0] * n)
+
+    tps = [traceparent(new_trace_id(), new_span_id(), i in (3, 7)) for i in range(10)]
+    assert batch(list(tps)).sampled() == [3, 7]
+    assert batch([traceparent(new_trace_id(), new_span_id(), False)] * 5).sampled() == []
+    assert batch([None, *tps[1:]]).sampled() == [3, 7] and batch([None] * 4).sampled() == []
+    assert batch([tps[7][:-2] + "03", tps[0]]).sampled() == [0]  # another flag bit set too
+
+
+def test_batch_places_members_by_id_in_its_joined_ids() -> None:
+    """Ids that contain one another, a repeated id (the last wins) and an id holding the separator."""
+    from reward_engine.batcher import BatchInfo
+    from reward_engine.types import RewardOutput
+    from server.reward_telemetry import _Batch
+
+    def batch(ids: list[str]) -> _Batch:
+        n = len(ids)
+        return _Batch(1, "p", BatchInfo(n, n, n, 0.1, ids, 0, 1, [None] * n, [0.0] * n, [RewardOutput(1.0)] * n),
+                      [1.0] * n)  # fmt: skip
+
+    b = batch(["s1", "s11", "x-s1", "s1-x", "s111", "s11"])
+    assert [b.index(x) for x in ("s1", "s11", "x-s1", "s1-x", "s111", "s", "1", "")] == [
+        0,
+        5,
+        2,
+        3,
+        4,
+        None,
+        None,
+        None,
+    ]
+    assert batch(["a\x1fb", "c"]).index("c") is None and batch([]).index("a") is None
 
 
 def test_ring_keeps_at_least_capacity_records() -> None:
