@@ -4,14 +4,14 @@ Scored samples cost telemetry nothing one by one: the batcher hands over each ex
 sample's queue time and outcome (`BatchInfo`), and that batch is the record.
 
 Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms and
-`rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected per batch in lists and handed to
-the SDK in one call per instrument at each metric collection (`client.batched_metrics`): exact counts and
-bucket shape at a fraction of the per-sample cost. Latency is arrival to result (queue + compute).
+`rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected per batch as float arrays and
+handed to the SDK in one call per instrument at each metric collection (`client.batched_metrics`): exact
+counts and bucket shape at a fraction of the per-sample cost. Latency is arrival to result (queue + compute).
 
 Spans: each sample's reward.queue / reward.compute and its batch's reward.batch (linked to the samples it
 served) are built only when the sample is kept: its traceparent says head-sampled, it failed here, or a
-KeepTraces call names it (a step's slowest). Until then the recent batches and an index of which batch
-served each sample id are all that is kept (one C-level dict update per batch).
+keep decision names it (a step's slowest, on the Score stream or a KeepTraces call). Until then the recent
+batches, their members held compactly, and a ring of the members' id hashes are all that is kept.
 """
 
 from __future__ import annotations
