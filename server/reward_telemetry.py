@@ -312,8 +312,12 @@ class RewardTelemetry:
     def on_batch(self, pipeline: str, info: BatchInfo) -> None:
         """A batch ran (before its samples are answered): its scored samples' metrics, and the batch kept as
         their record; the head-sampled ones' spans exported at once. Failed members are left to on_failure."""
-        scores = [_FAILED if isinstance(o, BaseException) else o.score for o in info.outcomes]
-        failed = _FAILED in scores
+        try:
+            scores = [o.score for o in info.outcomes]  # type: ignore[union-attr]  # every member scored: most batches
+            failed = False
+        except AttributeError:
+            scores = [_FAILED if isinstance(o, BaseException) else o.score for o in info.outcomes]
+            failed = True
         if metrics_enabled():
             self.pending.add(self.batch_size, pipeline, info.size)
             queue = info.queue_s
