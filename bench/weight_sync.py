@@ -82,8 +82,12 @@ async def serve_rollout(model: str, port_file: str, threads: int, device: str) -
 
 
 async def serve_sink(port_file: str) -> None:
-    """The thinnest grpc.aio client-stream handler: take every message, answer once."""
+    """The thinnest grpc.aio client-stream handler: take every message, answer once (with the malloc settings
+    a rollout server's grpc updates get, so the baseline is not slowed by page faults the mesh avoids)."""
+    from client.weight_planes import keep_freed_memory
     from server.serving import write_port_file
+
+    keep_freed_memory()
 
     async def push(requests: object, context: object) -> bytes:
         n = 0

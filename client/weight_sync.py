@@ -26,6 +26,7 @@ from client.weight_planes import (
     dist_available,
     form_group,
     host_id,
+    keep_freed_memory,
     local_address_towards,
     send_buckets,
 )
@@ -150,6 +151,7 @@ class WeightSync:
         if transport == "auto":
             transport = self.choose(infos, device)
         if transport == "grpc":  # each message is built once and sent to every server
+            keep_freed_memory()
             copies = itertools.tee(iter_update_requests(state, version, chunk_bytes), len(targets))
             streams = {a: c for (a, _), c in zip(targets, copies, strict=True)}
             outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, streams[a]))

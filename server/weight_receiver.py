@@ -27,7 +27,15 @@ import grpc
 import torch
 
 from client.tensors import duration_seconds
-from client.weight_planes import ForwardFailed, dist_available, form_group, host_id, map_shm, receive_buckets
+from client.weight_planes import (
+    ForwardFailed,
+    dist_available,
+    form_group,
+    host_id,
+    keep_freed_memory,
+    map_shm,
+    receive_buckets,
+)
 from client.weights import LAYOUT_VERSION, WeightAssembler, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -157,6 +165,7 @@ class WeightReceiver:
         self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
     ) -> rollout_pb2.UpdateWeightsResponse:
         """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives."""
+        keep_freed_memory()  # gRPC's receive buffers, a message's worth each, recycled rather than faulted in
         reuse, self._spare = self._spare, None  # the tensors the model left at the last grpc update, if any
         assembler = WeightAssembler(self.backend.weight_specs(), reuse if isinstance(reuse, dict) else None)
         version, first = 0, True
