@@ -633,3 +633,31 @@ def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_the_shm_file_stays_mapped_between_updates_and_a_new_size_gets_a_new_file() -> None:
+    """The second write of the same layout lands in pages already mapped (a new mapping per update faulted every
+    page in again); what a server maps is the latest write; another size goes to a fresh file."""
+    import resource
+
+    from client.weight_planes import ShmWriter, map_shm
+    from client.weights import Entry
+
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    n = 32 << 20
+    writer = ShmWriter()
+    try:
+        writer.write([torch.full((n,), 1, dtype=torch.uint8)], [0], n)
+        first, twos = writer.path, torch.full((n,), 2, dtype=torch.uint8)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        writer.write([twos], [0], n)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < (n >> 12) // 10, faults  # a fresh mapping: one fault per 4 KiB page written (8192)
+        seen = map_shm(str(writer.path), [Entry("w", (n,), torch.uint8, n)], [0])["w"]
+        assert writer.path == first and int(seen[0]) == 2 and int(seen[-1]) == 2
+        writer.write([torch.full((10,), 3, dtype=torch.uint8)], [0], 10)
+        assert writer.path != first and not first.exists()  # never truncated under a reader: a new file
+        assert int(map_shm(str(writer.path), [Entry("w", (10,), torch.uint8, 10)], [0])["w"][9]) == 3
+    finally:
+        writer.close()
