@@ -9,7 +9,7 @@ sending it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -319,9 +319,11 @@ class WeightAssembler:
     `add` raises WeightsError naming the tensor (unknown name, wrong shape or dtype, bytes out of range).
     """
 
-    def __init__(self, specs: Specs, reuse: Mapping[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, specs: Specs, buffer: Callable[[int], torch.Tensor] | None = None) -> None:
         self.specs = specs
-        self.reuse = reuse or {}  # tensors nothing else uses, written again when name, shape and dtype match
+        # where a tensor's bytes go: a flat uint8 tensor of exactly that many bytes that nothing else uses (a
+        # receiver hands out the buffers its model left); default: a new one
+        self.buffer = buffer or (lambda n: torch.empty(n, dtype=torch.uint8))
         self.expected: list[Entry] | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, np.ndarray] = {}
@@ -346,10 +348,7 @@ class WeightAssembler:
                 )
             check_weight(name, shape, dtype, self.specs)
             assert dtype is not None
-            old = self.reuse.get(name)
-            if old is None or old.dtype != dtype or tuple(old.shape) != shape:
-                old = torch.empty(shape, dtype=dtype)
-            tensor = self.tensors[name] = old
+            tensor = self.tensors[name] = self.buffer(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
             buf = self._bytes[name] = byte_view(tensor).numpy()
             self._pieces[name] = []
         elif TORCH_DTYPES.get(chunk.dtype) != self.tensors[name].dtype or shape != self.tensors[name].shape:

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -36,7 +36,7 @@ from client.weight_planes import (
     map_shm,
     receive_buckets,
 )
-from client.weights import LAYOUT_VERSION, WeightAssembler, check_manifest, layout, parse_update_request
+from client.weights import LAYOUT_VERSION, WeightAssembler, byte_view, check_manifest, layout, parse_update_request
 from reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from server.backends.base import Backend
@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 
 
-# Buffers of ours that a backend may adopt: dist buckets (their sizes, the buffers), or grpc tensors by name.
-_Buffers = tuple[tuple[int, ...], list[torch.Tensor]] | dict[str, torch.Tensor]
+# Buffers of ours that a backend may adopt, as flat uint8 tensors: dist's buckets, or each grpc tensor's bytes.
+_Buffers = list[torch.Tensor]
 
 
 DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
@@ -68,8 +68,23 @@ async def _drain(requests: AsyncIterator[Any], limit_s: float) -> None:
 
 
 def _on_cpu(buffers: _Buffers) -> bool:
-    first = next(iter(buffers.values()), None) if isinstance(buffers, dict) else next(iter(buffers[1]), None)
-    return first is not None and first.device.type == "cpu"
+    return bool(buffers) and buffers[0].device.type == "cpu"
+
+
+def _recycler(spare: _Buffers | None, device: torch.device) -> Callable[[int], torch.Tensor]:
+    """Staging buffers for the next update: a spare one of exactly the size asked for, whichever data plane
+    filled it last (a dist bucket of one large tensor and that tensor over grpc are the same size), else a new
+    one. Spares nobody takes are freed with the recycler."""
+    free: dict[int, list[torch.Tensor]] = {}
+    for b in spare or ():
+        if b.device == device:
+            free.setdefault(b.numel(), []).append(b)
+
+    def take(nbytes: int) -> torch.Tensor:
+        same = free.get(nbytes)
+        return same.pop() if same else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    return take
 
 
 class _FastChunks:
@@ -112,9 +127,8 @@ class WeightReceiver:
         self.host_id = host_id()
         self.instance_id = uuid.uuid4().hex
         self._lock = asyncio.Lock()
-        # CPU staging buffers of the last dist layout that nothing uses, reused by the next update of the same
-        # layout: it then costs no page faults (a new layout frees them).
-        # (grpc: the tensors by name, reused by the next grpc update whose names, shapes and dtypes match.)
+        # CPU staging buffers that nothing uses (the model left them), reused by the next update over dist or grpc
+        # wherever the sizes match: it then costs no page faults (what no tensor or bucket of it fits is freed).
         self._spare: _Buffers | None = None
         # Buffers the backend adopted (the model's weights live in them now): spare after the next adopted update.
         self._held: _Buffers | None = None
@@ -166,8 +180,8 @@ class WeightReceiver:
     ) -> rollout_pb2.UpdateWeightsResponse:
         """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives."""
         keep_freed_memory()  # gRPC's receive buffers, a message's worth each, recycled rather than faulted in
-        reuse, self._spare = self._spare, None  # the tensors the model left at the last grpc update, if any
-        assembler = WeightAssembler(self.backend.weight_specs(), reuse if isinstance(reuse, dict) else None)
+        take, self._spare = _recycler(self._spare, torch.device("cpu")), None
+        assembler = WeightAssembler(self.backend.weight_specs(), take)
         version, first = 0, True
         try:
             async for msg in requests:
@@ -181,7 +195,7 @@ class WeightReceiver:
             raise
         tensors = assembler.finish()
         async with self._lock:
-            applied, spent = await self._apply(tensors, version, owned=dict(tensors))
+            applied, spent = await self._apply(tensors, version, owned=[byte_view(t) for t in tensors.values()])
         log.info("applied %d tensors (%d bytes) from grpc as policy version %d in %.3fs",
                  len(tensors), assembler.num_bytes, applied, spent)  # fmt: skip
         return rollout_pb2.UpdateWeightsResponse(
@@ -235,12 +249,8 @@ class WeightReceiver:
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
         group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
-        sizes = tuple(b.nbytes for b in buckets)
-        spare = self._spare
-        if isinstance(spare, tuple) and spare[0] == sizes and spare[1][0].device == device:
-            buffers = spare[1]
-        else:
-            buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        take = _recycler(self._spare, device)
+        buffers = [take(b.nbytes) for b in buckets]
         self._spare = None  # in use now: spare again only once this update is applied (or copied out)
 
         def receive() -> dict[str, torch.Tensor]:
@@ -260,7 +270,7 @@ class WeightReceiver:
 
         try:
             staged = await asyncio.to_thread(receive)
-            return staged, (sizes, buffers)
+            return staged, buffers
         except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
             # a late write may still land in these buffers: never reuse them (self._spare is None already)
             text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"

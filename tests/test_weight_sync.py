@@ -533,24 +533,24 @@ async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_
     async with servers(tiny_models, 1) as (ro,), TrainerClient([ro.address]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
         receiver = ro.servicer.weights
-        held: list[list[torch.Tensor]] = []
+        held: list[set[int]] = []
         for step in range(1, 5):
             new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}  # the model's dtype (fp32 on CPU)
             assert await client.update_weights(new, transport="dist") == step
             assert same(model_weights(ro), new) and await generated_version(ro.address) == step
             assert receiver._held is not None
-            buffers = receiver._held[1]
+            buffers = receiver._held
             params = dict(ro.backend._lm.named_parameters())
             assert all(_inside(p, buffers) for p in params.values())  # adopted: no copy into the model
-            held.append(buffers)
-        assert held[2] is held[0] and held[3] is held[1]  # double buffering: two sets take turns
-        assert receiver._spare is not None and receiver._spare[1] is held[2]
+            held.append({b.data_ptr() for b in buffers})
+        assert held[2] == held[0] and held[3] == held[1] and held[0] != held[1]  # two sets take turns
+        assert receiver._spare is not None and {b.data_ptr() for b in receiver._spare} == held[2]
         # Partial (one tensor over grpc): copied into the parameter where it lies now, the rest unchanged.
         name = "model.norm.weight"
         part = {name: torch.full_like(base[name], 0.5)}
         assert await client.update_weights(part, transport="grpc") == 5
         now = model_weights(ro)
-        assert torch.equal(now[name], part[name]) and _inside(ro.backend._lm.get_parameter(name), held[3])
+        assert torch.equal(now[name], part[name]) and _inside(ro.backend._lm.get_parameter(name), receiver._held)
         assert same({k: v for k, v in now.items() if k != name}, {k: v for k, v in new.items() if k != name})
         # Whole grpc updates are adopted too, and the tensors the model left receive the one after next.
         grpc_held = []
@@ -558,10 +558,30 @@ async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_
             new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}
             assert await client.update_weights(new, transport="grpc") == step
             assert same(model_weights(ro), new) and await generated_version(ro.address) == step
-            assert isinstance(receiver._held, dict)
-            grpc_held.append(receiver._held)
-            assert ro.backend._lm.get_parameter(name).data_ptr() == receiver._held[name].data_ptr()
-        assert all(grpc_held[2][k] is grpc_held[0][k] for k in new)
+            params = dict(ro.backend._lm.named_parameters())
+            assert receiver._held is not None and all(_inside(p, receiver._held) for p in params.values())
+            grpc_held.append({b.data_ptr() for b in receiver._held})
+        assert grpc_held[2] == grpc_held[0] != grpc_held[1]
+
+
+async def test_buffers_the_model_left_are_reused_whichever_plane_filled_them(tiny_models: TinyModelPaths) -> None:
+    """dist, grpc, grpc, dist: each update lands in the buffers the model left two updates before, though the
+    other data plane filled them (every tensor here is a bucket of its own: a bucket and that tensor over grpc
+    are the same size), so switching planes allocates nothing new."""
+    base = policy_state(tiny_models)
+    async with servers(tiny_models, 1) as (ro,), TrainerClient([ro.address]) as client:
+        client.weight_sync.bucket_bytes = 1  # every tensor alone
+        receiver = ro.servicer.weights
+        where = []
+        for step, transport in enumerate(["dist", "grpc", "grpc", "dist", "grpc"], start=1):
+            new = {k: v.float() for k, v in perturbed(base, 40 + step).items()}
+            assert await client.update_weights(new, transport=transport) == step
+            assert same(model_weights(ro), new) and await generated_version(ro.address) == step
+            assert receiver._held is not None
+            assert all(_inside(p, receiver._held) for p in ro.backend._lm.parameters())  # adopted
+            where.append({b.data_ptr() for b in receiver._held})
+        assert where[2] == where[0] and where[3] == where[1] and where[4] == where[2]
+        assert not where[0] & where[1]
 
 
 async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version(tiny_models: TinyModelPaths) -> None:
