@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,50 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shm", "dist", "grpc")
 _UPDATE_WEIGHTS = "/rewardmesh.v1.RolloutService/UpdateWeights"
+
+
+class Fanout:
+    """One stream of messages to several consumers, each at its own pace, but never more than `window` messages
+    ahead of the slowest one still reading: the trainer holds `window` messages (16 MiB each by default), not
+    the whole serialized model while one server lags (14 GB for a 7B model). A consumer that stops (its call
+    failed, or timed out) leaves, and the others go on."""
+
+    def __init__(self, source: Iterator[bytes], consumers: Sequence[str], window: int = 4) -> None:
+        self._source = source
+        self._queues = {c: asyncio.Queue[bytes | None](maxsize=window) for c in consumers}
+        self._producer: asyncio.Task[None] | None = None
+        self._error: Exception | None = None
+
+    async def _produce(self) -> None:
+        try:
+            for message in itertools.chain(self._source, [None]):  # None: the end
+                for c, q in list(self._queues.items()):
+                    if c in self._queues:  # it may have left while this waited on another's queue
+                        await q.put(message)
+                if not self._queues:
+                    return
+        except Exception as exc:  # building a message failed: every consumer hears it, none waits on
+            self._error = exc
+            for q in self._queues.values():
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(None)
+
+    async def messages(self, consumer: str) -> AsyncIterator[bytes]:
+        if self._producer is None:
+            self._producer = asyncio.get_running_loop().create_task(self._produce())
+        q = self._queues[consumer]
+        while (message := await q.get()) is not None:
+            yield message
+        if self._error is not None:
+            raise self._error
+
+    def leave(self, consumer: str) -> None:
+        q = self._queues.pop(consumer, None)
+        while q is not None and not q.empty():  # a put waiting on its full queue goes through
+            q.get_nowait()
+        if not self._queues and self._producer is not None:
+            self._producer.cancel()
 
 
 class WeightSyncError(RuntimeError):
@@ -152,9 +196,8 @@ class WeightSync:
             transport = self.choose(infos, device)
         if transport == "grpc":  # each message is built once and sent to every server
             keep_freed_memory()
-            copies = itertools.tee(iter_update_requests(state, version, chunk_bytes), len(targets))
-            streams = {a: c for (a, _), c in zip(targets, copies, strict=True)}
-            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, streams[a]))
+            fanout = Fanout(iter_update_requests(state, version, chunk_bytes), [a for a, _ in targets])
+            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, fanout, a))
         elif transport == "shm":
             outcomes = await self._send_shm(targets, state, version)
         else:
@@ -174,10 +217,13 @@ class WeightSync:
         results = await asyncio.gather(*(call(a, ch) for a, ch in targets), return_exceptions=True)
         return {a: r for (a, _), r in zip(targets, results, strict=True)}
 
-    async def _grpc(self, channel: aio.Channel, messages: Iterator[bytes]) -> rollout_pb2.TransferWeightsResponse:
+    async def _grpc(self, channel: aio.Channel, fanout: Fanout, address: str) -> rollout_pb2.TransferWeightsResponse:
         call = channel.stream_unary(_UPDATE_WEIGHTS, request_serializer=None,
                                     response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString)  # fmt: skip
-        r = await call(messages, timeout=self.timeout_s)
+        try:
+            r = await call(fanout.messages(address), timeout=self.timeout_s)
+        finally:
+            fanout.leave(address)  # a failed server holds the others back no longer
         return rollout_pb2.TransferWeightsResponse(policy_version=r.policy_version, num_tensors=r.num_tensors,
                                                    num_bytes=r.num_bytes, apply_seconds=r.apply_seconds)  # fmt: skip
 

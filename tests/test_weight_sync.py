@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -335,6 +335,85 @@ async def test_grpc_stream_broken_midway_applies_nothing(tiny_models: TinyModelP
             await stub.UpdateWeights(half())  # the stream ends early: bytes are missing
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in str(info.value.details())
         assert ro.backend.policy_version == 0 and same(model_weights(ro), before)
+
+
+async def test_fanout_keeps_a_fast_reader_within_its_window_of_the_slowest() -> None:
+    """The trainer holds a bounded number of messages, not everything a lagging server has not read yet; a
+    reader that leaves no longer holds the others back; a failing source fails every reader."""
+    from client.weight_sync import Fanout
+
+    made: list[int] = []
+
+    def source(n: int) -> Iterator[bytes]:
+        for i in range(n):
+            made.append(i)
+            yield bytes([i])
+
+    fan = Fanout(source(40), ["fast", "slow"], window=3)
+    slow_read: list[int] = []
+    lead: list[int] = []
+
+    async def read(name: str, pause: float, leave_after: int | None = None) -> list[int]:
+        got = []
+        async for m in fan.messages(name):
+            got.append(m[0])
+            if name == "slow":
+                slow_read.append(m[0])
+                if leave_after is not None and len(got) == leave_after:
+                    fan.leave(name)
+                    return got
+            else:
+                lead.append(len(made) - len(slow_read))
+            await asyncio.sleep(pause)
+        return got
+
+    fast, slow = await asyncio.wait_for(asyncio.gather(read("fast", 0), read("slow", 0.002, leave_after=10)), 10)
+    assert fast == list(range(40)) and slow == list(range(10))
+    assert max(lead[:8]) <= 3 + 2  # while the slow one reads: its queue (3) plus the message in each hand
+
+    def broken() -> Iterator[bytes]:
+        yield b"a"
+        raise ValueError("tensor 'w' could not be read")
+
+    fan = Fanout(broken(), ["x", "y"], window=1)
+
+    async def all_of(name: str) -> list[bytes]:
+        return [m async for m in fan.messages(name)]
+
+    results = await asyncio.wait_for(asyncio.gather(all_of("x"), all_of("y"), return_exceptions=True), 5)
+    assert all(isinstance(r, ValueError) and "'w'" in str(r) for r in results)
+
+
+async def test_a_server_killed_mid_grpc_update_fails_only_itself_and_the_other_applies_it(
+    tiny_models: TinyModelPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc to two servers, one SIGKILLed after a few messages: the call names it, the other server (no longer
+    held back by the dead one's window) applies the whole update."""
+    victim = victim_process(tiny_models, tmp_path)
+    base = policy_state(tiny_models)
+    real = weight_sync.iter_update_requests
+
+    def kill_after_three(*args: Any, **kw: Any) -> Iterator[bytes]:
+        for i, message in enumerate(real(*args, **kw)):
+            if i == 3:
+                victim.kill()
+            yield message
+
+    try:
+        await asyncio.to_thread(victim.start)
+        await victim.wait_serving()
+        async with servers(tiny_models, 1) as (survivor,):
+            async with TrainerClient([victim.address, survivor.address]) as client:
+                client.weight_sync.timeout_s = 10.0
+                monkeypatch.setattr(weight_sync, "iter_update_requests", kill_after_three)
+                with pytest.raises(WeightSyncError) as info:
+                    await asyncio.wait_for(
+                        client.update_weights(perturbed(base, 12), transport="grpc", chunk_bytes=4 << 10), 60
+                    )
+                assert set(info.value.failed) == {victim.address}
+            assert survivor.backend.policy_version == 1 and same(model_weights(survivor), perturbed(base, 12))
+    finally:
+        victim.stop(timeout_s=10)
 
 
 # ------------------------------------------------------------------------- a server dies in the middle
