@@ -9,10 +9,10 @@ ratio, all, all, ratio, ...); medians are reported.
 The workload, identical in every mode: the reward server (built-in `gsm8k` rule pipeline: dynamic batches of
 up to 256, 4 in flight; or with --reward-model a 4-layer, 256-wide reward model in batches of up to 32, torch
 --torch-threads threads) and, in this process, a RewardClient keeping --concurrency samples in flight on one
-long-lived Score stream. The client sends what a rollout server sends: each sample's traceparent (its prompt
-group's trace, the reward span's id drawn up front, the group's head-sampling decision in the flags; none with
-telemetry off) and every --step-size results the step's slowest --keep-slowest samples, named on the Score
-stream (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. The client
+long-lived Score stream. The client sends what a rollout server sends: a head-sampled sample's traceparent
+with the sample (its prompt group's trace, the reward span's id drawn up front; none with telemetry off), and
+every --step-size results the step's slowest --keep-slowest samples with their traceparents, named on the
+Score stream (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. The client
 is plain string work, so what is measured is the reward server. Samples carry 64 prompt and 128 response
 token ids plus texts.
 
@@ -134,11 +134,11 @@ async def drive(
 ) -> tuple[float, int]:
     """Keep `concurrency` samples in flight as a rollout server sends them; returns (seconds, errors).
 
-    `head_ratio` None: no trace context (telemetry off). Otherwise each sample carries the traceparent a
-    rollout server sends (its group's trace id, the reward span's id drawn up front, the group's head-sampling
-    decision in the flags), and every `step_size` results the step's slowest `keep_slowest` are named on the
-    stream (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. Plain
-    string work: the load generator's own telemetry is not what is measured.
+    `head_ratio` None: no trace context (telemetry off). Otherwise a head-sampled sample carries the
+    traceparent a rollout server sends (its group's trace id, the reward span's id drawn up front), and every
+    `step_size` results the step's slowest `keep_slowest` are named on the stream with theirs
+    (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. Plain string
+    work: the load generator's own telemetry is not what is measured.
     """
     from client.flight_recorder import new_span_id, new_trace_id, traceparent
 
@@ -147,14 +147,16 @@ async def drive(
     done = loop.create_future()
     state = {"left": len(samples), "errors": 0}
     step: list[tuple[float, str]] = []
+    parents: dict[str, tuple[int, int]] = {}  # unsampled samples' (trace id, reward span id), until kept
     keeping: list[asyncio.Task[Any]] = []
     rng = random.Random(1234)
 
     def end_step() -> None:
         ids = [sid for _, sid in sorted(step, reverse=True)[:keep_slowest]]
         step.clear()
-        if ids and keep_slowest and head_ratio is not None:
-            keeping.append(loop.create_task(client.announce_kept(ids)))  # as a rollout server does
+        if ids and keep_slowest and head_ratio is not None:  # as a rollout server does: with their traceparents
+            kept = {sid: traceparent(*parents.pop(sid), False) for sid in ids if sid in parents}
+            keeping.append(loop.create_task(client.announce_kept(kept)))
 
     def finished(sid: str, fut: asyncio.Future[Any]) -> None:
         result = fut.result()
@@ -177,7 +179,10 @@ async def drive(
         if head_ratio is not None:
             if i % 8 == 0:  # a prompt group of 8: one trace, one head-sampling decision
                 group_trace, sampled = new_trace_id(), rng.random() < head_ratio
-            ctx = {"traceparent": traceparent(group_trace, new_span_id(), sampled)}
+            if sampled:  # sent with the sample only when head-sampled, as a rollout server does
+                ctx = {"traceparent": traceparent(group_trace, new_span_id(), True)}
+            else:  # the ids drawn up front; the traceparent goes with the keep decision if the sample is kept
+                parents[sid] = (group_trace, new_span_id())
         fut = client.submit(sample, pipeline, trace_context=ctx)
         fut.add_done_callback(lambda f, sid=sid: finished(sid, f))
     if samples:

@@ -13,7 +13,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,7 @@ class _TargetStream(Member):
         self.pending: dict[str, _Pending] = {}
         self._queued: collections.deque[_Pending] = collections.deque()
         self._cancels: list[str] = []
-        self._keeps: list[str] = []  # sample ids whose traces the server should keep (on the next message)
+        self._keeps: dict[str, str] = {}  # sample id -> traceparent ("": its own) to keep, on the next message
         self._wake: asyncio.Future[None] | None = None
         self._open = False  # the request stream is open (its writer waits on _wake)
         self._task: asyncio.Task[None] | None = None
@@ -118,11 +118,11 @@ class _TargetStream(Member):
             self._cancels.append(p.sample_id)
             self._poke()
 
-    def keep_traces(self, sample_ids: Sequence[str]) -> bool:
+    def keep_traces(self, kept: Mapping[str, str]) -> bool:
         """Ask the server to keep these samples' traces on the next message; False if the stream is not open."""
         if not self._open:
             return False
-        self._keeps.extend(sample_ids)
+        self._keeps.update(kept)
         self._poke()
         return True
 
@@ -146,7 +146,7 @@ class _TargetStream(Member):
                     msg.cancel_sample_ids.extend(self._cancels)
                     self._cancels.clear()
                 if self._keeps:
-                    msg.keep_trace_sample_ids.extend(self._keeps)
+                    msg.keep_traces.update(self._keeps)
                     self._keeps.clear()
             if first:  # read by the server on every message; the last value set wins
                 msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
@@ -457,12 +457,17 @@ class RewardClient:
 
         return sum(await asyncio.gather(*(one(s) for s in self.streams)))
 
-    async def announce_kept(self, sample_ids: Sequence[str]) -> None:
-        """As keep_traces, for a hot path: the ids ride on each target's open Score stream (no call, no answer);
-        a target without one gets the KeepTraces call. Best effort, like every trace decision."""
-        if not sample_ids:
+    async def announce_kept(self, kept: Mapping[str, str] | Sequence[str]) -> None:
+        """As keep_traces, for a hot path: sample id -> traceparent (the one a sample sent without its trace
+        context would have carried; "" or a plain list of ids: the one it came with). The ids ride on each
+        target's open Score stream (no call, no answer); a target without one gets the KeepTraces call. Best
+        effort, like every trace decision."""
+        if not kept:
             return
-        request = reward_pb2.KeepTracesRequest(sample_ids=sample_ids)
+        contexts = dict(kept) if isinstance(kept, Mapping) else dict.fromkeys(kept, "")
+        request = reward_pb2.KeepTracesRequest(
+            sample_ids=list(contexts), traceparents={sid: tp for sid, tp in contexts.items() if tp}
+        )
 
         async def call(stream: _TargetStream) -> None:
             try:
@@ -470,7 +475,7 @@ class RewardClient:
             except aio.AioRpcError as exc:
                 log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
 
-        await asyncio.gather(*(call(s) for s in self.streams if not s.keep_traces(sample_ids)))
+        await asyncio.gather(*(call(s) for s in self.streams if not s.keep_traces(contexts)))
 
     async def list_rewards(self) -> reward_pb2.ListRewardsResponse:
         (first, *_) = await self.pool.wait_for_members()

@@ -381,8 +381,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         f = self._in_flight.get(sid)
                         if f is not None and f.owner is box:
                             self._cancel(f, f"sample '{sid}' was cancelled by the client")
-                    if req.keep_trace_sample_ids:  # a step's keep decision, as KeepTraces without a call
-                        self.telemetry.keep(req.keep_trace_sample_ids)
+                    if req.keep_traces:  # a keep decision, as KeepTraces without a call
+                        self.telemetry.keep(dict(req.keep_traces))
                     while unanswered >= limit:  # stop reading: flow control pushes back on the writer
                         room = asyncio.get_running_loop().create_future()
                         await room
@@ -476,7 +476,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def KeepTraces(
         self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
     ) -> reward_pb2.KeepTracesResponse:
-        kept, exported = self.telemetry.keep(request.sample_ids)
+        contexts = dict.fromkeys(request.sample_ids, "")
+        contexts.update(request.traceparents)
+        kept, exported = self.telemetry.keep(contexts)
         return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 
     async def ListRewards(

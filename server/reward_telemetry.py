@@ -21,7 +21,7 @@ import math
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import grpc
 import numpy as np
@@ -31,7 +31,7 @@ from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import FlightRecorder, link_to, new_span_id, new_trace_id, parse_traceparent
+from client.flight_recorder import FlightRecorder, Ring, link_to, new_span_id, new_trace_id, parse_traceparent
 from client.telemetry import meter, metrics_enabled, recorder, trace_config
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
@@ -65,7 +65,7 @@ class _Batch:
     per-member strings and floats (32,768 samples' worth) cost the event loop about 1 us per sample, memory
     that is never reused while it is still in the cache. A kept member is found in the strings in place."""
 
-    __slots__ = ("_uniform", "compute_s", "contexts", "end_ns", "ids", "kept", "number", "padded_tokens",
+    __slots__ = ("_uniform", "compute_s", "contexts", "end_ns", "given", "ids", "kept", "number", "padded_tokens",
                  "pipeline", "queue_s", "real_tokens", "scores", "size", "span_id", "start_ns")  # fmt: skip
 
     def __init__(self, number: int, pipeline: str, info: BatchInfo, scores: list[float]) -> None:
@@ -84,6 +84,7 @@ class _Batch:
         self.start_ns, self.end_ns = info.start_time_ns, info.end_time_ns
         self.padded_tokens, self.real_tokens = info.padded_tokens, info.real_tokens
         self.kept: set[str] | None = None  # members whose spans are exported (or queued for export)
+        self.given: dict[str, str] | None = None  # traceparents of kept members that came without one
         self.span_id = 0  # set when exported (once)
         self._uniform: bool | None = None
 
@@ -128,13 +129,16 @@ class _Batch:
             return [i for i, f in enumerate(flags) if f in _ODD_HEX] if flags.strip(_EVEN_HEX) else []
         return [i for i in range(self.size) if (tp := self.context(i)) is not None and tp[-1] in _ODD_HEX]
 
-    def keep(self, sample_id: str) -> bool:
-        """Mark a member kept; False if it already was."""
+    def keep(self, sample_id: str, traceparent: str = "") -> bool:
+        """Mark a member kept (with the traceparent it came without, if given); False if it already was."""
         if self.kept is None:
             self.kept = set()
         elif sample_id in self.kept:
             return False
         self.kept.add(sample_id)
+        if traceparent:
+            self.given = self.given or {}
+            self.given[sample_id] = traceparent
         return True
 
     def scored(self, i: int) -> bool:
@@ -142,15 +146,19 @@ class _Batch:
 
     def links(self) -> list[Link]:
         """Links to the served samples that are kept: a link to a span never exported says nothing."""
-        members = set(self.sampled())
-        members.update(i for sid in self.kept or () if (i := self.index(sid)) is not None)
-        return [link for i in sorted(members) if (tp := self.context(i)) is not None and (link := link_to(tp))]
+        sampled = self.sampled()
+        contexts = [self.context(i) for i in sampled]
+        given = self.given or {}
+        for sid in self.kept or ():
+            if (i := self.index(sid)) is not None and i not in sampled:
+                contexts.append(self.context(i) or given.get(sid))
+        return [link for tp in contexts if tp is not None and (link := link_to(tp)) is not None]
 
-    def record(self, i: int, sample_id: str) -> _Record:
-        """Member i's record (its id is `sample_id`), as a scored sample."""
+    def record(self, i: int, sample_id: str, traceparent: str = "") -> _Record:
+        """Member i's record (its id is `sample_id`; `traceparent`: the one it came without), as a scored sample."""
         queue, compute = self.queue_s[i], self.compute_s
-        return (sample_id, self.pipeline, self.context(i), self.start_ns - int(queue * 1e9), self.scores[i],  # type: ignore[return-value]
-                self.size, (queue + compute, queue, compute), "", self.number)  # fmt: skip
+        return (sample_id, self.pipeline, self.context(i) or traceparent, self.start_ns - int(queue * 1e9),
+                self.scores[i], self.size, (queue + compute, queue, compute), "", self.number)  # fmt: skip
 
 
 class _Recent:
@@ -292,6 +300,7 @@ class RewardTelemetry:
         self._timings = (self.latency, self.queue_time, self.compute_time)
         self.pending = HistogramBatch()
         self._recent = _Recent(trace_config().ring_size)  # for a later KeepTraces or a failure's batch span
+        self._failures = Ring(4096)  # failed samples that came without a traceparent: (record, batch) until kept
         self._batch_no = 0
         # Kept samples' records waiting to become spans: (record, the batch whose span it exports, if any).
         self._deferred: deque[tuple[_Record, _Batch | None]] = deque()
@@ -337,21 +346,25 @@ class RewardTelemetry:
                 self._export(rec, batch.record(i, sid), batch)
 
     def on_failure(self, result: reward_pb2.RewardResult, record: object, arrival_ns: int) -> None:
-        """A failed sample: counted by kind, and its span exported at once (the decision is made here).
-        `record`: what `begin` returned."""
+        """A failed sample: counted by kind, and its span exported at once if it came with its traceparent, else
+        remembered until a keep decision brings one (its sender decides). `record`: what `begin` returned."""
         pipeline = result.reward
         if metrics_enabled():
             code = result.error.code
             counter = self.timed_out if code == _TIMED_OUT else self.rejected if code in _REJECTED else self.failed
             self.pending.count(counter, pipeline)
-        if type(record) is not str or (rec := recorder()) is None:
+        if (rec := recorder()) is None:
             return
         sid = result.sample_id
         found = self._recent.find(sid)
-        batch = found[0] if found is not None and found[0].context(found[1]) == record else None
+        batch = found[0] if found is not None and not found[0].scored(found[1]) else None  # failed in that batch
         t = result.timing
-        r: _Record = (sid, pipeline, record, arrival_ns, 0.0, result.batch_size, (t.total, t.queue, t.compute),
-                      result.error.message or "failed", batch.number if batch is not None else 0)  # fmt: skip
+        tp = record if type(record) is str else ""
+        r: _Record = (sid, pipeline, tp, arrival_ns, 0.0, result.batch_size, (t.total, t.queue, t.compute),
+                      result.error.message or "failed", batch.number if batch else 0)  # fmt: skip
+        if not tp:
+            self._failures.put(sid, (r, batch))
+            return
         if batch is not None:
             batch.keep(sid)
         self._export(rec, r, batch)
@@ -387,15 +400,27 @@ class RewardTelemetry:
             except Exception:  # telemetry must never cost a sample its result
                 log.debug("could not build the spans of a kept sample", exc_info=True)
 
-    def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
-        """Export the trees of these scored samples still remembered: (samples known, spans exported)."""
+    def keep(self, kept: Mapping[str, str]) -> tuple[int, int]:
+        """Export the trees of these samples still remembered: sample id -> its traceparent, for one sent without
+        ("": the one it came with). Returns (samples known, spans exported)."""
         rec = recorder()
         if rec is None:
             return 0, 0
-        known: list[tuple[_Batch, int, str]] = []
-        for sid in dict.fromkeys(sample_ids):
+        known = 0
+        records: list[tuple[_Record, _Batch | None]] = []
+        for sid, given in kept.items():
             found = self._recent.find(sid)
             if found is not None and found[0].scored(found[1]):
-                known.append((found[0], found[1], sid))
-        fresh = [(b, i, sid) for b, i, sid in known if b.keep(sid)]  # all marked first: a batch span links
-        return len(known), sum(self._export(rec, b.record(i, sid), b) for b, i, sid in fresh)
+                known += 1
+                batch, i = found
+                if batch.keep(sid, given):  # all marked before any is built: a batch span links every kept one
+                    records.append((batch.record(i, sid, given), batch))
+            elif (failure := self._failures.get(sid)) is not None:
+                known += 1
+                r, batch = failure
+                if given and not r[2]:  # a failure that came without its traceparent: exported now, once
+                    self._failures.put(sid, ())
+                    if batch is not None:
+                        batch.keep(sid, given)
+                    records.append(((*r[:2], given, *r[3:]), batch))
+        return known, sum(self._export(rec, r, b) for r, b in records)

@@ -70,12 +70,17 @@ class SampleTrace:
     def turn(self, kind: str, name: str, start_ns: int, end_ns: int) -> None:
         self.phases.append((kind, name, start_ns, end_ns))
 
-    def reward_context(self, pipeline: str) -> dict[str, str]:
-        """The reward phase starts: the W3C context the reward server's spans hang under."""
+    def reward_context(self, pipeline: str) -> dict[str, str] | None:
+        """The reward phase starts: the W3C context the reward server's spans hang under, sent with the sample
+        only when its group is head-sampled. Any other sample's context reaches the reward server only if the
+        sample is kept (`reward_traceparent`, with the keep decision): most never need it."""
         self.reward_span_id = new_span_id()
         self.reward_start_ns = time.time_ns()
         self.reward_attrs["rewardmesh.pipeline"] = pipeline
-        return {"traceparent": traceparent(self.trace_id, self.reward_span_id, self.sampled)}
+        return {"traceparent": self.reward_traceparent()} if self.sampled else None
+
+    def reward_traceparent(self) -> str:
+        return traceparent(self.trace_id, self.reward_span_id, self.sampled)
 
     def reward_done(self, result: reward_pb2.RewardResult) -> None:
         self.reward_end_ns = time.time_ns()
@@ -179,15 +184,18 @@ class RolloutTelemetry:
         else:
             rec.remember((self._key, st.sample_id), st)
 
-    def keep(self, sample_ids: Iterable[str]) -> tuple[int, int]:
-        """Export the trees of these samples still in the ring: (samples known, spans exported)."""
+    def keep(self, sample_ids: Iterable[str]) -> tuple[int, int, dict[str, str]]:
+        """Export the trees of these samples still in the ring: (samples known, spans exported, and the reward
+        traceparents of those newly kept that were scored, for their reward servers)."""
         rec = recorder()
         if rec is None:
-            return 0, 0
+            return 0, 0, {}
         found: list[Any] = rec.recall((self._key, sid) for sid in sample_ids)
-        exported = 0
+        exported, rewards = 0, {}
         for st in found:
             if not st.exported:
                 st.exported = True
                 exported += rec.export_tree(st)
-        return len(found), exported
+                if st.reward_span_id:
+                    rewards[st.sample_id] = st.reward_traceparent()
+        return len(found), exported, rewards

@@ -94,9 +94,9 @@ class RolloutWorker:
 
     async def keep_traces(self, sample_ids: Sequence[str]) -> tuple[int, int]:
         """Export these samples' span trees here and on every reward target: (samples known, spans exported)."""
-        kept, exported = self.traces.keep(sample_ids)
-        if self.rewards is not None and kept:
-            await self.rewards.announce_kept(sample_ids)
+        kept, exported, rewards = self.traces.keep(sample_ids)
+        if self.rewards is not None and rewards:
+            await self.rewards.announce_kept(rewards)  # with the traceparents those samples were sent without
         return kept, exported
 
     async def run(self, job: Job, settings: RunSettings) -> rollout_pb2.GenerateResponse:
@@ -149,6 +149,9 @@ class RolloutWorker:
                 sample, settings.reward, timeout=settings.reward_timeout, trace_context=ctx
             )
             span.reward_done(result)
+            if result.HasField("error") and ctx is None and isinstance(span, SampleTrace):
+                # Kept: it failed. Its reward server remembers the failure until it hears the traceparent.
+                await self.rewards.announce_kept({job.sample_id: span.reward_traceparent()})
         finally:
             self.pending_rewards -= 1
         sample.timing.reward = time.perf_counter() - started

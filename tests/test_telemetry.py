@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
@@ -321,7 +322,7 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
 
 async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> None:
     """announce_kept (a rollout server's path) puts the ids on the open Score stream instead of a call: the named
-    samples' trees are exported once, a failed sample's was already, and a target with no open stream gets
+    samples' trees are exported once, and a target with no open stream gets
     the KeepTraces call instead."""
     import asyncio
 
@@ -356,6 +357,37 @@ async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> 
             await fresh.announce_kept(["a1"])
         assert sorted(s.attributes["rewardmesh.sample_id"] for s in reward_spans()).count("a1") == 2
         assert stream in client.streams
+
+
+async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sender_keeps_it(
+    telemetry: Telemetry,
+) -> None:
+    """Samples not head-sampled travel without a trace context: a failed one waits on the reward server until
+    the keep decision brings its traceparent, then its error span hangs under the sender's reward span, once."""
+    import asyncio
+
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from client.reward_client import RewardClient
+    from tests.support.servers import sample
+
+    trace_id, parent_id = new_trace_id(), new_span_id()
+
+    def errors() -> list[Any]:
+        telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+        return [s for s in SPANS.get_finished_spans() if s.name == "reward.queue" and not s.status.is_ok]
+
+    SPANS.clear()
+    async with reward_server() as rs, RewardClient([rs.address]) as client:
+        result = await client.submit(sample("f0"), "no_such_pipeline")
+        assert result.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        await asyncio.sleep(0.05)
+        assert errors() == []  # no traceparent yet: nothing to hang it under
+        for _ in range(2):  # the second announcement exports nothing more
+            await client.announce_kept({"f0": traceparent(trace_id, parent_id, False)})
+            assert not (await client.submit(sample("f1"), "gsm8k")).HasField("error")  # the keep was read
+        (span,) = errors()
+        assert (span.context.trace_id, span.parent.span_id) == (trace_id, parent_id)
+        assert "no_such_pipeline" in (span.status.description or "")
 
 
 def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:

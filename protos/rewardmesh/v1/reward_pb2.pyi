@@ -25,8 +25,15 @@ REWARD_SOURCE_KIND_MODEL: RewardSourceKind
 REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_trace_sample_ids")
+    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces")
     class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class KeepTracesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +47,7 @@ class ScoreRequest(_message.Message):
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    KEEP_TRACE_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TRACES_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     reward: str
     timeout: _duration_pb2.Duration
@@ -48,8 +55,8 @@ class ScoreRequest(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[ScoreRequest]
     cancel_sample_ids: _containers.RepeatedScalarFieldContainer[str]
     max_results_per_message: int
-    keep_trace_sample_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_trace_sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    keep_traces: _containers.ScalarMap[str, str]
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_traces: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("result", "results")
@@ -159,10 +166,19 @@ class RewardPipeline(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[RewardSource, _Mapping]]] = ..., batching: _Optional[_Union[BatchingConfig, _Mapping]] = ..., description: _Optional[str] = ...) -> None: ...
 
 class KeepTracesRequest(_message.Message):
-    __slots__ = ("sample_ids",)
+    __slots__ = ("sample_ids", "traceparents")
+    class TraceparentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     sample_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    traceparents: _containers.ScalarMap[str, str]
+    def __init__(self, sample_ids: _Optional[_Iterable[str]] = ..., traceparents: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KeepTracesResponse(_message.Message):
     __slots__ = ("kept_samples", "exported_spans")
