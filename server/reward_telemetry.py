@@ -75,9 +75,11 @@ class _Batch:
         self.ids = _SEP.join(info.sample_ids)
         ctx = info.contexts
         missing = ctx.count(None)
-        # Traceparents joined ("" for a member without one); None when no member has one.
-        self.contexts = (None if missing == len(ctx) else _SEP.join(ctx) if not missing  # type: ignore[arg-type]
-                         else _SEP.join(c if type(c) is str else "" for c in ctx))  # fmt: skip
+        # Traceparents: joined when every member came with one (an older sender's way), by member when some
+        # did (the head-sampled: usually none or a few), None when none did.
+        self.contexts: str | dict[int, str] | None = (
+            None if missing == len(ctx) else _SEP.join(ctx) if not missing  # type: ignore[arg-type]
+            else {i: c for i, c in enumerate(ctx) if type(c) is str})  # fmt: skip
         self.queue_s = array("d", info.queue_s)
         self.scores = array("d", scores)  # NaN: the member failed (its span is exported by on_failure)
         self.compute_s = info.compute_s
@@ -106,18 +108,28 @@ class _Batch:
         """Every member has a version-00 traceparent: member i's is a fixed slice of the joined string."""
         if self._uniform is None:
             joined, n = self.contexts, self.size
-            self._uniform = (joined is not None and len(joined) == (_TP_LEN + 1) * n - 1
+            self._uniform = (type(joined) is str and len(joined) == (_TP_LEN + 1) * n - 1
                              and joined[_TP_LEN :: _TP_LEN + 1] == _SEP * (n - 1))  # fmt: skip
         return self._uniform
+
+    def _by_member(self) -> dict[int, str]:
+        """The traceparents by member (joined ones split out: once, and only for a batch that is kept)."""
+        ctx = self.contexts
+        if ctx is None:
+            return {}
+        if type(ctx) is str:
+            parts = ctx.split(_SEP)
+            self.contexts = ctx = {i: c for i, c in enumerate(parts) if c} if len(parts) == self.size else {}
+            self._uniform = False
+        return ctx  # type: ignore[return-value]
 
     def context(self, i: int) -> str | None:
         """Member i's traceparent, if it came with one."""
         if self.contexts is None:
             return None
         if self.uniform():
-            return self.contexts[i * (_TP_LEN + 1) : i * (_TP_LEN + 1) + _TP_LEN]
-        parts = self.contexts.split(_SEP)
-        return (parts[i] or None) if len(parts) == self.size else None
+            return self.contexts[i * (_TP_LEN + 1) : i * (_TP_LEN + 1) + _TP_LEN]  # type: ignore[index]
+        return self._by_member().get(i)
 
     def sampled(self) -> list[int]:
         """Members whose traceparent says head-sampled: with uniform traceparents their flags' last digits are
@@ -125,9 +137,9 @@ class _Batch:
         if self.contexts is None:
             return []
         if self.uniform():
-            flags = self.contexts[_TP_LEN - 1 :: _TP_LEN + 1]
+            flags = self.contexts[_TP_LEN - 1 :: _TP_LEN + 1]  # type: ignore[index]
             return [i for i, f in enumerate(flags) if f in _ODD_HEX] if flags.strip(_EVEN_HEX) else []
-        return [i for i in range(self.size) if (tp := self.context(i)) is not None and tp[-1] in _ODD_HEX]
+        return sorted(i for i, tp in self._by_member().items() if tp[-1] in _ODD_HEX)
 
     def keep(self, sample_id: str, traceparent: str = "") -> bool:
         """Mark a member kept (with the traceparent it came without, if given); False if it already was."""
