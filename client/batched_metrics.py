@@ -124,31 +124,16 @@ class HistogramBatch:
     ) -> None:
         """A batch of n samples under `pipeline`: `counter` += n, and sample i's latency (queue_s[i] + compute_s),
         queue time (queue_s[i]) and compute time (compute_s) recorded in `histograms` (in that order)."""
-        key = (counter, histograms, pipeline)
-        blocks = self._timings.get(key)
-        if blocks is None:
-            with self._lock:
-                blocks = self._timings.setdefault(key, [])
-        blocks.append((array("d", queue_s), compute_s))
+        _pending(self._timings, (counter, histograms, pipeline), self._lock).append((array("d", queue_s), compute_s))
         self._waiting += len(queue_s)
         if self._waiting >= self.max_pending:
             self.flush()
 
     def add(self, histogram: Histogram, pipeline: str, value: float) -> None:
-        key = (histogram, pipeline)
-        values = self._values.get(key)
-        if values is None:
-            with self._lock:
-                values = self._values.setdefault(key, [])
-        values.append(value)
+        _pending(self._values, (histogram, pipeline), self._lock).append(value)
 
     def count(self, counter: Counter, pipeline: str, n: int = 1) -> None:
-        key = (counter, pipeline)
-        ns = self._counts.get(key)
-        if ns is None:
-            with self._lock:
-                ns = self._counts.setdefault(key, [])
-        ns.append(n)
+        _pending(self._counts, (counter, pipeline), self._lock).append(n)
 
     def flush(self) -> None:
         with self._lock:
@@ -184,6 +169,15 @@ class HistogramBatch:
         if attrs is None:
             attrs = self._attrs[pipeline] = {"pipeline": pipeline}
         return attrs
+
+
+def _pending(table: dict[Any, list[Any]], key: Any, lock: threading.Lock) -> list[Any]:
+    """The list of what waits under `key`, made under the lock the first time (a flush may be iterating)."""
+    items = table.get(key)
+    if items is None:
+        with lock:
+            items = table.setdefault(key, [])
+    return items
 
 
 def _record(histogram: Histogram, values: np.ndarray, attrs: dict[str, str]) -> None:
