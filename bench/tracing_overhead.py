@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument("--step-size", type=int, default=256, help="finished samples per step (slowest kept per step)")
     p.add_argument("--keep-slowest", type=int, default=4, help="slowest samples kept per step")
+    p.add_argument("--metric-interval-ms", type=int, default=1000,
+                   help="the metric reader's export interval (the SDK's default, OTEL_METRIC_EXPORT_INTERVAL, is "
+                   "60000: 1000 puts a collection and an export in every run)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=300.0, help="limit per child run")
     p.add_argument("--reward-model", action="store_true",
                    help="score with a 4-layer, 256-wide reward model instead of the rule")  # fmt: skip
@@ -200,7 +203,7 @@ class _Counting:
         self.exported = 0
 
 
-def telemetry_on(out_dir: Path, counts: _Counting) -> Any:
+def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> Any:
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
@@ -217,7 +220,7 @@ def telemetry_on(out_dir: Path, counts: _Counting) -> Any:
             counts.ended += 1
 
     metrics_file = (out_dir / "metrics.jsonl").open("w")
-    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=metrics_file), export_interval_millis=1000)
+    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=metrics_file), export_interval_millis=interval_ms)
     spans = BatchSpanProcessor(CountingExporter(out_dir / "spans.jsonl"))
     return setup_telemetry("bench", span_processors=[spans, EndCounter()], metric_readers=[reader])
 
@@ -235,7 +238,7 @@ async def serve(args: argparse.Namespace) -> None:
     out_dir: Path = args.out_dir
     counts = _Counting()
     if args.mode != "off":
-        telemetry = telemetry_on(out_dir, counts)
+        telemetry = telemetry_on(out_dir, counts, args.metric_interval_ms)
         assert telemetry.tracing and telemetry.metrics, "telemetry was already installed in this process"
     else:
         from client.telemetry import setup_telemetry
@@ -312,7 +315,7 @@ class ServerProcess:
             env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG=str(ratio))
         env["REWARDMESH_TRACE_KEEP_SLOWEST"] = str(args.keep_slowest)
         argv = [sys.executable, "-m", "bench.tracing_overhead", "--serve", "--mode", mode, "--out-dir", str(out_dir)]
-        argv += ["--torch-threads", str(args.torch_threads)]
+        argv += ["--torch-threads", str(args.torch_threads), "--metric-interval-ms", str(args.metric_interval_ms)]
         if args.model_dir:
             argv += ["--model-dir", str(args.model_dir)]
         if profile is not None:
@@ -473,7 +476,8 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
         + f" pipeline, {args.concurrency} in flight on one Score stream; the reward server in its own process"
         + (f" (torch threads: {args.torch_threads})" if args.model_dir else ""),
         "telemetry on": "TracerProvider + BatchSpanProcessor -> OTLP JSON lines file, gRPC OTel interceptors, "
-        "MeterProvider + PeriodicExportingMetricReader (1 s, console exporter to a file), flight recorder; "
+        f"MeterProvider + PeriodicExportingMetricReader ({args.metric_interval_ms / 1000:g} s, console exporter to a "
+        "file), flight recorder; "
         f"steps of {args.step_size} samples, slowest {args.keep_slowest} kept per step (named on the Score stream)",
         "telemetry off": "no providers installed (OTEL_* unset): the API's no-op tracer and meter",
         "runs": f"{args.repeats} per mode, each with a fresh reward server process, interleaved; medians",
