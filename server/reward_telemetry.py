@@ -313,6 +313,7 @@ class RewardTelemetry:
         self.pending = HistogramBatch()
         self._recent = _Recent(trace_config().ring_size)  # for a later KeepTraces or a failure's batch span
         self._failures = Ring(4096)  # failed samples that came without a traceparent: (record, batch) until kept
+        self._failed_in = Ring(4096)  # sample id -> the batch it failed in, until on_failure takes it
         self._batch_no = 0
         # Kept samples' records waiting to become spans: (record, the batch whose span it exports, if any).
         self._deferred: deque[tuple[_Record, _Batch | None]] = deque()
@@ -351,6 +352,10 @@ class RewardTelemetry:
         self._batch_no += 1
         batch = _Batch(self._batch_no, pipeline, info, scores)
         self._recent.add(batch, info.sample_ids)
+        if failed:  # on_failure finds their batch here, not by a search: rejections come in storms
+            for sid, score in zip(info.sample_ids, scores, strict=True):
+                if score is _FAILED:
+                    self._failed_in.put(sid, batch)
         for i in batch.sampled():
             if batch.scored(i):
                 sid = info.sample_ids[i]
@@ -368,8 +373,7 @@ class RewardTelemetry:
         if (rec := recorder()) is None:
             return
         sid = result.sample_id
-        found = self._recent.find(sid)
-        batch = found[0] if found is not None and not found[0].scored(found[1]) else None  # failed in that batch
+        batch: _Batch | None = self._failed_in.pop(sid)  # the batch it failed in, if it failed in one
         t = result.timing
         tp = record if type(record) is str else ""
         r: _Record = (sid, pipeline, tp, arrival_ns, 0.0, result.batch_size, (t.total, t.queue, t.compute),

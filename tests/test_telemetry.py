@@ -390,6 +390,38 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
         assert "no_such_pipeline" in (span.status.description or "")
 
 
+async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(telemetry: Telemetry) -> None:
+    """A sample that failed inside a batch, kept after the fact: its error span under its sender's span, and the
+    batch's span links it beside a scored batch-mate kept with it."""
+    import asyncio
+
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from client.reward_client import RewardClient
+    from tests.support.servers import sample
+
+    fns = "tests.support.server_reward_fns:fails_some"
+    pipelines = {"some_fail": {"sources": [{"type": "function", "function": fns}],
+                               "batching": {"max_batch_size": 4, "max_queue_delay_ms": 200}}}  # fmt: skip
+    parents = {sid: (new_trace_id(), new_span_id()) for sid in ("m0", "m1", "m2", "m3")}
+    SPANS.clear()
+    async with reward_server(pipelines) as rs, RewardClient([rs.address]) as client:
+        responses = {"m0": "boom", "m1": "#### 4", "m2": "#### 4", "m3": "#### 4"}
+        results = await asyncio.gather(*(client.submit(sample(sid, response=r), "some_fail")
+                                         for sid, r in responses.items()))  # fmt: skip
+        assert [r.HasField("error") for r in results] == [True, False, False, False]
+        assert {r.batch_size for r in results[1:]} == {4}  # one batch of four
+        await client.announce_kept({sid: traceparent(*parents[sid], False) for sid in ("m0", "m1")})
+        assert not (await client.submit(sample("m4"), "gsm8k")).HasField("error")  # the keep was read
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    spans: list[Any] = list(SPANS.get_finished_spans())
+    (failed,) = [s for s in spans if s.name == "reward.queue" and not s.status.is_ok]
+    assert (failed.context.trace_id, failed.parent.span_id) == parents["m0"]
+    (compute,) = [s for s in spans if s.name == "reward.compute"]
+    assert compute.attributes["rewardmesh.sample_id"] == "m1"
+    (batch,) = [s for s in spans if s.name == "reward.batch"]
+    assert {link.context.span_id for link in batch.links} == {parents["m0"][1], parents["m1"][1]}
+
+
 def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
     """Clients may reuse sample ids (every step names its samples s0..sN): the batches remembered for a later
     KeepTraces are bounded by samples seen, not distinct ids, and an id finds its latest batch."""
