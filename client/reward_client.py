@@ -205,6 +205,16 @@ class _TargetStream(Member):
         await self.channel.close(grace=None)
 
 
+async def _keep_traces_call(stream: _TargetStream, request: reward_pb2.KeepTracesRequest) -> int:
+    """One target's KeepTraces call: the spans it exported; 0 if it failed (traces are best effort: never fail a
+    caller for them)."""
+    try:
+        return (await stream.stub.KeepTraces(request, timeout=10.0)).exported_spans
+    except aio.AioRpcError as exc:
+        log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
+        return 0
+
+
 class RewardClient:
     """Scores samples on reward servers; results come back in completion order, exactly once each."""
 
@@ -447,15 +457,7 @@ class RewardClient:
         Which target scored a sample is not tracked, so all are asked (targets skip ids they do not know).
         """
         request = reward_pb2.KeepTracesRequest(sample_ids=sample_ids)
-
-        async def one(stream: _TargetStream) -> int:
-            try:
-                return (await stream.stub.KeepTraces(request, timeout=10.0)).exported_spans
-            except aio.AioRpcError as exc:  # traces are best effort: never fail a caller for them
-                log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
-                return 0
-
-        return sum(await asyncio.gather(*(one(s) for s in self.streams)))
+        return sum(await asyncio.gather(*(_keep_traces_call(s, request) for s in self.streams)))
 
     async def announce_kept(self, kept: Mapping[str, str] | Sequence[str]) -> None:
         """As keep_traces, for a hot path: sample id -> traceparent (the one a sample sent without its trace
@@ -468,14 +470,7 @@ class RewardClient:
         request = reward_pb2.KeepTracesRequest(
             sample_ids=list(contexts), traceparents={sid: tp for sid, tp in contexts.items() if tp}
         )
-
-        async def call(stream: _TargetStream) -> None:
-            try:
-                await stream.stub.KeepTraces(request, timeout=10.0)
-            except aio.AioRpcError as exc:
-                log.debug("KeepTraces on %s failed: %s", stream.address, exc.code().name)
-
-        await asyncio.gather(*(call(s) for s in self.streams if not s.keep_traces(contexts)))
+        await asyncio.gather(*(_keep_traces_call(s, request) for s in self.streams if not s.keep_traces(contexts)))
 
     async def list_rewards(self) -> reward_pb2.ListRewardsResponse:
         (first, *_) = await self.pool.wait_for_members()
