@@ -365,7 +365,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                             begin(
                                 item.sample,
                                 item.reward,
-                                duration_seconds(item.timeout) if item.HasField("timeout") else None,
+                                timeout(item),
                                 tc.get("traceparent") if tc else None,
                                 None,
                                 box,
