@@ -248,14 +248,15 @@ def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[Readab
     }
     if error:
         end = t0 + int(total * 1e9)
-        return [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs, error=error)]
-    queue_end = t0 + int(queue * 1e9)
-    compute_end = queue_end + int(compute * 1e9)
-    out = [
-        rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
-        rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
-                 {**attrs, "rewardmesh.score": score}),
-    ]  # fmt: skip
+        out = [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs, error=error)]
+    else:
+        queue_end = t0 + int(queue * 1e9)
+        compute_end = queue_end + int(compute * 1e9)
+        out = [
+            rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
+            rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
+                     {**attrs, "rewardmesh.score": score}),
+        ]  # fmt: skip
     if batch is not None:  # this sample exports its batch's span (its id was drawn when that was decided)
         batch_attrs: dict[str, AttributeValue] = {
             "rewardmesh.pipeline": batch.pipeline,
