@@ -236,11 +236,11 @@ async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBa
     alone = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
     first = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=300)))
     await wait_for(lambda: backend.steps >= 10)
-    arrived = backend.steps
     second = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
     assert not first.done()  # it joined the running batch instead of waiting for it to end
-    assert backend.admission_waits[-1] <= 2  # counted in steps: arrival -> its first token
-    assert backend.steps - arrived <= 2 + 5
+    # Counted by the decode loop itself, arrival -> first token: the steps the worker thread runs while this
+    # test's event loop gets round to reading `backend.steps` depend on the machine's load, so they are not used.
+    assert backend.admission_waits[-1] <= 2
     assert second.token_ids == alone.token_ids  # joining a padded batch changes nothing
     assert max(backend.running_sizes) == 2
     first.cancel()
