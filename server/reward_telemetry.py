@@ -65,8 +65,9 @@ class _Batch:
     per-member strings and floats (32,768 samples' worth) cost the event loop about 1 us per sample, memory
     that is never reused while it is still in the cache. A kept member is found in the strings in place."""
 
-    __slots__ = ("_uniform", "compute_s", "contexts", "end_ns", "given", "ids", "kept", "number", "padded_tokens",
-                 "pipeline", "queue_s", "real_tokens", "scores", "size", "span_id", "start_ns")  # fmt: skip
+    __slots__ = ("_placeable", "_uniform", "compute_s", "contexts", "decided", "end_ns", "given", "ids", "kept",
+                 "number", "padded_tokens", "pipeline", "queue_s", "real_tokens", "scores", "size", "span_id",
+                 "start_ns")  # fmt: skip
 
     def __init__(self, number: int, pipeline: str, info: BatchInfo, scores: list[float]) -> None:
         self.number = number
@@ -86,15 +87,19 @@ class _Batch:
         self.start_ns, self.end_ns = info.start_time_ns, info.end_time_ns
         self.padded_tokens, self.real_tokens = info.padded_tokens, info.real_tokens
         self.kept: set[str] | None = None  # members whose spans are exported (or queued for export)
+        self.decided: list[str] | None = None  # of them, those kept otherwise than by their head-sampled flag
         self.given: dict[str, str] | None = None  # traceparents of kept members that came without one
         self.span_id = 0  # set when exported (once)
         self._uniform: bool | None = None
+        self._placeable: bool | None = None  # no id holds the separator: members can be found in `ids`
 
     def index(self, sample_id: str) -> int | None:
         """The member with this id (the last, if twice), found in the joined ids (C-level searches, no split);
         None if absent, or if an id holds the separator (then no member can be placed)."""
         ids, n = self.ids, len(sample_id)
-        if not n or ids.count(_SEP) != self.size - 1:
+        if self._placeable is None:
+            self._placeable = ids.count(_SEP) == self.size - 1
+        if not n or not self._placeable:
             return None
         pos = ids.rfind(sample_id)
         while pos >= 0:
@@ -141,13 +146,18 @@ class _Batch:
             return [i for i, f in enumerate(flags) if f in _ODD_HEX] if flags.strip(_EVEN_HEX) else []
         return sorted(i for i, tp in self._by_member().items() if tp[-1] in _ODD_HEX)
 
-    def keep(self, sample_id: str, traceparent: str = "") -> bool:
-        """Mark a member kept (with the traceparent it came without, if given); False if it already was."""
+    def keep(self, sample_id: str, traceparent: str = "", *, head_sampled: bool = False) -> bool:
+        """Mark a member kept (with the traceparent it came without, if given); False if it already was.
+        `head_sampled`: kept for its flag, so `links` finds it among `sampled` without a search."""
         if self.kept is None:
             self.kept = set()
         elif sample_id in self.kept:
             return False
         self.kept.add(sample_id)
+        if not head_sampled:
+            if self.decided is None:
+                self.decided = []
+            self.decided.append(sample_id)
         if traceparent:
             self.given = self.given or {}
             self.given[sample_id] = traceparent
@@ -160,10 +170,11 @@ class _Batch:
         """Links to the served samples that are kept: a link to a span never exported says nothing."""
         sampled = self.sampled()
         contexts = [self.context(i) for i in sampled]
-        given = self.given or {}
-        for sid in self.kept or ():
-            if (i := self.index(sid)) is not None and i not in sampled:
-                contexts.append(self.context(i) or given.get(sid))
+        if self.decided:  # the others, found by id (a head-sampled member that failed is among both)
+            given, linked = self.given or {}, set(sampled)
+            for sid in self.decided:
+                if (i := self.index(sid)) is not None and i not in linked:
+                    contexts.append(self.context(i) or given.get(sid))
         return [link for tp in contexts if tp is not None and (link := link_to(tp)) is not None]
 
     def record(self, i: int, sample_id: str, traceparent: str = "") -> _Record:
@@ -360,7 +371,7 @@ class RewardTelemetry:
         for i in batch.sampled():
             if batch.scored(i):
                 sid = info.sample_ids[i]
-                batch.keep(sid)
+                batch.keep(sid, head_sampled=True)
                 self._export(rec, batch.record(i, sid), batch)
 
     def on_failure(self, result: reward_pb2.RewardResult, record: object, arrival_ns: int) -> None:
