@@ -98,6 +98,8 @@ class RolloutServer(MeshServer):
     async def start(self, *, wait_ready: bool = True) -> int:
         """Serve at once, with RolloutService NOT_SERVING while the backend boots (off the event loop), then
         SERVING. ``wait_ready=False`` returns before the boot ends; :meth:`ready` awaits it."""
+        self.servicer.booting = (f"the rollout server is still booting its {self.backend.name} backend; retry when it "
+                                 "reports SERVING")  # fmt: skip
         port = await self.grpc.start(ready=False)
         targets = [s.address for s in self.rewards.streams] if self.rewards else []
         log.info("rollout server listening on %s:%d (backend %s, model %s, reward targets %s); booting the engine",
@@ -118,6 +120,7 @@ class RolloutServer(MeshServer):
     async def _boot_backend(self) -> None:
         started = time.perf_counter()
         await self.backend.start()
+        self.servicer.booting = ""
         await self.grpc.set_ready()
         log.info("rollout server ready: %s booted in %.1f s", self.backend.name, time.perf_counter() - started)
 

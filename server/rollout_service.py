@@ -49,6 +49,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # next start only as the client reads, so a client that never reads holds a bounded amount.
         self.max_call_unsent = max_call_unsent
         self.weights = WeightReceiver(worker.backend)
+        # Set while the backend boots: GetInfo answers UNAVAILABLE, as a server that is not up yet would, so a
+        # trainer leaves it out of a weight update (it would refuse the weights) and its join hook brings it to
+        # the current weights once it serves.
+        self.booting = ""
 
     # -- decoding and validation --------------------------------------------------------------
 
@@ -223,6 +227,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest, context: aio.ServicerContext) -> Any:
+        if self.booting:
+            raise Unavailable(self.booting)
         rewards = self.worker.rewards
         return rollout_pb2.GetInfoResponse(
             model=self.backend.model,

@@ -563,6 +563,44 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
     assert d.backend.policy_version == final and client.join_updates >= 1, versions
 
 
+async def test_a_server_still_booting_is_left_out_of_an_update_and_joins_with_the_current_weights(
+    tiny_models: TinyModelPaths,
+) -> None:
+    """A restarted pod answers on its port before its model has loaded, and would refuse weights then: GetInfo
+    says UNAVAILABLE while it boots, so an update goes to the others, and the join hook brings the booted one to
+    the current version before it gets work (found by the chaos test: the update used to fail on it)."""
+    from server.rollout_server import RolloutServer
+    from server.serving import ServerOptions
+
+    gate = asyncio.Event()
+
+    class GatedBoot(HFBackend):  # the real backend; its boot waits for the test
+        async def start(self) -> None:
+            await gate.wait()
+            await super().start()
+
+    base = policy_state(tiny_models)
+    async with AsyncExitStack() as stack:
+        (a,) = await stack.enter_async_context(servers(tiny_models, 1))
+        slow = RolloutServer(GatedBoot(str(tiny_models.policy), num_threads=1, batch_wait_ms=1), None,
+                             ServerOptions(host="127.0.0.1", port=0, grace_s=1))  # fmt: skip
+        await slow.start(wait_ready=False)
+        stack.push_async_callback(slow.stop, 0.1)
+        client = TrainerClient([a.address, slow.address], retry_backoff_s=0.05)
+        await stack.enter_async_context(client)
+        state = perturbed(base, 40)
+        assert await client.update_weights(state) == 1  # not a WeightSyncError naming the booting server
+        assert a.backend.policy_version == 1 and slow.backend.policy_version == 0
+        gate.set()
+        await slow.ready()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and slow.backend.policy_version < 1:
+            client.pool.pick()  # its backoff over, a pick starts its join
+            await asyncio.sleep(0.05)
+        assert slow.backend.policy_version == 1 and same(model_weights(slow), state)
+        assert client.join_updates == 1
+
+
 async def test_update_waits_for_a_server_to_come_back_when_none_answers_and_fails_after_timeout(
     tiny_models: TinyModelPaths,
 ) -> None:
