@@ -396,9 +396,11 @@ def _attrs_json(attributes: Any) -> str:
                 _KEY_JSON[k] = prefix
         t = type(v)
         if t is str:
-            parts.append(prefix + '{"stringValue":' + _esc(v) + "}}")
+            parts.append(f'{prefix}{{"stringValue":{_esc(v)}}}}}')
         elif t is int:
             parts.append(f'{prefix}{{"intValue":"{v}"}}}}')
+        elif t is float and v - v == 0:  # finite (inf - inf and nan - nan are nan)
+            parts.append(f'{prefix}{{"doubleValue":{v!r}}}}}')
         else:
             parts.append(prefix + _value_json(v) + "}")
     return "[" + ",".join(parts) + "]"
@@ -420,7 +422,8 @@ def _link_json(link: Any) -> str:
 def span_json(span: ReadableSpan) -> str:
     """`span_to_otlp(span)` as JSON text, written directly: exporting is most of what a kept span costs. A plain
     ReadableSpan (what every processor is handed) is read from its fields: its properties copy (`attributes`,
-    `events` and `links` each build a new object per call)."""
+    `events` and `links` each build a new object per call), and a SpanContext is a tuple (trace id, span id, ...)
+    whose own properties are Python calls."""
     if type(span) is ReadableSpan and FAST_SPANS:
         f = span.__dict__
         ctx, parent, events, links = f["_context"], f["_parent"], f["_events"], f["_links"]
@@ -431,10 +434,10 @@ def span_json(span: ReadableSpan) -> str:
         name, kind, start, end = span.name, span.kind, span.start_time, span.end_time
         attributes, status = span.attributes, span.status
     assert ctx is not None
+    has_parent = f'"parentSpanId":"{parent[1]:016x}",' if parent is not None else ""
     return (
-        f'{{"traceId":"{ctx.trace_id:032x}","spanId":"{ctx.span_id:016x}",'
-        + (f'"parentSpanId":"{parent.span_id:016x}",' if parent is not None else "")
-        + f'"name":{_esc(name)},"kind":{_KIND_OF[id(kind)]},'
+        f'{{"traceId":"{ctx[0]:032x}","spanId":"{ctx[1]:016x}",{has_parent}'
+        f'"name":{_esc(name)},"kind":{_KIND_OF[id(kind)]},'
         f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}",'
         f'"attributes":{_attrs_json(attributes)},'
         f'"events":[{",".join(map(_event_json, events)) if events else ""}],'

@@ -179,7 +179,10 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
     target = SpanContext(7, 9, True, TraceFlags(1))
     with tracer().start_as_current_span('outer "quoted" é', links=[Link(target, {"w": 0.5})]) as outer:
         outer.add_event("ev", {"list": [1, 2], "flag": False, "big": 2**40, "nan": float("nan")})
-        with tracer().start_as_current_span("inner", attributes={"s": "a\nb", "f": 1.25, "t": (True, False)}):
+        with tracer().start_as_current_span(
+            "inner",
+            attributes={"s": "a\nb", "f": 1.25, "t": (True, False), "inf": float("-inf"), "g": 1e300, "b": True},
+        ):
             pass
     spans = SPANS.get_finished_spans()
     assert len(spans) == 2
