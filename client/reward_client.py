@@ -139,9 +139,14 @@ class _TargetStream(Member):
             if len(queued) == 1 and not self._cancels and not self._keeps:
                 queued.popleft().fill(msg)
             else:
-                add = msg.items.add
+                add, traced = msg.items.add, False
                 for _ in range(min(len(queued), MAX_ITEMS_PER_MESSAGE)):
-                    queued.popleft().fill(add())
+                    p = queued.popleft()
+                    p.fill(add())
+                    if p.trace_context:
+                        traced = True
+                if not traced:
+                    msg.items_untraced = True  # the server skips reading each item's trace_context
                 if self._cancels:
                     msg.cancel_sample_ids.extend(self._cancels)
                     self._cancels.clear()

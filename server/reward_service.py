@@ -359,7 +359,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
                         unanswered += n
                         self.held += n
-                        traced = telemetry.tracing  # once per message: the trace context is not read otherwise
+                        # once per message: each item's trace context is read only if one may carry it
+                        traced = telemetry.tracing and not req.items_untraced
                         for item in items:
                             tc = item.trace_context if traced else None
                             begin(

@@ -323,6 +323,36 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
     assert first == len([s for s in spans if s.name.startswith("reward.")]) and again == 0
 
 
+async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_one(telemetry: Telemetry) -> None:
+    """An older sender leaves ScoreRequest.items_untraced unset: each item's traceparent is read and a
+    head-sampled one's reward spans are exported under it. A sender that sets it is taken at its word (the
+    flag spares the server a map read per sample); RewardClient sets it only on messages with no context."""
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from rewardmesh.v1 import reward_pb2
+    from tests.support.servers import reward_stub, sample
+
+    parents = {f"h{i}": (new_trace_id(), new_span_id()) for i in range(3)}
+
+    def message(ids: list[str], untraced: bool) -> reward_pb2.ScoreRequest:
+        msg = reward_pb2.ScoreRequest(items_untraced=untraced)
+        for sid in ids:
+            item = msg.items.add(sample=sample(sid), reward="gsm8k")
+            item.trace_context["traceparent"] = traceparent(*parents[sid], True)
+        return msg
+
+    SPANS.clear()
+    async with reward_server() as rs, reward_stub(rs.address) as stub:
+        call = stub.Score(iter([message(["h0", "h1"], False), message(["h2"], True)]))
+        results = [r async for resp in call for r in ([resp.result] if resp.HasField("result") else resp.results)]
+    assert sorted(r.sample_id for r in results) == ["h0", "h1", "h2"]
+    assert not [r for r in results if r.HasField("error")]
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    mine: list[Any] = [s for s in SPANS.get_finished_spans() if s.name in ("reward.queue", "reward.compute")]
+    assert sorted(s.attributes["rewardmesh.sample_id"] for s in mine) == ["h0", "h0", "h1", "h1"]
+    for s in mine:
+        assert (s.context.trace_id, s.parent.span_id) == parents[s.attributes["rewardmesh.sample_id"]]
+
+
 async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> None:
     """announce_kept (a rollout server's path) puts the ids on the open Score stream instead of a call: the named
     samples' trees are exported once, and a target with no open stream gets

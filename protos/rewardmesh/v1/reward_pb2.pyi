@@ -25,7 +25,7 @@ REWARD_SOURCE_KIND_MODEL: RewardSourceKind
 REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces")
+    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces", "items_untraced")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ScoreRequest(_message.Message):
     CANCEL_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESULTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KEEP_TRACES_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_UNTRACED_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     reward: str
     timeout: _duration_pb2.Duration
@@ -56,7 +57,8 @@ class ScoreRequest(_message.Message):
     cancel_sample_ids: _containers.RepeatedScalarFieldContainer[str]
     max_results_per_message: int
     keep_traces: _containers.ScalarMap[str, str]
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_traces: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    items_untraced: bool
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_traces: _Optional[_Mapping[str, str]] = ..., items_untraced: _Optional[bool] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("result", "results")
