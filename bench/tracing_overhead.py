@@ -1,6 +1,6 @@
 """What telemetry costs a reward server: its CPU per sample and throughput with telemetry off, default, sampled, all.
 
-    python -m bench.tracing_overhead [--samples 6000 --repeats 5] [--reward-model] [--profile DIR]
+    python -m bench.tracing_overhead [--samples 30000 --repeats 5] [--reward-model] [--profile DIR]
 
 Each run starts its own reward server process (`--serve`) with that mode's OTEL_* environment: the
 OpenTelemetry providers are global and installed once per process. Modes are interleaved (off, default,
@@ -68,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reward throughput with OpenTelemetry tracing and metrics on vs off, each run in its own process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--samples", type=int, default=6000, help="samples per measured run")
-    p.add_argument("--warmup", type=int, default=1000, help="samples before the clock starts, per run")
+    # A run of the rule lasts about a second at 30,000 samples: long enough to hold its share of the periodic
+    # telemetry work (a metric export every second, span bursts every 0.2 s); runs of 5,000 (0.15 s) held
+    # it or missed it by chance, so their medians moved by +-0.02.
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples per measured run (default: 30000 for the rule, 600 with --reward-model)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="samples before the clock starts, per run (default: 10000; 100 with --reward-model)")
     p.add_argument("--concurrency", type=int, default=256, help="samples in flight on the Score stream")
     p.add_argument("--repeats", type=int, default=5, help="runs per mode (interleaved); medians reported")
     p.add_argument(
@@ -549,6 +554,10 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.samples is None:
+        args.samples = 600 if args.reward_model else 30000
+    if args.warmup is None:
+        args.warmup = 100 if args.reward_model else 10000
     if args.samples < 1 or args.repeats < 1 or args.concurrency < 1 or args.warmup < 0:
         raise SystemExit("--samples, --repeats, --concurrency must be >= 1 and --warmup >= 0")
     if args.serve:
