@@ -510,9 +510,9 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
                 label[mode],
                 f"{tp:,.0f}",
                 " ".join(f"{r.throughput:,.0f}" for r in rs),
-                f"{cpu:.0f}",
-                f"{cpu - off_cpu:+.0f}" if traced else "",
-                f"{median([sum(v for k, v in r.threads.items() if k.startswith(TELEMETRY_THREADS)) for r in rs]):.0f}",
+                _us(cpu),
+                _us(cpu - off_cpu, "+") if traced else "",
+                _us(median([sum(v for k, v in r.threads.items() if k.startswith(TELEMETRY_THREADS)) for r in rs])),
                 f"{median([r.spans_per_sample for r in rs]):.3f}" if traced else "",
                 f"{sum(r.dropped for r in rs)}" if traced else "",
                 f"{median([r.flush_s for r in rs]):.2f}" if traced else "",
@@ -558,6 +558,11 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
             ),
         ]
     )
+
+
+def _us(x: float, sign: str = "") -> str:
+    """Microseconds: a tenth where a rule's few microseconds are compared, whole ones for a model's thousands."""
+    return f"{x:{sign}.1f}" if abs(x) < 100 else f"{x:{sign}.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
