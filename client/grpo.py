@@ -11,6 +11,7 @@ weighted by min(pi_old / pi_rollout, cap).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,6 +119,8 @@ class GRPOLearner:
         ppo_epochs: int = 1,
         ppo_mini_batches: int = 1,
         entropy_coeff: float = 0.0,
+        total_steps: int = 0,
+        min_lr_ratio: float = 1.0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -127,6 +130,8 @@ class GRPOLearner:
             )
         if ppo_epochs < 1 or ppo_mini_batches < 1:
             raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
+        if not 0.0 <= min_lr_ratio <= 1.0 or total_steps < 0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1] and total_steps >= 0, got {min_lr_ratio}, {total_steps}")
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
         self.model.train()
@@ -139,6 +144,18 @@ class GRPOLearner:
         self.ppo_epochs = ppo_epochs
         self.ppo_mini_batches = ppo_mini_batches
         self.entropy_coeff = entropy_coeff
+        # verl's cosine schedule: lr falls from `lr` to `lr * min_lr_ratio` over `total_steps` calls of `step`
+        # (0: constant), so a policy that has learned is not shaken out of it by full-size steps.
+        self.base_lr, self.total_steps, self.min_lr_ratio = lr, total_steps, min_lr_ratio
+        self.steps_done = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        if not self.total_steps or self.min_lr_ratio == 1.0:
+            return self.base_lr
+        progress = min(1.0, self.steps_done / self.total_steps)
+        return self.base_lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def log_probs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of the responses (of `rows` only, if given) and each position's entropy, at the
@@ -167,11 +184,16 @@ class GRPOLearner:
         elif updates > 1:  # the weights before this step's first update (verl's old_log_prob)
             with torch.no_grad():
                 old = self.log_probs(batch)[0]
+        lr = self.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         totals: dict[str, float] = {}
         for _epoch in range(self.ppo_epochs):
             for rows in torch.arange(len(batch)).chunk(self.ppo_mini_batches):
                 for key, value in self._update(batch, rows, old).items():
                     totals[key] = totals.get(key, 0.0) + value / updates
+        totals["actor/lr"] = lr
+        self.steps_done += 1
         return totals
 
     def _update(self, batch: RolloutBatch, rows: torch.Tensor, old: torch.Tensor | None) -> dict[str, float]:

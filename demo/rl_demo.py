@@ -121,6 +121,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         ppo_epochs=args.ppo_epochs,
         ppo_mini_batches=args.ppo_mini_batches,
         entropy_coeff=args.entropy_coeff,
+        total_steps=args.steps,
+        min_lr_ratio=args.min_lr_ratio,
         require_rollout_log_probs=args.off_policy_steps > 0,  # the correction is never silently skipped
     )
 

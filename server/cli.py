@@ -145,12 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts a reward server and rollout servers in-process (or uses --rollout-target) and trains "
         'the tiny policy to continue a count ("4 5 6" -> "7") with one token, syncing weights after every step.',
     )
-    demo.add_argument("--steps", type=int, default=120, help="training steps (default %(default)s)")
+    demo.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
     demo.add_argument("--task", choices=("count", "addition"), default="count",
                       help="what the policy learns (default %(default)s; see the README)")  # fmt: skip
     demo.add_argument("--prompts-per-step", dest="prompts_per_step", type=int, default=32)
     demo.add_argument("--n", type=int, default=16, help="samples per prompt, a GRPO group (default %(default)s)")
     demo.add_argument("--lr", type=float, default=5e-3, help="learning rate (default %(default)s)")
+    demo.add_argument("--min-lr-ratio", dest="min_lr_ratio", type=float, default=0.2,
+                      help="cosine decay of the learning rate to lr x this over the steps; 1: constant "
+                      "(default %(default)s)")  # fmt: skip
     demo.add_argument("--off-policy-steps", dest="off_policy_steps", type=int, default=1,
                       help="step k+1 rolls out while step k trains (default %(default)s; 0: synchronous)")  # fmt: skip
     demo.add_argument("--rollout-servers", dest="rollout_servers", type=int, default=2,

@@ -152,6 +152,24 @@ def test_several_updates_per_batch_are_clipped_against_the_old_policy(tiny_model
         GRPOLearner(str(tiny_models.policy), ppo_epochs=0)
 
 
+def test_cosine_lr_falls_to_its_floor_over_total_steps_and_drives_the_optimizer(tiny_models: TinyModelPaths) -> None:
+    """verl's cosine schedule: full lr at the first step, lr x min_lr_ratio from `total_steps` on; the optimizer
+    steps with it (a step at lr 0 leaves the weights as they were)."""
+    samples = [scored(f"s{i}", "g", [7 + i, 20 + i], float(i % 2)) for i in range(4)]
+    set_group_advantages(samples)
+    batch = assemble_batch(samples)
+    learner = GRPOLearner(str(tiny_models.policy), lr=0.01, total_steps=4, min_lr_ratio=0.0)
+    lrs = [learner.step(batch)["actor/lr"] for _ in range(4)]
+    assert lrs[0] == pytest.approx(0.01) and lrs == sorted(lrs, reverse=True)
+    assert lrs[2] == pytest.approx(0.005)  # half way: half the range
+    before = {k: v.clone() for k, v in learner.state_dict().items()}
+    assert learner.step(batch)["actor/lr"] == 0.0  # past total_steps: the floor
+    assert all(torch.equal(before[k], v) for k, v in learner.state_dict().items())
+    assert GRPOLearner(str(tiny_models.policy), lr=0.01).step(batch)["actor/lr"] == 0.01  # constant by default
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        GRPOLearner(str(tiny_models.policy), min_lr_ratio=1.5)
+
+
 # ------------------------------------------------------------------------------------------ failed samples
 
 
