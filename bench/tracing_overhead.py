@@ -70,18 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # A run of the rule lasts about a second at 30,000 samples: long enough to hold its share of the periodic
     # telemetry work (a metric export every second, span bursts every 0.2 s); runs of 5,000 (0.15 s) held
-    # it or missed it by chance, so their medians moved by +-0.02.
+    # it or missed it by chance, so their medians moved by +-0.02. (`%(default).0s` prints nothing: it only
+    # keeps the help formatter from adding "(default: None)" after the real defaults.)
     p.add_argument(
         "--samples",
         type=int,
         default=None,
-        help="samples per measured run (default: 30000 for the rule, 600 with --reward-model)",
+        help="samples per measured run (default: 30000 for the rule, 600 with --reward-model)%(default).0s",
     )
     p.add_argument(
         "--warmup",
         type=int,
         default=None,
-        help="samples before the clock starts, per run (default: 10000; 100 with --reward-model)",
+        help="samples before the clock starts, per run (default: 10000; 100 with --reward-model)%(default).0s",
     )
     p.add_argument("--concurrency", type=int, default=256, help="samples in flight on the Score stream")
     p.add_argument("--repeats", type=int, default=5, help="runs per mode (interleaved); medians reported")
