@@ -183,7 +183,7 @@ class FlightRecorder:
 
     `remember` costs a dict insert; the oldest records fall out after `capacity` newer ones, so a keep
     decision must come within the last `capacity` samples (a step or two at the default). An owner with a
-    hot path of its own keeps its own `Ring` (`new_ring`) and uses `export_tree` only.
+    hot path of its own (the reward server's batches) keeps its own records and queues spans with `add_source`.
     """
 
     def __init__(self, processors: Sequence[SpanProcessor], resource: Resource, capacity: int = 32768) -> None:
@@ -272,10 +272,6 @@ class FlightRecorder:
         """A span processor to install ahead of the exporting ones: a provider's force_flush / shutdown first
         builds what is deferred, so it is exported by the same flush."""
         return _DeferredFlush(self)
-
-    def new_ring(self) -> Ring:
-        """A ring of this recorder's capacity for one owner's records."""
-        return Ring(self.capacity)
 
     def remember(self, key: Hashable, record: Any) -> None:
         """Keep `record` under `key` (owners in one process, e.g. an in-process mesh, use distinct keys)."""
