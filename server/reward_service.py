@@ -362,12 +362,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         # once per message: each item's trace context is read only if one may carry it
                         traced = telemetry.tracing and not req.items_untraced
                         for item in items:
-                            tc = item.trace_context if traced else None
                             begin(
                                 item.sample,
                                 item.reward,
                                 timeout(item),
-                                tc.get("traceparent") if tc else None,
+                                telemetry.begin(item.trace_context) if traced else None,
                                 None,
                                 box,
                                 refused,
