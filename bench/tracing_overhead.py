@@ -17,8 +17,9 @@ is plain string work, so what is measured is the reward server. Samples carry 64
 token ids plus texts.
 
   off:     OTEL_* unset: the API's no-op tracer and meter, no interceptors, no flight recorder.
-  default: setup_telemetry() as a deployment gets it with exporters configured: a TracerProvider with a
-           BatchSpanProcessor writing OTLP JSON lines to a temp file (real serialization and I/O), the gRPC
+  default: setup_telemetry() as a deployment gets it with an exporter configured: OTLP JSON lines to a temp file
+           (real serialization and I/O; behind a BatchSpanProcessor for the SDK's spans, fed the flight
+           recorder's kept trees directly), a TracerProvider, the gRPC
            OTel interceptors, a MeterProvider whose PeriodicExportingMetricReader exports every second (console
            exporter to a file), every sample's timings in the metrics, span trees for the kept samples (the
            step's slowest, the failed, and the default head-sampling fraction of 1% of groups).
@@ -210,18 +211,27 @@ async def drive(
 
 
 class _Counting:
-    """Counts spans ended (a SpanProcessor) and spans exported (wrapping the exporter)."""
+    """Counts spans ended (the SDK's spans by a SpanProcessor, kept trees by the flight recorder: handed to the
+    exporters or dropped) and spans exported (wrapping the exporter)."""
 
     def __init__(self) -> None:
-        self.ended = 0
+        self.sdk_ended = 0
         self.exported = 0
+        self.telemetry: Any = None
+
+    @property
+    def ended(self) -> int:
+        rec = self.telemetry.recorder if self.telemetry is not None else None
+        return self.sdk_ended + (rec.exported_spans + rec.dropped_spans if rec is not None else 0)
 
 
 def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> Any:
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
+    from opentelemetry.sdk.trace.export import SpanExportResult
 
+    from client.flight_recorder import SpanRow
     from client.telemetry import OtlpJsonLinesExporter, setup_telemetry
 
     class CountingExporter(OtlpJsonLinesExporter):
@@ -229,14 +239,23 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
             counts.exported += len(spans)
             return super().export(spans)
 
+        def export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
+            counts.exported += len(rows)
+            return super().export_rows(resource, rows)
+
     class EndCounter(SpanProcessor):
         def on_end(self, span: ReadableSpan) -> None:
-            counts.ended += 1
+            counts.sdk_ended += 1
 
     metrics_file = (out_dir / "metrics.jsonl").open("w")
     reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=metrics_file), export_interval_millis=interval_ms)
-    spans = BatchSpanProcessor(CountingExporter(out_dir / "spans.jsonl"))
-    return setup_telemetry("bench", span_processors=[spans, EndCounter()], metric_readers=[reader])
+    # As a deployment configures it (OTEL_TRACES_EXPORTER): the exporter behind the SDK's batch processor for its
+    # own spans, fed the flight recorder's kept trees directly. The counter sees the SDK's spans only.
+    telemetry = setup_telemetry("bench", span_exporters=[CountingExporter(out_dir / "spans.jsonl")],
+                                metric_readers=[reader])  # fmt: skip
+    telemetry.tracer_provider.add_span_processor(EndCounter())
+    counts.telemetry = telemetry
+    return telemetry
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -489,7 +508,8 @@ def report(args: argparse.Namespace, runs: list[Run], wall: float) -> str:
         )
         + f" pipeline, {args.concurrency} in flight on one Score stream; the reward server in its own process"
         + (f" (torch threads: {args.torch_threads})" if args.model_dir else ""),
-        "telemetry on": "TracerProvider + BatchSpanProcessor -> OTLP JSON lines file, gRPC OTel interceptors, "
+        "telemetry on": "TracerProvider, OTLP JSON lines file exporter (SDK spans via a BatchSpanProcessor, kept trees "
+        "from the flight recorder), gRPC OTel interceptors, "
         f"MeterProvider + PeriodicExportingMetricReader ({args.metric_interval_ms / 1000:g} s, console exporter to a "
         "file), flight recorder; "
         f"steps of {args.step_size} samples, slowest {args.keep_slowest} kept per step (named on the Score stream)",

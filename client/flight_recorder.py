@@ -2,10 +2,15 @@
 
 Building and exporting an SDK span costs far more Python than the work a cheap reward rule does, so the
 hot path records plain tuples (phase, start, end, ids) and nothing else. A sample's spans are materialized
-(`ReadableSpan`s with their real start and end times and ids agreed when the sample started) only when the
-sample is kept: head-sampled (the trace flags), failed (decided where it failed), or named later by a
-`KeepTraces` call (a step's slowest samples, decided by the trainer when the step ends). Each process
-exports its own part under its own resource; ids travel in the W3C traceparent as before.
+(with their real start and end times and ids agreed when the sample started) only when the sample is kept:
+head-sampled (the trace flags), failed (decided where it failed), or named later by a `KeepTraces` call (a
+step's slowest samples, decided by the trainer when the step ends). Each process exports its own part under
+its own resource; ids travel in the W3C traceparent as before.
+
+A kept span is a `SpanRow`, a plain tuple, not an SDK span: the recorder's builder thread hands rows in bursts
+straight to the exporters (no span processor in between: the burst is the batch), and an exporter that writes
+rows itself (`export_rows`, as the OTLP JSON lines exporter does) never sees a span object. Other exporters and
+span processors get `ReadableSpan`s built from the rows, as before.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ import logging
 import random
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
-from opentelemetry.util.types import Attributes
+from opentelemetry.util.types import AttributeValue
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +40,14 @@ _OK = Status(StatusCode.UNSET)
 _getrandbits = random.getrandbits
 _NO_STATE = DEFAULT_TRACE_STATE
 _object_new = object.__new__
-
-
 _tuple_new = tuple.__new__
+
+RowAttributes = Mapping[str, AttributeValue] | tuple[Mapping[str, AttributeValue], ...] | None
+RowLink = tuple[int, int, bool]  # (trace id, span id, sampled) of the linked span
+SpanRow = tuple[str, int, int, int, int, int, RowAttributes, str | None, Sequence[RowLink], SpanKind]
+"""A finished span: (name, trace id, span id, parent span id or 0, start ns, end ns, attributes, error message or
+None, links, kind). Attributes: a mapping, or a tuple of mappings with distinct keys, so the spans of one sample
+share one mapping (an exporter writes it once)."""
 
 
 def _context(trace_id: int, span_id: int) -> SpanContext:
@@ -52,22 +64,27 @@ FAST_SPANS = set(_SPAN_FIELDS) == {
 }  # fmt: skip
 
 
-def _readable_span(
-    name: str,
-    context: SpanContext,
-    parent: SpanContext | None,
-    resource: Resource,
-    attributes: Attributes,
-    links: Sequence[Link],
-    kind: SpanKind,
-    status: Status,
-    start_ns: int,
-    end_ns: int,
-) -> ReadableSpan:
-    """A ReadableSpan with its fields set in one dict (half its constructor's cost); the constructor itself
-    if this SDK's ReadableSpan has other fields than the ones known here."""
+def row_attributes(attributes: RowAttributes) -> Mapping[str, AttributeValue] | None:
+    """A row's attributes as one mapping."""
+    if type(attributes) is not tuple:
+        return attributes  # type: ignore[return-value]
+    merged: dict[str, AttributeValue] = {}
+    for a in attributes:
+        merged.update(a)
+    return merged
+
+
+def readable_span(row: SpanRow, resource: Resource) -> ReadableSpan:
+    """The SDK span of a row, for exporters and processors that take span objects: its fields set in one dict
+    (half the constructor's cost), or the constructor itself if this SDK's ReadableSpan has other fields."""
+    name, trace_id, span_id, parent_id, start_ns, end_ns, attributes, error, links, kind = row
+    context = _context(trace_id, span_id)
+    parent = _context(trace_id, parent_id) if parent_id else None
+    attrs = row_attributes(attributes)
+    sdk_links = [Link(SpanContext(t, s, True, TraceFlags(int(sampled)))) for t, s, sampled in links]
+    status = _OK if error is None else Status(StatusCode.ERROR, error)
     if not FAST_SPANS:  # pragma: no cover
-        return ReadableSpan(name, context, parent, resource, attributes, links=links, kind=kind, status=status,
+        return ReadableSpan(name, context, parent, resource, attrs, links=sdk_links, kind=kind, status=status,
                             start_time=start_ns, end_time=end_ns, instrumentation_scope=_SCOPE)  # fmt: skip
     span = _object_new(ReadableSpan)
     span.__dict__ = {
@@ -79,9 +96,9 @@ def _readable_span(
         "_parent": parent,
         "_start_time": start_ns,
         "_end_time": end_ns,
-        "_attributes": attributes,
+        "_attributes": attrs,
         "_events": (),
-        "_links": links,
+        "_links": sdk_links,
         "_resource": resource,
         "_status": status,
     }
@@ -121,15 +138,9 @@ def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
     return trace_id, span_id, bool(flags & 1)
 
 
-def link_to(value: str) -> Link | None:
-    parsed = parse_traceparent(value)
-    if parsed is None:
-        return None
-    return Link(SpanContext(parsed[0], parsed[1], True, TraceFlags(int(parsed[2]))))
-
-
 DEFERRED_TICK_S = 0.2  # the longest a kept record waits to become spans
-FLUSH_AT_SPANS = 512  # BatchSpanProcessor's default export batch size
+EXPORT_BATCH = 512  # rows per export call (BatchSpanProcessor's default export batch size)
+MAX_QUEUED = 1 << 15  # kept records waiting for the builder thread, per queue; beyond it they are dropped (counted)
 
 
 class _DeferredFlush(SpanProcessor):
@@ -182,30 +193,44 @@ class FlightRecorder:
     """Per-sample records (whatever the caller records) in a bounded ring, and the export of kept spans.
 
     `remember` costs a dict insert; the oldest records fall out after `capacity` newer ones, so a keep
-    decision must come within the last `capacity` samples (a step or two at the default). An owner with a
-    hot path of its own (the reward server's batches) keeps its own records and queues spans with `add_source`.
+    decision must come within the last `capacity` samples (a step or two at the default). Kept trees are
+    queued (`export_tree`) and exported by the builder thread; an owner with a hot path of its own (the reward
+    server's batches) keeps its own queue of records and registers its `drain` with `add_source`.
     """
 
-    def __init__(self, processors: Sequence[SpanProcessor], resource: Resource, capacity: int = 32768) -> None:
-        self.processors = list(processors)
+    def __init__(
+        self,
+        resource: Resource,
+        capacity: int = 32768,
+        exporters: Sequence[SpanExporter] = (),
+        processors: Sequence[SpanProcessor] = (),
+    ) -> None:
         self.resource = resource
         self.capacity = max(1, capacity)
+        self.exporters = list(exporters)  # kept rows go straight to these, in bursts
+        self.processors = list(processors)  # and, as spans, to these (on_end), e.g. a test's in-memory exporter
         # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
         self._ring = Ring(self.capacity)
         self.exported_spans = 0
+        self.dropped_spans = 0  # kept spans refused because the builder fell MAX_QUEUED records behind
+        self._queued: deque[list[SpanRow]] = deque()  # export_tree's trees, for the builder thread
         # Deferred building: owners queue kept records (plain tuples) and this recorder's builder thread
-        # turns them into spans in bursts, off the event loop, each burst exported as soon as it is built.
-        self._sources: list[weakref.WeakMethod[Callable[[], list[ReadableSpan]]]] = []
+        # turns them into rows in bursts, off the event loop, each burst exported as soon as it is built.
+        self._sources: list[weakref.WeakMethod[Callable[[], list[SpanRow]]]] = [weakref.WeakMethod(self._drain_queued)]
         self._wake = threading.Event()
         self._build_lock = threading.Lock()
         self._builder: threading.Thread | None = None
         self._stopped = False
 
-    def add_source(self, drain: Callable[[], list[ReadableSpan]]) -> None:
-        """Register an owner's `drain` (a bound method: the spans of the records it queued since the last
-        call); it is called from the builder thread, and from `flush_deferred` (force_flush, shutdown)."""
+    def add_source(self, drain: Callable[[], list[SpanRow]]) -> None:
+        """Register an owner's `drain` (a bound method: the rows of the records it queued since the last call);
+        it is called from the builder thread, and from `flush_deferred` (force_flush, shutdown)."""
         with self._build_lock:
             self._sources.append(weakref.WeakMethod(drain))
+        self._start_builder()
+
+    def _start_builder(self) -> None:
+        with self._build_lock:
             if self._builder is None:
                 self._builder = threading.Thread(target=self._build_loop, name="rewardmesh-span-builder", daemon=True)
                 self._builder.start()
@@ -221,21 +246,19 @@ class FlightRecorder:
             self.flush_deferred()
 
     def flush_deferred(self, export_all: bool = False) -> int:
-        """Build and export what the owners queued. A burst of at least a batch processor's export size is
-        exported right away (`force_flush`), as the processor itself would once that many spans are queued;
-        `export_all` does it for any burst (provider flush, shutdown).
+        """Build and export what the owners queued; `export_all` (provider flush, shutdown) also flushes the span
+        processors.
 
-        The cyclic garbage collector is paused for a burst exported right away: its spans are built, exported
-        and freed before any collection sees them. Otherwise collections during the burst promote thousands
-        of short-lived span objects to the old generation, and the full collections that follow cost more
-        than building the spans.
+        The cyclic garbage collector is paused for a burst: its rows are built, exported and freed before any
+        collection sees them. Otherwise collections during the burst promote thousands of short-lived objects to
+        the old generation, and the full collections that follow cost more than building the rows.
         """
         with self._build_lock:
             paused = gc.isenabled()
             if paused:
                 gc.disable()
             try:
-                spans: list[ReadableSpan] = []
+                rows: list[SpanRow] = []
                 live = []
                 for ref in self._sources:
                     drain = ref()
@@ -243,21 +266,20 @@ class FlightRecorder:
                         continue
                     live.append(ref)
                     try:
-                        spans += drain()
+                        rows += drain()
                     except Exception:  # telemetry must never fail the process
                         log.debug("could not build deferred spans", exc_info=True)
                 self._sources = live
-                n = len(spans)
-                flush = export_all or n >= FLUSH_AT_SPANS
-                for i in range(0, n, FLUSH_AT_SPANS):  # a chunk at a time: a processor's queue is bounded
-                    self.export(spans[i : i + FLUSH_AT_SPANS])
-                    if flush:
-                        for p in self.processors:
-                            try:
-                                p.force_flush()
-                            except Exception:
-                                log.debug("span processor flush failed", exc_info=True)
-                del spans
+                n = len(rows)
+                for i in range(0, n, EXPORT_BATCH):
+                    self._export(rows[i : i + EXPORT_BATCH])
+                if self.processors and (export_all or n >= EXPORT_BATCH):
+                    for p in self.processors:
+                        try:
+                            p.force_flush()
+                        except Exception:
+                            log.debug("span processor flush failed", exc_info=True)
+                del rows
             finally:
                 if paused:
                     gc.enable()
@@ -270,7 +292,7 @@ class FlightRecorder:
 
     def flusher(self) -> SpanProcessor:
         """A span processor to install ahead of the exporting ones: a provider's force_flush / shutdown first
-        builds what is deferred, so it is exported by the same flush."""
+        exports what is deferred, so it is in the same flush."""
         return _DeferredFlush(self)
 
     def remember(self, key: Hashable, record: Any) -> None:
@@ -293,43 +315,66 @@ class FlightRecorder:
         parent_id: int | None,
         start_ns: int,
         end_ns: int,
-        attributes: Attributes = None,
+        attributes: RowAttributes = None,
         *,
         error: str | None = None,
-        links: Sequence[Link] = (),
+        links: Sequence[RowLink] = (),
         kind: SpanKind = SpanKind.INTERNAL,
-    ) -> ReadableSpan:
+    ) -> SpanRow:
         """A finished span with exactly these ids and times (nothing is sampled or exported here)."""
-        parent = _context(trace_id, parent_id) if parent_id else None
-        return _readable_span(
-            name,
-            _context(trace_id, span_id),
-            parent,
-            self.resource,
-            attributes,
-            links,
-            kind,
-            _OK if error is None else Status(StatusCode.ERROR, error),
-            start_ns,
-            max(end_ns, start_ns),
-        )
+        return (name, trace_id, span_id, parent_id or 0, start_ns, max(end_ns, start_ns), attributes, error, links,
+                kind)  # fmt: skip
+
+    def admits(self, queued: int) -> bool:
+        """Whether a queue holding `queued` kept records may take one more (the builder keeps up)."""
+        return queued < MAX_QUEUED
 
     def export_tree(self, record: Any) -> int:
-        """Build a kept record's spans (`record.spans(self)`) and export them; never raises: telemetry must
-        not cost a sample its result."""
+        """Queue a kept record's spans (`record.spans(self)`, rows: cheap to build here) for the builder thread;
+        how many. Never raises: telemetry must not cost a sample its result."""
         try:
-            return self.export(record.spans(self))
+            rows: list[SpanRow] = record.spans(self)
         except Exception:
             log.debug("could not build the spans of a kept sample", exc_info=True)
             return 0
+        if not self.admits(len(self._queued)):
+            self.dropped_spans += len(rows)
+            return 0
+        self._queued.append(rows)
+        if self._builder is None:
+            self._start_builder()
+        return len(rows)
 
-    def export(self, spans: Sequence[ReadableSpan]) -> int:
-        """Hand finished spans to the span processors (batching, exporters) as if they had just ended."""
-        for s in spans:
-            for p in self.processors:
-                try:
-                    p.on_end(s)
-                except Exception:  # an exporter's failure must never fail a sample
-                    log.debug("span processor failed on %s", s.name, exc_info=True)
-        self.exported_spans += len(spans)
-        return len(spans)
+    def _drain_queued(self) -> list[SpanRow]:
+        out: list[SpanRow] = []
+        popleft = self._queued.popleft
+        while True:
+            try:
+                out += popleft()
+            except IndexError:
+                return out
+
+    def _export(self, rows: Sequence[SpanRow]) -> None:
+        """Hand finished rows to the exporters (rows where they take them, spans otherwise) and the processors."""
+        spans: list[ReadableSpan] | None = None
+        for exporter in self.exporters:
+            try:
+                export_rows = getattr(exporter, "export_rows", None)
+                if export_rows is not None:
+                    export_rows(self.resource, rows)
+                    continue
+                if spans is None:
+                    spans = [readable_span(r, self.resource) for r in rows]
+                exporter.export(spans)
+            except Exception:  # an exporter's failure must never fail a sample
+                log.debug("span exporter %s failed", type(exporter).__name__, exc_info=True)
+        if self.processors:
+            if spans is None:
+                spans = [readable_span(r, self.resource) for r in rows]
+            for s in spans:
+                for p in self.processors:
+                    try:
+                        p.on_end(s)
+                    except Exception:
+                        log.debug("span processor failed on %s", s.name, exc_info=True)
+        self.exported_spans += len(rows)

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 from client import batched_metrics
-from client.flight_recorder import FAST_SPANS, FlightRecorder
+from client.flight_recorder import FAST_SPANS, FlightRecorder, SpanRow
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,35 @@ def _metric_readers(names: Sequence[str], prometheus_port: int) -> list[MetricRe
     return readers
 
 
+class SerializedExporter(SpanExporter):
+    """An exporter fed by two threads, the SDK's batch processor (step and RPC spans) and the flight recorder's
+    builder (kept trees), one call at a time: the SDK never calls an exporter concurrently, and exporters rely
+    on it. Rows pass through to an exporter that writes them itself."""
+
+    export_rows: Callable[[Resource, Sequence[SpanRow]], SpanExportResult] | None = None
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self.exporter = exporter
+        self._lock = threading.Lock()
+        if getattr(exporter, "export_rows", None) is not None:
+            self.export_rows = self._export_rows
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self._lock:
+            return self.exporter.export(spans)
+
+    def _export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
+        with self._lock:
+            return self.exporter.export_rows(resource, rows)  # type: ignore[attr-defined]
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self.exporter.shutdown()
+
+
 def setup_telemetry(
     role: str,
     *,
@@ -187,9 +216,12 @@ def setup_telemetry(
         if exporters or span_processors:
             # Step and RPC spans: roots always, children as their parent. Per-sample trees follow TraceConfig.
             provider = TracerProvider(resource=res, sampler=ParentBased(ALWAYS_ON))
-            recorder = FlightRecorder(telemetry.processors, res, telemetry.trace.ring_size)
+            # Kept sample trees go from the flight recorder straight to the exporters; the SDK's own spans (steps,
+            # RPCs) through a batch processor each. Both feed one exporter, so it is wrapped to be fed in turn.
+            shared = [SerializedExporter(e) for e in exporters]
+            recorder = FlightRecorder(res, telemetry.trace.ring_size, shared, span_processors)
             provider.add_span_processor(recorder.flusher())  # first: deferred spans join every flush
-            for exporter in exporters:
+            for exporter in shared:
                 processor = BatchSpanProcessor(exporter)
                 provider.add_span_processor(processor)
                 telemetry.processors.append(processor)
@@ -198,7 +230,6 @@ def setup_telemetry(
                 telemetry.processors.append(sp)
             trace.set_tracer_provider(provider)
             telemetry.tracing, telemetry.tracer_provider = True, provider
-            recorder.processors = list(telemetry.processors)
             telemetry.recorder = recorder
         if readers:
             meter_provider = MeterProvider(resource=res, metric_readers=list(readers), views=batched_metrics.views())
@@ -358,7 +389,8 @@ def span_to_otlp(span: ReadableSpan) -> dict[str, Any]:
         ]
         if span.links
         else [],
-        "status": {"code": _STATUS[span.status.status_code]},
+        "status": {"code": _STATUS[span.status.status_code]}
+        | ({"message": span.status.description} if span.status.description else {}),
     }
     parent = span.parent
     if parent is not None:
@@ -381,19 +413,20 @@ def _value_json(v: Any) -> str:
     return json.dumps(_value(v))
 
 
-_KEY_JSON: dict[str, str] = {}  # attribute key -> its '{"key":...,"value":' prefix (keys repeat across spans)
+_KEY_JSON: dict[str, str] = {}  # attribute key -> its '{"key":...,"value":' prefix; span name -> its JSON text
 
 
-def _attrs_json(attributes: Any) -> str:
-    if not attributes:
-        return "[]"
+def _cached(key: str, text: str) -> str:
+    if len(_KEY_JSON) < 4096:  # keys and names repeat across spans; a flood of distinct ones is not cached
+        _KEY_JSON[key] = text
+    return text
+
+
+def _attr_items(attributes: Any) -> str:
+    """A mapping's attributes as OTLP/JSON key-values, without the brackets around them."""
     parts = []
     for k, v in attributes.items():
-        prefix = _KEY_JSON.get(k)
-        if prefix is None:
-            prefix = '{"key":' + _esc(k) + ',"value":'
-            if len(_KEY_JSON) < 4096:
-                _KEY_JSON[k] = prefix
+        prefix = _KEY_JSON.get(k) or _cached(k, '{"key":' + _esc(k) + ',"value":')
         t = type(v)
         if t is str:
             parts.append(f'{prefix}{{"stringValue":{_esc(v)}}}}}')
@@ -403,7 +436,15 @@ def _attrs_json(attributes: Any) -> str:
             parts.append(f'{prefix}{{"doubleValue":{v!r}}}}}')
         else:
             parts.append(prefix + _value_json(v) + "}")
-    return "[" + ",".join(parts) + "]"
+    return ",".join(parts)
+
+
+def _attrs_json(attributes: Any) -> str:
+    return "[" + _attr_items(attributes) + "]" if attributes else "[]"
+
+
+def _status_json(code: int, message: str | None) -> str:
+    return f'{{"code":{code},"message":{_esc(message)}}}' if message else f'{{"code":{code}}}'
 
 
 def _event_json(e: Any) -> str:
@@ -420,10 +461,9 @@ def _link_json(link: Any) -> str:
 
 
 def span_json(span: ReadableSpan) -> str:
-    """`span_to_otlp(span)` as JSON text, written directly: exporting is most of what a kept span costs. A plain
-    ReadableSpan (what every processor is handed) is read from its fields: its properties copy (`attributes`,
-    `events` and `links` each build a new object per call), and a SpanContext is a tuple (trace id, span id, ...)
-    whose own properties are Python calls."""
+    """`span_to_otlp(span)` as JSON text, written directly. A plain ReadableSpan (what every processor is handed)
+    is read from its fields: its properties copy (`attributes`, `events` and `links` each build a new object per
+    call), and a SpanContext is a tuple (trace id, span id, ...) whose own properties are Python calls."""
     if type(span) is ReadableSpan and FAST_SPANS:
         f = span.__dict__
         ctx, parent, events, links = f["_context"], f["_parent"], f["_events"], f["_links"]
@@ -442,8 +482,45 @@ def span_json(span: ReadableSpan) -> str:
         f'"attributes":{_attrs_json(attributes)},'
         f'"events":[{",".join(map(_event_json, events)) if events else ""}],'
         f'"links":[{",".join(map(_link_json, links)) if links else ""}],'
-        f'"status":{{"code":{_STATUS_OF[id(status.status_code)]}}}}}'
+        f'"status":{_status_json(_STATUS_OF[id(status.status_code)], status.description)}}}'
     )
+
+
+_OK_JSON = '{"code":0}'
+_ERROR = _STATUS[trace.StatusCode.ERROR]
+
+
+def row_json(row: SpanRow, written: dict[int, str]) -> str:
+    """What `span_json` writes for the row's span, from the row itself (no span object). `written`: the text of
+    attribute mappings already written in this export, by id: the spans of one sample share one mapping."""
+    name, trace_id, span_id, parent_id, start, end, attributes, error, links, kind = row
+    if type(attributes) is tuple:
+        items = []
+        for a in attributes:
+            if a:
+                text = written.get(id(a))
+                if text is None:
+                    text = written[id(a)] = _attr_items(a)
+                items.append(text)
+        attrs = ",".join(items)
+    elif attributes:
+        attrs = written.get(id(attributes))  # type: ignore[assignment]
+        if attrs is None:
+            attrs = written[id(attributes)] = _attr_items(attributes)
+    else:
+        attrs = ""
+    has_parent = f'"parentSpanId":"{parent_id:016x}",' if parent_id else ""
+    linked = (",".join([f'{{"traceId":"{t:032x}","spanId":"{s:016x}","attributes":[]}}' for t, s, _ in links])
+              if links else "")  # fmt: skip
+    return (
+        f'{{"traceId":"{trace_id:032x}","spanId":"{span_id:016x}",{has_parent}'
+        f'"name":{_KEY_JSON.get(name) or _cached(name, _esc(name))},"kind":{_KIND_OF[id(kind)]},'
+        f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}","attributes":[{attrs}],"events":[],'
+        f'"links":[{linked}],"status":{_OK_JSON if error is None else _status_json(_ERROR, error)}}}'
+    )
+
+
+_SCOPE_SPANS = '"scopeSpans":[{"scope":{"name":' + _esc(TRACER_NAME) + '},"spans":['
 
 
 class OtlpJsonLinesExporter(SpanExporter):
@@ -466,17 +543,21 @@ class OtlpJsonLinesExporter(SpanExporter):
         by_resource: dict[int, tuple[Resource, list[ReadableSpan]]] = {}
         for span in spans:
             by_resource.setdefault(id(span.resource), (span.resource, []))[1].append(span)
-        scope = '"scopeSpans":[{"scope":{"name":' + _esc(TRACER_NAME) + '},"spans":['
-        line = (
-            '{"resourceSpans":['
-            + ",".join(
-                '{"resource":' + self._resource_json(res) + "," + scope + ",".join(map(span_json, group)) + "]}]}"
-                for res, group in by_resource.values()
-            )
-            + "]}"
+        return self._write(
+            ",".join(self._resource_spans(res, ",".join(map(span_json, group))) for res, group in by_resource.values())
         )
+
+    def export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
+        """The flight recorder's kept spans, written from its rows (no span objects)."""
+        written: dict[int, str] = {}
+        return self._write(self._resource_spans(resource, ",".join([row_json(r, written) for r in rows])))
+
+    def _resource_spans(self, res: Resource, spans_json: str) -> str:
+        return '{"resource":' + self._resource_json(res) + "," + _SCOPE_SPANS + spans_json + "]}]}"
+
+    def _write(self, resource_spans: str) -> SpanExportResult:
         with self._lock:
-            self._file.write(line + "\n")
+            self._file.write('{"resourceSpans":[' + resource_spans + "]}\n")
             self._file.flush()
         return SpanExportResult.SUCCESS
 

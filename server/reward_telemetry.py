@@ -26,12 +26,10 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import Link
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import FlightRecorder, Ring, link_to, new_span_id, new_trace_id, parse_traceparent
+from client.flight_recorder import FlightRecorder, Ring, RowLink, SpanRow, new_span_id, new_trace_id, parse_traceparent
 from client.telemetry import meter, metrics_enabled, recorder, trace_config
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
@@ -166,7 +164,7 @@ class _Batch:
     def scored(self, i: int) -> bool:
         return not math.isnan(self.scores[i])
 
-    def links(self) -> list[Link]:
+    def links(self) -> list[RowLink]:
         """Links to the served samples that are kept: a link to a span never exported says nothing."""
         sampled = self.sampled()
         contexts = [self.context(i) for i in sampled]
@@ -175,7 +173,7 @@ class _Batch:
             for sid in self.decided:
                 if (i := self.index(sid)) is not None and i not in linked:
                     contexts.append(self.context(i) or given.get(sid))
-        return [link for tp in contexts if tp is not None and (link := link_to(tp)) is not None]
+        return [link for tp in contexts if tp is not None and (link := parse_traceparent(tp)) is not None]
 
     def record(self, i: int, sample_id: str, traceparent: str = "") -> _Record:
         """Member i's record (its id is `sample_id`; `traceparent`: the one it came without), as a scored sample."""
@@ -244,7 +242,7 @@ _Record = tuple[str, str, str, int, float, int, tuple[float, float, float], str,
 # (sample id, pipeline, traceparent, arrival ns, score, batch size, (total, queue, compute) s, error, batch no)
 
 
-def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[ReadableSpan]:
+def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[SpanRow]:
     """A kept sample's reward.queue / reward.compute spans (one reward.queue span with the error if it failed)
     under its reward span, plus `batch`'s span when given (the first kept sample of a batch exports it)."""
     sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
@@ -266,7 +264,7 @@ def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[Readab
         out = [
             rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
             rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
-                     {**attrs, "rewardmesh.score": score}),
+                     (attrs, {"rewardmesh.score": score})),  # the shared part written once
         ]  # fmt: skip
     if batch is not None:  # this sample exports its batch's span (its id was drawn when that was decided)
         batch_attrs: dict[str, AttributeValue] = {
@@ -400,21 +398,25 @@ class RewardTelemetry:
     def _export(self, rec: FlightRecorder, r: _Record, batch: _Batch | None) -> int:
         """Queue a kept sample's spans (built in the recorder's builder thread); how many it will export."""
         owns_batch = batch is not None and not batch.span_id  # the first kept sample of a batch exports its span
+        n = (1 if r[7] else 2) + owns_batch
+        deferred = self._deferred
+        if not rec.admits(len(deferred)):  # the builder is far behind (a stalled exporter): drop, counted
+            rec.dropped_spans += n
+            return 0
         if owns_batch:
             batch.span_id = new_span_id()  # type: ignore[union-attr]
-        deferred = self._deferred
         if not deferred and not self._registered:
             rec.add_source(self._drain)
             self._registered = True
         deferred.append((r, batch if owns_batch else None))
         if len(deferred) >= 256:
             rec.wake()
-        return (1 if r[7] else 2) + owns_batch
+        return n
 
-    def _drain(self) -> list[ReadableSpan]:
+    def _drain(self) -> list[SpanRow]:
         """The spans of the kept samples queued so far (the builder thread's call)."""
         rec = recorder()
-        out: list[ReadableSpan] = []
+        out: list[SpanRow] = []
         popleft = self._deferred.popleft
         while True:
             try:
