@@ -253,7 +253,7 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
     # own spans, fed the flight recorder's kept trees directly. The counter sees the SDK's spans only.
     telemetry = setup_telemetry("bench", span_exporters=[CountingExporter(out_dir / "spans.jsonl")],
                                 metric_readers=[reader])  # fmt: skip
-    telemetry.tracer_provider.add_span_processor(EndCounter())
+    telemetry.tracer_provider.add_span_processor(EndCounter())  # type: ignore[union-attr]
     counts.telemetry = telemetry
     return telemetry
 
