@@ -298,6 +298,8 @@ async def serve(args: argparse.Namespace) -> None:
     while (line := (await loop.run_in_executor(None, sys.stdin.readline)).strip()) not in ("stop", ""):
         if line == "mark":
             marks += 1
+            if telemetry.recorder is not None:  # the kept spans of the samples so far built and exported now, so a
+                telemetry.recorder.flush_deferred()  # window holds exactly the work for its own samples
             if marks == 1:  # steady state: the full collection that start-up's imports make due happens now,
                 gc.collect()  # not at a random point of one mode's measured window
             if args.profile and marks == 1:

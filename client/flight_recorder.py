@@ -43,11 +43,12 @@ _object_new = object.__new__
 _tuple_new = tuple.__new__
 
 RowAttributes = Mapping[str, AttributeValue] | tuple[Mapping[str, AttributeValue], ...] | None
-RowLink = tuple[int, int, bool]  # (trace id, span id, sampled) of the linked span
-SpanRow = tuple[str, int, int, int, int, int, RowAttributes, str | None, Sequence[RowLink], SpanKind]
+RowLink = tuple[int | str, int | str, bool]  # (trace id, span id, sampled) of the linked span; ids as in SpanRow
+SpanRow = tuple[str, int | str, int, int | str, int, int, RowAttributes, str | None, Sequence[RowLink], SpanKind]
 """A finished span: (name, trace id, span id, parent span id or 0, start ns, end ns, attributes, error message or
-None, links, kind). Attributes: a mapping, or a tuple of mappings with distinct keys, so the spans of one sample
-share one mapping (an exporter writes it once)."""
+None, links, kind). The trace and parent ids may be their lowercase hex text, as a checked traceparent brought
+them: an exporter writing text copies them. Attributes: a mapping, or a tuple of mappings with distinct keys, so
+the spans of one sample share one mapping (an exporter writes it once)."""
 
 
 def _context(trace_id: int, span_id: int) -> SpanContext:
@@ -74,14 +75,19 @@ def row_attributes(attributes: RowAttributes) -> Mapping[str, AttributeValue] | 
     return merged
 
 
+def _int(span_or_trace_id: int | str) -> int:
+    return int(span_or_trace_id, 16) if type(span_or_trace_id) is str else span_or_trace_id  # type: ignore[return-value]
+
+
 def readable_span(row: SpanRow, resource: Resource) -> ReadableSpan:
     """The SDK span of a row, for exporters and processors that take span objects: its fields set in one dict
     (half the constructor's cost), or the constructor itself if this SDK's ReadableSpan has other fields."""
-    name, trace_id, span_id, parent_id, start_ns, end_ns, attributes, error, links, kind = row
+    name, trace, span_id, parent_id, start_ns, end_ns, attributes, error, links, kind = row
+    trace_id = _int(trace)
     context = _context(trace_id, span_id)
-    parent = _context(trace_id, parent_id) if parent_id else None
+    parent = _context(trace_id, _int(parent_id)) if parent_id else None
     attrs = row_attributes(attributes)
-    sdk_links = [Link(SpanContext(t, s, True, TraceFlags(int(sampled)))) for t, s, sampled in links]
+    sdk_links = [Link(SpanContext(_int(t), _int(s), True, TraceFlags(int(sampled)))) for t, s, sampled in links]
     status = _OK if error is None else Status(StatusCode.ERROR, error)
     if not FAST_SPANS:  # pragma: no cover
         return ReadableSpan(name, context, parent, resource, attrs, links=sdk_links, kind=kind, status=status,
@@ -139,7 +145,7 @@ def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
 
 
 DEFERRED_TICK_S = 0.2  # the longest a kept record waits to become spans
-EXPORT_BATCH = 512  # rows per export call (BatchSpanProcessor's default export batch size)
+EXPORT_BATCH = 512  # spans per export call (BatchSpanProcessor's default export batch size)
 MAX_QUEUED = 1 << 15  # kept records waiting for the builder thread, per queue; beyond it they are dropped (counted)
 
 

@@ -413,12 +413,13 @@ def _value_json(v: Any) -> str:
     return json.dumps(_value(v))
 
 
-_KEY_JSON: dict[str, str] = {}  # attribute key -> its '{"key":...,"value":' prefix; span name -> its JSON text
+_KEY_JSON: dict[str, str] = {}  # attribute key -> its '{"key":...,"value":' prefix
+_NAME_JSON: dict[str, str] = {}  # span name -> its JSON text
 
 
-def _cached(key: str, text: str) -> str:
-    if len(_KEY_JSON) < 4096:  # keys and names repeat across spans; a flood of distinct ones is not cached
-        _KEY_JSON[key] = text
+def _cached(cache: dict[str, str], key: str, text: str) -> str:
+    if len(cache) < 4096:  # keys and names repeat across spans; a flood of distinct ones is not cached
+        cache[key] = text
     return text
 
 
@@ -426,7 +427,7 @@ def _attr_items(attributes: Any) -> str:
     """A mapping's attributes as OTLP/JSON key-values, without the brackets around them."""
     parts = []
     for k, v in attributes.items():
-        prefix = _KEY_JSON.get(k) or _cached(k, '{"key":' + _esc(k) + ',"value":')
+        prefix = _KEY_JSON.get(k) or _cached(_KEY_JSON, k, '{"key":' + _esc(k) + ',"value":')
         t = type(v)
         if t is str:
             parts.append(f'{prefix}{{"stringValue":{_esc(v)}}}}}')
@@ -486,6 +487,10 @@ def span_json(span: ReadableSpan) -> str:
     )
 
 
+def _hex(span_or_trace_id: int | str, digits: int) -> str:
+    return span_or_trace_id if type(span_or_trace_id) is str else f"{span_or_trace_id:0{digits}x}"
+
+
 _OK_JSON = '{"code":0}'
 _ERROR = _STATUS[trace.StatusCode.ERROR]
 
@@ -509,12 +514,16 @@ def row_json(row: SpanRow, written: dict[int, str]) -> str:
             attrs = written[id(attributes)] = _attr_items(attributes)
     else:
         attrs = ""
-    has_parent = f'"parentSpanId":"{parent_id:016x}",' if parent_id else ""
-    linked = (",".join([f'{{"traceId":"{t:032x}","spanId":"{s:016x}","attributes":[]}}' for t, s, _ in links])
+    trace = trace_id if type(trace_id) is str else f"{trace_id:032x}"
+    if type(parent_id) is str:
+        has_parent = f'"parentSpanId":"{parent_id}",'
+    else:
+        has_parent = f'"parentSpanId":"{parent_id:016x}",' if parent_id else ""
+    linked = (",".join([f'{{"traceId":"{_hex(t, 32)}","spanId":"{_hex(s, 16)}","attributes":[]}}' for t, s, _ in links])
               if links else "")  # fmt: skip
     return (
-        f'{{"traceId":"{trace_id:032x}","spanId":"{span_id:016x}",{has_parent}'
-        f'"name":{_KEY_JSON.get(name) or _cached(name, _esc(name))},"kind":{_KIND_OF[id(kind)]},'
+        f'{{"traceId":"{trace}","spanId":"{span_id:016x}",{has_parent}'
+        f'"name":{_NAME_JSON.get(name) or _cached(_NAME_JSON, name, _esc(name))},"kind":{_KIND_OF[id(kind)]},'
         f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}","attributes":[{attrs}],"events":[],'
         f'"links":[{linked}],"status":{_OK_JSON if error is None else _status_json(_ERROR, error)}}}'
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import weakref
 from array import array
 from collections import deque
@@ -26,10 +27,20 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import FlightRecorder, Ring, RowLink, SpanRow, new_span_id, new_trace_id, parse_traceparent
+from client.flight_recorder import (
+    EXPORT_BATCH,
+    FlightRecorder,
+    Ring,
+    RowLink,
+    SpanRow,
+    new_span_id,
+    new_trace_id,
+    parse_traceparent,
+)
 from client.telemetry import meter, metrics_enabled, recorder, trace_config
 from reward_engine.batcher import BatchInfo
 from reward_engine.engine import RewardEngine
@@ -54,6 +65,8 @@ _ODD_HEX = frozenset("13579bdfBDF")
 _SEP = "\x1f"  # between a batch's member ids (or traceparents) in the one string that holds them
 _TP_LEN = 55  # a version-00 traceparent: 00-<32 hex>-<16 hex>-<2 hex>
 _EVEN_HEX = "02468aceACE"
+_TRACEPARENTS = re.compile(r"(?:00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}\x1f)*00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_ZERO_TRACE, _ZERO_SPAN = "-" + "0" * 32 + "-", "-" + "0" * 16 + "-"  # an all-zero id is invalid
 
 
 class _Batch:
@@ -63,8 +76,8 @@ class _Batch:
     per-member strings and floats (32,768 samples' worth) cost the event loop about 1 us per sample, memory
     that is never reused while it is still in the cache. A kept member is found in the strings in place."""
 
-    __slots__ = ("_placeable", "_uniform", "compute_s", "contexts", "decided", "end_ns", "given", "ids", "kept",
-                 "number", "padded_tokens", "pipeline", "queue_s", "real_tokens", "scores", "size", "span_id",
+    __slots__ = ("_hex", "_placeable", "_uniform", "compute_s", "contexts", "end_ns", "given", "head_kept", "ids",
+                 "kept", "number", "padded_tokens", "pipeline", "queue_s", "real_tokens", "scores", "size", "span_id",
                  "start_ns")  # fmt: skip
 
     def __init__(self, number: int, pipeline: str, info: BatchInfo, scores: list[float]) -> None:
@@ -84,11 +97,12 @@ class _Batch:
         self.compute_s = info.compute_s
         self.start_ns, self.end_ns = info.start_time_ns, info.end_time_ns
         self.padded_tokens, self.real_tokens = info.padded_tokens, info.real_tokens
-        self.kept: set[str] | None = None  # members whose spans are exported (or queued for export)
-        self.decided: list[str] | None = None  # of them, those kept otherwise than by their head-sampled flag
+        self.head_kept = False  # its scored head-sampled members' spans are exported (or queued for export)
+        self.kept: set[str] | None = None  # the members kept otherwise (failed, named by a keep decision)
         self.given: dict[str, str] | None = None  # traceparents of kept members that came without one
         self.span_id = 0  # set when exported (once)
         self._uniform: bool | None = None
+        self._hex: bool | None = None
         self._placeable: bool | None = None  # no id holds the separator: members can be found in `ids`
 
     def index(self, sample_id: str) -> int | None:
@@ -115,6 +129,15 @@ class _Batch:
                              and joined[_TP_LEN :: _TP_LEN + 1] == _SEP * (n - 1))  # fmt: skip
         return self._uniform
 
+    def hex_ids(self) -> bool:
+        """Every member has a well-formed version-00 traceparent (checked for the whole batch in one match), so
+        its ids can be written as the hex text they arrived as, without parsing them."""
+        if self._hex is None:
+            joined = self.contexts
+            self._hex = (self.uniform() and _TRACEPARENTS.fullmatch(joined) is not None  # type: ignore[arg-type]
+                         and _ZERO_TRACE not in joined and _ZERO_SPAN not in joined)  # type: ignore[operator]  # fmt: skip
+        return self._hex
+
     def _by_member(self) -> dict[int, str]:
         """The traceparents by member (joined ones split out: once, and only for a batch that is kept)."""
         ctx = self.contexts
@@ -123,7 +146,7 @@ class _Batch:
         if type(ctx) is str:
             parts = ctx.split(_SEP)
             self.contexts = ctx = {i: c for i, c in enumerate(parts) if c} if len(parts) == self.size else {}
-            self._uniform = False
+            self._uniform = self._hex = False
         return ctx  # type: ignore[return-value]
 
     def context(self, i: int) -> str | None:
@@ -144,18 +167,16 @@ class _Batch:
             return [i for i, f in enumerate(flags) if f in _ODD_HEX] if flags.strip(_EVEN_HEX) else []
         return sorted(i for i, tp in self._by_member().items() if tp[-1] in _ODD_HEX)
 
-    def keep(self, sample_id: str, traceparent: str = "", *, head_sampled: bool = False) -> bool:
-        """Mark a member kept (with the traceparent it came without, if given); False if it already was.
-        `head_sampled`: kept for its flag, so `links` finds it among `sampled` without a search."""
+    def keep(self, sample_id: str, i: int | None = None, traceparent: str = "") -> bool:
+        """Mark member `sample_id` (at i, if known) kept, with the traceparent it came without, if given; False if
+        it already was (by this or, scored and head-sampled, with the batch's head-sampled members)."""
+        if self.head_kept and i is not None and self.scored(i) and (tp := self.context(i)) and tp[-1] in _ODD_HEX:
+            return False
         if self.kept is None:
             self.kept = set()
         elif sample_id in self.kept:
             return False
         self.kept.add(sample_id)
-        if not head_sampled:
-            if self.decided is None:
-                self.decided = []
-            self.decided.append(sample_id)
         if traceparent:
             self.given = self.given or {}
             self.given[sample_id] = traceparent
@@ -167,13 +188,17 @@ class _Batch:
     def links(self) -> list[RowLink]:
         """Links to the served samples that are kept: a link to a span never exported says nothing."""
         sampled = self.sampled()
-        contexts = [self.context(i) for i in sampled]
-        if self.decided:  # the others, found by id (a head-sampled member that failed is among both)
+        if self.hex_ids():  # checked: the ids as the hex they came as
+            links: list[RowLink] = [(tp[3:35], tp[36:52], True) for tp in map(self.context, sampled)]  # type: ignore[index]
+            contexts: list[str | None] = []
+        else:
+            links, contexts = [], [self.context(i) for i in sampled]
+        if self.kept:  # the others, found by id (a head-sampled member that failed is among both)
             given, linked = self.given or {}, set(sampled)
-            for sid in self.decided:
+            for sid in self.kept:
                 if (i := self.index(sid)) is not None and i not in linked:
                     contexts.append(self.context(i) or given.get(sid))
-        return [link for tp in contexts if tp is not None and (link := parse_traceparent(tp)) is not None]
+        return links + [link for tp in contexts if tp is not None and (link := parse_traceparent(tp)) is not None]
 
     def record(self, i: int, sample_id: str, traceparent: str = "") -> _Record:
         """Member i's record (its id is `sample_id`; `traceparent`: the one it came without), as a scored sample."""
@@ -240,43 +265,73 @@ _NEWEST_SAMPLES = 2048
 # A kept sample's record: plain numbers and strings.
 _Record = tuple[str, str, str, int, float, int, tuple[float, float, float], str, int]
 # (sample id, pipeline, traceparent, arrival ns, score, batch size, (total, queue, compute) s, error, batch no)
+_Entry = _Record | tuple[_Batch, list[str], list[int]]  # a queued kept sample, or a batch's head-sampled members
 
 
-def _spans(rec: FlightRecorder, r: _Record, batch: _Batch | None) -> list[SpanRow]:
+_INTERNAL = SpanKind.INTERNAL
+
+
+def _sample_rows(out: list[SpanRow], trace: int | str, parent: int | str, sid: str, pipeline: str, t0: int,
+                 score: float, batch_size: int, timing: tuple[float, float, float], error: str) -> None:  # fmt: skip
     """A kept sample's reward.queue / reward.compute spans (one reward.queue span with the error if it failed)
-    under its reward span, plus `batch`'s span when given (the first kept sample of a batch exports it)."""
-    sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
-    parsed = parse_traceparent(tp)
-    if parsed is None:
-        return []
-    trace_id, parent_id, _ = parsed
+    under its reward span (`parent`, in trace `trace`: ids as numbers or as their hex text)."""
+    total, queue, compute = timing
     attrs: dict[str, AttributeValue] = {
         "rewardmesh.sample_id": sid,
         "rewardmesh.pipeline": pipeline,
         "rewardmesh.batch.size": batch_size,
     }
     if error:
-        end = t0 + int(total * 1e9)
-        out = [rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, end, attrs, error=error)]
-    else:
-        queue_end = t0 + int(queue * 1e9)
-        compute_end = queue_end + int(compute * 1e9)
-        out = [
-            rec.span("reward.queue", trace_id, new_span_id(), parent_id, t0, queue_end, attrs),
-            rec.span("reward.compute", trace_id, new_span_id(), parent_id, queue_end, compute_end,
-                     (attrs, {"rewardmesh.score": score})),  # the shared part written once
-        ]  # fmt: skip
-    if batch is not None:  # this sample exports its batch's span (its id was drawn when that was decided)
-        batch_attrs: dict[str, AttributeValue] = {
-            "rewardmesh.pipeline": batch.pipeline,
-            "rewardmesh.batch.size": batch.size,
-            "rewardmesh.batch.padded_tokens": batch.padded_tokens,
-            "rewardmesh.batch.real_tokens": batch.real_tokens,
-        }
-        # Its own trace: a batch serves many samples, so it links to them rather than having a parent.
-        out.append(rec.span("reward.batch", new_trace_id(), batch.span_id, None, batch.start_ns, batch.end_ns,
-                            batch_attrs, links=batch.links()))  # fmt: skip
-    return out
+        out.append(("reward.queue", trace, new_span_id(), parent, t0, t0 + int(total * 1e9), attrs, error, (),
+                    _INTERNAL))  # fmt: skip
+        return
+    queue_end = t0 + int(queue * 1e9)
+    out.append(("reward.queue", trace, new_span_id(), parent, t0, queue_end, attrs, None, (), _INTERNAL))
+    out.append(("reward.compute", trace, new_span_id(), parent, queue_end, queue_end + int(compute * 1e9),
+                (attrs, {"rewardmesh.score": score}), None, (), _INTERNAL))  # the shared part written once  # fmt: skip
+
+
+def _batch_row(batch: _Batch) -> SpanRow:
+    """The batch's span: its own trace (a batch serves many samples, so it links to them, not to a parent);
+    its id was drawn when the first kept member was queued."""
+    attrs: dict[str, AttributeValue] = {
+        "rewardmesh.pipeline": batch.pipeline,
+        "rewardmesh.batch.size": batch.size,
+        "rewardmesh.batch.padded_tokens": batch.padded_tokens,
+        "rewardmesh.batch.real_tokens": batch.real_tokens,
+    }
+    return ("reward.batch", new_trace_id(), batch.span_id, 0, batch.start_ns, max(batch.end_ns, batch.start_ns),
+            attrs, None, batch.links(), _INTERNAL)  # fmt: skip
+
+
+def _record_rows(out: list[SpanRow], r: _Record) -> None:
+    """The rows of a kept sample's record (a failure, or a member named by a keep decision)."""
+    sid, pipeline, tp, t0, score, batch_size, timing, error, _ = r
+    parsed = parse_traceparent(tp)
+    if parsed is not None:
+        _sample_rows(out, parsed[0], parsed[1], sid, pipeline, t0, score, batch_size, timing, error)
+
+
+def _head_sampled_rows(out: list[SpanRow], batch: _Batch, sample_ids: list[str], members: list[int]) -> None:
+    """The rows of a batch's scored head-sampled members, straight from the batch (no record per member). Where
+    every member's traceparent is well formed (one check per batch), the ids are copied as the hex they came as."""
+    hex_ids, pipeline, size, compute = batch.hex_ids(), batch.pipeline, batch.size, batch.compute_s
+    start, queue_s, scores = batch.start_ns, batch.queue_s, batch.scores
+    joined = batch.contexts if hex_ids else ""
+    for i in members:
+        tp = joined[i * (_TP_LEN + 1) : i * (_TP_LEN + 1) + _TP_LEN] if hex_ids else batch.context(i)  # type: ignore[index]
+        if tp is None:
+            continue
+        if hex_ids:
+            trace: int | str = tp[3:35]
+            parent: int | str = tp[36:52]
+        elif (parsed := parse_traceparent(tp)) is not None:
+            trace, parent = parsed[0], parsed[1]
+        else:
+            continue
+        queue = queue_s[i]
+        _sample_rows(out, trace, parent, sample_ids[i], pipeline, start - int(queue * 1e9), scores[i], size,
+                     (queue + compute, queue, compute), "")  # fmt: skip
 
 
 _LIVE: weakref.WeakSet[RewardTelemetry] = weakref.WeakSet()
@@ -325,9 +380,11 @@ class RewardTelemetry:
         self._failures = Ring(4096)  # failed samples that came without a traceparent: (record, batch) until kept
         self._failed_in = Ring(4096)  # sample id -> the batch it failed in, until on_failure takes it
         self._batch_no = 0
-        # Kept samples' records waiting to become spans: (record, the batch whose span it exports, if any).
-        self._deferred: deque[tuple[_Record, _Batch | None]] = deque()
+        # Kept samples waiting to become spans: (a record, or a batch's head-sampled members; the batch whose span
+        # goes with them, if any).
+        self._deferred: deque[tuple[_Entry, _Batch | None]] = deque()
         self._registered = False
+        self._unannounced = 0  # spans queued since the builder was last woken
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
@@ -366,11 +423,12 @@ class RewardTelemetry:
             for sid, score in zip(info.sample_ids, scores, strict=True):
                 if score is _FAILED:
                     self._failed_in.put(sid, batch)
-        for i in batch.sampled():
-            if batch.scored(i):
-                sid = info.sample_ids[i]
-                batch.keep(sid, head_sampled=True)
-                self._export(rec, batch.record(i, sid), batch)
+        sampled = batch.sampled()
+        if sampled:  # queued as one entry: its rows are built off the event loop
+            members = [i for i in sampled if batch.scored(i)] if failed else sampled
+            batch.head_kept = True
+            if members:
+                self._queue(rec, (batch, info.sample_ids, members), 2 * len(members), batch)
 
     def on_failure(self, result: reward_pb2.RewardResult, record: object, arrival_ns: int) -> None:
         """A failed sample: counted by kind, and its span exported at once if it came with its traceparent, else
@@ -393,12 +451,13 @@ class RewardTelemetry:
             return
         if batch is not None:
             batch.keep(sid)
-        self._export(rec, r, batch)
+        self._queue(rec, r, 1, batch)
 
-    def _export(self, rec: FlightRecorder, r: _Record, batch: _Batch | None) -> int:
-        """Queue a kept sample's spans (built in the recorder's builder thread); how many it will export."""
-        owns_batch = batch is not None and not batch.span_id  # the first kept sample of a batch exports its span
-        n = (1 if r[7] else 2) + owns_batch
+    def _queue(self, rec: FlightRecorder, entry: _Entry, spans: int, batch: _Batch | None) -> int:
+        """Queue kept samples' spans (`spans` of them; built in the recorder's builder thread) and, with the first
+        kept member of `batch`, the batch's span; how many will be exported."""
+        owns_batch = batch is not None and not batch.span_id
+        n = spans + owns_batch
         deferred = self._deferred
         if not rec.admits(len(deferred)):  # the builder is far behind (a stalled exporter): drop, counted
             rec.dropped_spans += n
@@ -408,25 +467,29 @@ class RewardTelemetry:
         if not deferred and not self._registered:
             rec.add_source(self._drain)
             self._registered = True
-        deferred.append((r, batch if owns_batch else None))
-        if len(deferred) >= 256:
+        deferred.append((entry, batch if owns_batch else None))
+        self._unannounced += n
+        if self._unannounced >= EXPORT_BATCH:  # a burst's worth: build now rather than at the next tick
+            self._unannounced = 0
             rec.wake()
         return n
 
     def _drain(self) -> list[SpanRow]:
         """The spans of the kept samples queued so far (the builder thread's call)."""
-        rec = recorder()
         out: list[SpanRow] = []
         popleft = self._deferred.popleft
         while True:
             try:
-                r, batch = popleft()
+                entry, batch = popleft()
             except IndexError:
                 return out
-            if rec is None:
-                continue
             try:
-                out += _spans(rec, r, batch)
+                if len(entry) == 3:  # a batch's head-sampled members
+                    _head_sampled_rows(out, *entry)
+                else:
+                    _record_rows(out, entry)
+                if batch is not None:
+                    out.append(_batch_row(batch))
             except Exception:  # telemetry must never cost a sample its result
                 log.debug("could not build the spans of a kept sample", exc_info=True)
 
@@ -443,7 +506,7 @@ class RewardTelemetry:
             if found is not None and found[0].scored(found[1]):
                 known += 1
                 batch, i = found
-                if batch.keep(sid, given):  # all marked before any is built: a batch span links every kept one
+                if batch.keep(sid, i, given):  # all marked before any is built: a batch span links every kept one
                     records.append((batch.record(i, sid, given), batch))
             elif (failure := self._failures.get(sid)) is not None:
                 known += 1
@@ -451,6 +514,6 @@ class RewardTelemetry:
                 if given and not r[2]:  # a failure that came without its traceparent: exported now, once
                     self._failures.put(sid, ())
                     if batch is not None:
-                        batch.keep(sid, given)
+                        batch.keep(sid, None, given)
                     records.append(((*r[:2], given, *r[3:]), batch))
-        return known, sum(self._export(rec, r, b) for r, b in records)
+        return known, sum(self._queue(rec, r, 1 if r[7] else 2, b) for r, b in records)
