@@ -231,7 +231,7 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from client.flight_recorder import SpanRow
+    from client.flight_recorder import SpanBlock
     from client.telemetry import OtlpJsonLinesExporter, setup_telemetry
 
     class CountingExporter(OtlpJsonLinesExporter):
@@ -239,9 +239,9 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
             counts.exported += len(spans)
             return super().export(spans)
 
-        def export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
-            counts.exported += len(rows)
-            return super().export_rows(resource, rows)
+        def export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
+            counts.exported += sum(map(len, blocks))
+            return super().export_blocks(resource, blocks)
 
     class EndCounter(SpanProcessor):
         def on_end(self, span: ReadableSpan) -> None:

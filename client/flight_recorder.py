@@ -7,10 +7,11 @@ head-sampled (the trace flags), failed (decided where it failed), or named later
 step's slowest samples, decided by the trainer when the step ends). Each process exports its own part under
 its own resource; ids travel in the W3C traceparent as before.
 
-A kept span is a `SpanRow`, a plain tuple, not an SDK span: the recorder's builder thread hands rows in bursts
-straight to the exporters (no span processor in between: the burst is the batch), and an exporter that writes
-rows itself (`export_rows`, as the OTLP JSON lines exporter does) never sees a span object. Other exporters and
-span processors get `ReadableSpan`s built from the rows, as before.
+Kept spans are not SDK spans either: they are `SpanBlock`s, spans of one name column by column (a kept batch's
+members' reward.queue spans are one block). The recorder's builder thread hands blocks in bursts straight to the
+exporters (no span processor in between: the burst is the batch), and an exporter that writes blocks itself
+(`export_blocks`, as the OTLP JSON lines exporter does) never sees a span object. Other exporters and span
+processors get the `ReadableSpan`s of the blocks, as before.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -42,18 +44,62 @@ _NO_STATE = DEFAULT_TRACE_STATE
 _object_new = object.__new__
 _tuple_new = tuple.__new__
 
-RowAttributes = Mapping[str, AttributeValue] | tuple[Mapping[str, AttributeValue], ...] | None
-RowLink = tuple[int | str, int | str, bool]  # (trace id, span id, sampled) of the linked span; ids as in SpanRow
-SpanRow = tuple[str, int | str, int, int | str, int, int, RowAttributes, str | None, Sequence[RowLink], SpanKind]
-"""A finished span: (name, trace id, span id, parent span id or 0, start ns, end ns, attributes, error message or
-None, links, kind). The trace and parent ids may be their lowercase hex text, as a checked traceparent brought
-them: an exporter writing text copies them. Attributes: a mapping, or a tuple of mappings with distinct keys, so
-the spans of one sample share one mapping (an exporter writes it once)."""
+Attributes = Mapping[str, AttributeValue]
+LinkTo = tuple[str, str, bool]  # (trace id, span id, sampled) of the linked span, ids in hex
+
+
+@dataclass(slots=True, eq=False)
+class SpanBlock:
+    """Finished spans of one name and kind, column by column (span i is the i-th of every column). Ids are text:
+    32 and 16 lowercase hex digits, as a checked traceparent brings them, so a kept batch's spans are slices of
+    the string its members' traceparents came in and an exporter writing text copies them. A block of a batch's
+    members costs a few list comprehensions to build; an exporter writing text formats it in one more."""
+
+    name: str
+    trace_ids: Sequence[str]
+    span_ids: Sequence[int]
+    parent_ids: Sequence[str] | None  # None: every span is a root
+    starts: Sequence[int]  # ns since the epoch
+    ends: Sequence[int]
+    attributes: Attributes  # every span's
+    columns: Mapping[str, Sequence[AttributeValue]] = field(default_factory=dict)  # an attribute per span
+    errors: Sequence[str | None] | None = None  # a span's error message (None: every span is fine)
+    links: Sequence[Sequence[LinkTo]] | None = None
+    kind: SpanKind = SpanKind.INTERNAL
+
+    def __len__(self) -> int:
+        return len(self.span_ids)
+
+    def spans(self, resource: Resource) -> list[ReadableSpan]:
+        """The SDK spans, for exporters and processors that take span objects."""
+        out = []
+        keys = list(self.columns)
+        for i, (trace_hex, span_id, start, end) in enumerate(zip(self.trace_ids, self.span_ids, self.starts, self.ends,
+                                                                 strict=True)):  # fmt: skip
+            trace_id = int(trace_hex, 16)
+            attrs = dict(self.attributes)
+            for k in keys:
+                attrs[k] = self.columns[k][i]
+            error = self.errors[i] if self.errors is not None else None
+            links = self.links[i] if self.links is not None else ()
+            out.append(_readable_span(
+                self.name,
+                _context(trace_id, span_id),
+                _context(trace_id, int(self.parent_ids[i], 16)) if self.parent_ids is not None else None,
+                resource,
+                attrs,
+                [Link(SpanContext(int(t, 16), int(s, 16), True, TraceFlags(int(sampled)))) for t, s, sampled in links],
+                self.kind,
+                _OK if error is None else Status(StatusCode.ERROR, error),
+                start,
+                max(end, start),
+            ))  # fmt: skip
+        return out
 
 
 def _context(trace_id: int, span_id: int) -> SpanContext:
     """`SpanContext(trace_id, span_id, False, SAMPLED)` without the constructor's checks (the ids are valid:
-    drawn here or parsed from a checked traceparent): a third of what building a kept sample's spans cost."""
+    drawn here or parsed from a checked traceparent)."""
     return _tuple_new(SpanContext, (trace_id, span_id, False, _SAMPLED, _NO_STATE, True))
 
 
@@ -65,32 +111,22 @@ FAST_SPANS = set(_SPAN_FIELDS) == {
 }  # fmt: skip
 
 
-def row_attributes(attributes: RowAttributes) -> Mapping[str, AttributeValue] | None:
-    """A row's attributes as one mapping."""
-    if type(attributes) is not tuple:
-        return attributes  # type: ignore[return-value]
-    merged: dict[str, AttributeValue] = {}
-    for a in attributes:
-        merged.update(a)
-    return merged
-
-
-def _int(span_or_trace_id: int | str) -> int:
-    return int(span_or_trace_id, 16) if type(span_or_trace_id) is str else span_or_trace_id  # type: ignore[return-value]
-
-
-def readable_span(row: SpanRow, resource: Resource) -> ReadableSpan:
-    """The SDK span of a row, for exporters and processors that take span objects: its fields set in one dict
-    (half the constructor's cost), or the constructor itself if this SDK's ReadableSpan has other fields."""
-    name, trace, span_id, parent_id, start_ns, end_ns, attributes, error, links, kind = row
-    trace_id = _int(trace)
-    context = _context(trace_id, span_id)
-    parent = _context(trace_id, _int(parent_id)) if parent_id else None
-    attrs = row_attributes(attributes)
-    sdk_links = [Link(SpanContext(_int(t), _int(s), True, TraceFlags(int(sampled)))) for t, s, sampled in links]
-    status = _OK if error is None else Status(StatusCode.ERROR, error)
+def _readable_span(
+    name: str,
+    context: SpanContext,
+    parent: SpanContext | None,
+    resource: Resource,
+    attributes: Attributes,
+    links: Sequence[Link],
+    kind: SpanKind,
+    status: Status,
+    start_ns: int,
+    end_ns: int,
+) -> ReadableSpan:
+    """A ReadableSpan with its fields set in one dict (half its constructor's cost); the constructor itself
+    if this SDK's ReadableSpan has other fields than the ones known here."""
     if not FAST_SPANS:  # pragma: no cover
-        return ReadableSpan(name, context, parent, resource, attrs, links=sdk_links, kind=kind, status=status,
+        return ReadableSpan(name, context, parent, resource, attributes, links=links, kind=kind, status=status,
                             start_time=start_ns, end_time=end_ns, instrumentation_scope=_SCOPE)  # fmt: skip
     span = _object_new(ReadableSpan)
     span.__dict__ = {
@@ -102,9 +138,9 @@ def readable_span(row: SpanRow, resource: Resource) -> ReadableSpan:
         "_parent": parent,
         "_start_time": start_ns,
         "_end_time": end_ns,
-        "_attributes": attrs,
+        "_attributes": attributes,
         "_events": (),
-        "_links": sdk_links,
+        "_links": links,
         "_resource": resource,
         "_status": status,
     }
@@ -213,23 +249,25 @@ class FlightRecorder:
     ) -> None:
         self.resource = resource
         self.capacity = max(1, capacity)
-        self.exporters = list(exporters)  # kept rows go straight to these, in bursts
+        self.exporters = list(exporters)  # kept spans go straight to these, in bursts
         self.processors = list(processors)  # and, as spans, to these (on_end), e.g. a test's in-memory exporter
         # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
         self._ring = Ring(self.capacity)
         self.exported_spans = 0
         self.dropped_spans = 0  # kept spans refused because the builder fell MAX_QUEUED records behind
-        self._queued: deque[list[SpanRow]] = deque()  # export_tree's trees, for the builder thread
+        self._queued: deque[list[SpanBlock]] = deque()  # export_tree's trees, for the builder thread
         # Deferred building: owners queue kept records (plain tuples) and this recorder's builder thread
-        # turns them into rows in bursts, off the event loop, each burst exported as soon as it is built.
-        self._sources: list[weakref.WeakMethod[Callable[[], list[SpanRow]]]] = [weakref.WeakMethod(self._drain_queued)]
+        # turns them into blocks in bursts, off the event loop, each burst exported as soon as it is built.
+        self._sources: list[weakref.WeakMethod[Callable[[], list[SpanBlock]]]] = [
+            weakref.WeakMethod(self._drain_queued)
+        ]
         self._wake = threading.Event()
         self._build_lock = threading.Lock()
         self._builder: threading.Thread | None = None
         self._stopped = False
 
-    def add_source(self, drain: Callable[[], list[SpanRow]]) -> None:
-        """Register an owner's `drain` (a bound method: the rows of the records it queued since the last call);
+    def add_source(self, drain: Callable[[], list[SpanBlock]]) -> None:
+        """Register an owner's `drain` (a bound method: the spans of the records it queued since the last call);
         it is called from the builder thread, and from `flush_deferred` (force_flush, shutdown)."""
         with self._build_lock:
             self._sources.append(weakref.WeakMethod(drain))
@@ -255,16 +293,16 @@ class FlightRecorder:
         """Build and export what the owners queued; `export_all` (provider flush, shutdown) also flushes the span
         processors.
 
-        The cyclic garbage collector is paused for a burst: its rows are built, exported and freed before any
+        The cyclic garbage collector is paused for a burst: its spans are built, exported and freed before any
         collection sees them. Otherwise collections during the burst promote thousands of short-lived objects to
-        the old generation, and the full collections that follow cost more than building the rows.
+        the old generation, and the full collections that follow cost more than building the spans.
         """
         with self._build_lock:
             paused = gc.isenabled()
             if paused:
                 gc.disable()
             try:
-                rows: list[SpanRow] = []
+                blocks: list[SpanBlock] = []
                 live = []
                 for ref in self._sources:
                     drain = ref()
@@ -272,20 +310,23 @@ class FlightRecorder:
                         continue
                     live.append(ref)
                     try:
-                        rows += drain()
+                        blocks += drain()
                     except Exception:  # telemetry must never fail the process
                         log.debug("could not build deferred spans", exc_info=True)
                 self._sources = live
-                n = len(rows)
-                for i in range(0, n, EXPORT_BATCH):
-                    self._export(rows[i : i + EXPORT_BATCH])
+                n = chunk = start = 0
+                for i, block in enumerate(blocks):  # export calls of about EXPORT_BATCH spans
+                    chunk += len(block)
+                    if chunk >= EXPORT_BATCH or i == len(blocks) - 1:
+                        self._export(blocks[start : i + 1])
+                        n, chunk, start = n + chunk, 0, i + 1
                 if self.processors and (export_all or n >= EXPORT_BATCH):
                     for p in self.processors:
                         try:
                             p.force_flush()
                         except Exception:
                             log.debug("span processor flush failed", exc_info=True)
-                del rows
+                del blocks
             finally:
                 if paused:
                     gc.enable()
@@ -321,38 +362,37 @@ class FlightRecorder:
         parent_id: int | None,
         start_ns: int,
         end_ns: int,
-        attributes: RowAttributes = None,
+        attributes: Attributes | None = None,
         *,
         error: str | None = None,
-        links: Sequence[RowLink] = (),
-        kind: SpanKind = SpanKind.INTERNAL,
-    ) -> SpanRow:
-        """A finished span with exactly these ids and times (nothing is sampled or exported here)."""
-        return (name, trace_id, span_id, parent_id or 0, start_ns, max(end_ns, start_ns), attributes, error, links,
-                kind)  # fmt: skip
+    ) -> SpanBlock:
+        """One finished span with exactly these ids and times (nothing is sampled or exported here)."""
+        return SpanBlock(name, [f"{trace_id:032x}"], [span_id], [f"{parent_id:016x}"] if parent_id else None,
+                         [start_ns], [end_ns], attributes or {}, errors=None if error is None else [error])  # fmt: skip
 
     def admits(self, queued: int) -> bool:
         """Whether a queue holding `queued` kept records may take one more (the builder keeps up)."""
         return queued < MAX_QUEUED
 
     def export_tree(self, record: Any) -> int:
-        """Queue a kept record's spans (`record.spans(self)`, rows: cheap to build here) for the builder thread;
-        how many. Never raises: telemetry must not cost a sample its result."""
+        """Queue a kept record's spans (`record.spans(self)`: cheap to build here) for the builder thread; how
+        many. Never raises: telemetry must not cost a sample its result."""
         try:
-            rows: list[SpanRow] = record.spans(self)
+            blocks: list[SpanBlock] = record.spans(self)
         except Exception:
             log.debug("could not build the spans of a kept sample", exc_info=True)
             return 0
+        n = sum(map(len, blocks))
         if not self.admits(len(self._queued)):
-            self.dropped_spans += len(rows)
+            self.dropped_spans += n
             return 0
-        self._queued.append(rows)
+        self._queued.append(blocks)
         if self._builder is None:
             self._start_builder()
-        return len(rows)
+        return n
 
-    def _drain_queued(self) -> list[SpanRow]:
-        out: list[SpanRow] = []
+    def _drain_queued(self) -> list[SpanBlock]:
+        out: list[SpanBlock] = []
         popleft = self._queued.popleft
         while True:
             try:
@@ -360,27 +400,28 @@ class FlightRecorder:
             except IndexError:
                 return out
 
-    def _export(self, rows: Sequence[SpanRow]) -> None:
-        """Hand finished rows to the exporters (rows where they take them, spans otherwise) and the processors."""
+    def _export(self, blocks: Sequence[SpanBlock]) -> None:
+        """Hand finished spans to the exporters (blocks where they take them, span objects otherwise) and the
+        span processors."""
         spans: list[ReadableSpan] | None = None
         for exporter in self.exporters:
             try:
-                export_rows = getattr(exporter, "export_rows", None)
-                if export_rows is not None:
-                    export_rows(self.resource, rows)
+                export_blocks = getattr(exporter, "export_blocks", None)
+                if export_blocks is not None:
+                    export_blocks(self.resource, blocks)
                     continue
                 if spans is None:
-                    spans = [readable_span(r, self.resource) for r in rows]
+                    spans = [s for b in blocks for s in b.spans(self.resource)]
                 exporter.export(spans)
             except Exception:  # an exporter's failure must never fail a sample
                 log.debug("span exporter %s failed", type(exporter).__name__, exc_info=True)
         if self.processors:
             if spans is None:
-                spans = [readable_span(r, self.resource) for r in rows]
-            for s in spans:
+                spans = [s for b in blocks for s in b.spans(self.resource)]
+            for span in spans:
                 for p in self.processors:
                     try:
-                        p.on_end(s)
+                        p.on_end(span)
                     except Exception:
-                        log.debug("span processor failed on %s", s.name, exc_info=True)
-        self.exported_spans += len(rows)
+                        log.debug("span processor failed on %s", span.name, exc_info=True)
+        self.exported_spans += sum(map(len, blocks))

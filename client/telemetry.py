@@ -18,12 +18,13 @@ always recorded, so the kept trees of a step hang under it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 from client import batched_metrics
-from client.flight_recorder import FAST_SPANS, FlightRecorder, SpanRow
+from client.flight_recorder import FAST_SPANS, FlightRecorder, SpanBlock
 
 log = logging.getLogger(__name__)
 
@@ -169,21 +170,21 @@ class SerializedExporter(SpanExporter):
     builder (kept trees), one call at a time: the SDK never calls an exporter concurrently, and exporters rely
     on it. Rows pass through to an exporter that writes them itself."""
 
-    export_rows: Callable[[Resource, Sequence[SpanRow]], SpanExportResult] | None = None
+    export_blocks: Callable[[Resource, Sequence[SpanBlock]], SpanExportResult] | None = None
 
     def __init__(self, exporter: SpanExporter) -> None:
         self.exporter = exporter
         self._lock = threading.Lock()
-        if getattr(exporter, "export_rows", None) is not None:
-            self.export_rows = self._export_rows
+        if getattr(exporter, "export_blocks", None) is not None:
+            self.export_blocks = self._export_blocks
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
             return self.exporter.export(spans)
 
-    def _export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
+    def _export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
         with self._lock:
-            return self.exporter.export_rows(resource, rows)  # type: ignore[attr-defined]
+            return self.exporter.export_blocks(resource, blocks)  # type: ignore[attr-defined]
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
@@ -487,46 +488,56 @@ def span_json(span: ReadableSpan) -> str:
     )
 
 
-def _hex(span_or_trace_id: int | str, digits: int) -> str:
-    return span_or_trace_id if type(span_or_trace_id) is str else f"{span_or_trace_id:0{digits}x}"
-
-
 _OK_JSON = '{"code":0}'
 _ERROR = _STATUS[trace.StatusCode.ERROR]
 
 
-def row_json(row: SpanRow, written: dict[int, str]) -> str:
-    """What `span_json` writes for the row's span, from the row itself (no span object). `written`: the text of
-    attribute mappings already written in this export, by id: the spans of one sample share one mapping."""
-    name, trace_id, span_id, parent_id, start, end, attributes, error, links, kind = row
-    if type(attributes) is tuple:
-        items = []
-        for a in attributes:
-            if a:
-                text = written.get(id(a))
-                if text is None:
-                    text = written[id(a)] = _attr_items(a)
-                items.append(text)
-        attrs = ",".join(items)
-    elif attributes:
-        attrs = written.get(id(attributes))  # type: ignore[assignment]
-        if attrs is None:
-            attrs = written[id(attributes)] = _attr_items(attributes)
+def _column_json(key: str, values: Sequence[Any]) -> list[str]:
+    """One attribute's key-value text for each span of a block (the values' type checked once per column)."""
+    prefix = _KEY_JSON.get(key) or _cached(_KEY_JSON, key, '{"key":' + _esc(key) + ',"value":')
+    types = set(map(type, values))
+    if types == {str}:
+        return [f'{prefix}{{"stringValue":{v}}}}}' for v in map(_esc, values)]
+    if types == {int}:
+        return [f'{prefix}{{"intValue":"{v}"}}}}' for v in values]
+    if types == {float}:
+        return [f'{prefix}{{"doubleValue":{v!r}}}}}' if v - v == 0 else f"{prefix}{_value_json(v)}}}" for v in values]
+    return [f"{prefix}{_value_json(v)}}}" for v in values]
+
+
+def block_json(block: SpanBlock) -> list[str]:
+    """The text `span_json` writes for each of a block's spans, written column by column: one formatted string
+    per span, everything the spans share written once."""
+    n = len(block.span_ids)
+    head = (f'"name":{_NAME_JSON.get(block.name) or _cached(_NAME_JSON, block.name, _esc(block.name))},'
+            f'"kind":{_KIND_OF[id(block.kind)]},')  # fmt: skip
+    shared = _attr_items(block.attributes) if block.attributes else ""
+    columns = [_column_json(k, v) for k, v in block.columns.items()]
+    if not columns:
+        attrs: Iterable[str] = itertools.repeat("", n)
     else:
-        attrs = ""
-    trace = trace_id if type(trace_id) is str else f"{trace_id:032x}"
-    if type(parent_id) is str:
-        has_parent = f'"parentSpanId":"{parent_id}",'
-    else:
-        has_parent = f'"parentSpanId":"{parent_id:016x}",' if parent_id else ""
-    linked = (",".join([f'{{"traceId":"{_hex(t, 32)}","spanId":"{_hex(s, 16)}","attributes":[]}}' for t, s, _ in links])
-              if links else "")  # fmt: skip
-    return (
-        f'{{"traceId":"{trace}","spanId":"{span_id:016x}",{has_parent}'
-        f'"name":{_NAME_JSON.get(name) or _cached(_NAME_JSON, name, _esc(name))},"kind":{_KIND_OF[id(kind)]},'
-        f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}","attributes":[{attrs}],"events":[],'
-        f'"links":[{linked}],"status":{_OK_JSON if error is None else _status_json(_ERROR, error)}}}'
+        attrs = columns[0] if len(columns) == 1 else [",".join(t) for t in zip(*columns, strict=True)]
+        shared += "," if shared else ""
+    parents: Iterable[str] = (
+        itertools.repeat("", n) if block.parent_ids is None else [f'"parentSpanId":"{p}",' for p in block.parent_ids]
     )
+    statuses: Iterable[str] = (
+        itertools.repeat(_OK_JSON, n)
+        if block.errors is None
+        else [_OK_JSON if e is None else _status_json(_ERROR, e) for e in block.errors]
+    )
+    links: Iterable[str] = (
+        itertools.repeat("", n)
+        if block.links is None
+        else [",".join([f'{{"traceId":"{t}","spanId":"{s}","attributes":[]}}' for t, s, _ in ls]) for ls in block.links]
+    )
+    return [
+        f'{{"traceId":"{t}","spanId":"{s:016x}",{p}{head}"startTimeUnixNano":"{b}","endTimeUnixNano":"{e}",'
+        f'"attributes":[{shared}{a}],"events":[],"links":[{lk}],"status":{st}}}'
+        for t, s, p, b, e, a, lk, st in zip(
+            block.trace_ids, block.span_ids, parents, block.starts, block.ends, attrs, links, statuses, strict=False
+        )
+    ]
 
 
 _SCOPE_SPANS = '"scopeSpans":[{"scope":{"name":' + _esc(TRACER_NAME) + '},"spans":['
@@ -556,10 +567,9 @@ class OtlpJsonLinesExporter(SpanExporter):
             ",".join(self._resource_spans(res, ",".join(map(span_json, group))) for res, group in by_resource.values())
         )
 
-    def export_rows(self, resource: Resource, rows: Sequence[SpanRow]) -> SpanExportResult:
-        """The flight recorder's kept spans, written from its rows (no span objects)."""
-        written: dict[int, str] = {}
-        return self._write(self._resource_spans(resource, ",".join([row_json(r, written) for r in rows])))
+    def export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
+        """The flight recorder's kept spans, written from its blocks (no span objects)."""
+        return self._write(self._resource_spans(resource, ",".join([",".join(block_json(b)) for b in blocks])))
 
     def _resource_spans(self, res: Resource, spans_json: str) -> str:
         return '{"resource":' + self._resource_json(res) + "," + _SCOPE_SPANS + spans_json + "]}]}"

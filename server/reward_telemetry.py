@@ -22,21 +22,20 @@ import re
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 import numpy as np
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
 from client.flight_recorder import (
     EXPORT_BATCH,
     FlightRecorder,
+    LinkTo,
     Ring,
-    RowLink,
-    SpanRow,
+    SpanBlock,
     new_span_id,
     new_trace_id,
     parse_traceparent,
@@ -185,11 +184,11 @@ class _Batch:
     def scored(self, i: int) -> bool:
         return not math.isnan(self.scores[i])
 
-    def links(self) -> list[RowLink]:
+    def links(self) -> list[LinkTo]:
         """Links to the served samples that are kept: a link to a span never exported says nothing."""
         sampled = self.sampled()
         if self.hex_ids():  # checked: the ids as the hex they came as
-            links: list[RowLink] = [(tp[3:35], tp[36:52], True) for tp in map(self.context, sampled)]  # type: ignore[index]
+            links: list[LinkTo] = [(tp[3:35], tp[36:52], True) for tp in map(self.context, sampled)]  # type: ignore[index]
             contexts: list[str | None] = []
         else:
             links, contexts = [], [self.context(i) for i in sampled]
@@ -198,7 +197,8 @@ class _Batch:
             for sid in self.kept:
                 if (i := self.index(sid)) is not None and i not in linked:
                     contexts.append(self.context(i) or given.get(sid))
-        return links + [link for tp in contexts if tp is not None and (link := parse_traceparent(tp)) is not None]
+        parsed = [p for tp in contexts if tp is not None and (p := parse_traceparent(tp)) is not None]
+        return links + [(f"{t:032x}", f"{s:016x}", sampled) for t, s, sampled in parsed]
 
     def record(self, i: int, sample_id: str, traceparent: str = "") -> _Record:
         """Member i's record (its id is `sample_id`; `traceparent`: the one it came without), as a scored sample."""
@@ -268,30 +268,22 @@ _Record = tuple[str, str, str, int, float, int, tuple[float, float, float], str,
 _Entry = _Record | tuple[_Batch, list[str], list[int]]  # a queued kept sample, or a batch's head-sampled members
 
 
-_INTERNAL = SpanKind.INTERNAL
+def _sample_spans(out: list[SpanBlock], traces: list[str], parents: list[str], sample_ids: list[str], pipeline: str,
+                  batch_size: int, arrivals: list[int], queue_s: Sequence[float], compute_s: Sequence[float],
+                  scores: Sequence[float]) -> None:  # fmt: skip
+    """Kept scored samples' reward.queue and reward.compute spans (a block each), under their reward spans
+    (`parents`, in traces `traces`), sample i arriving at arrivals[i], queued queue_s[i], computed compute_s[i]."""
+    shared: dict[str, AttributeValue] = {"rewardmesh.pipeline": pipeline, "rewardmesh.batch.size": batch_size}
+    queue_ends = [t0 + int(q * 1e9) for t0, q in zip(arrivals, queue_s, strict=True)]
+    compute_ends = [t + int(c * 1e9) for t, c in zip(queue_ends, compute_s, strict=True)]
+    ids = {"rewardmesh.sample_id": sample_ids}
+    out.append(SpanBlock("reward.queue", traces, [new_span_id() for _ in traces], parents, arrivals, queue_ends,
+                         shared, ids))  # fmt: skip
+    out.append(SpanBlock("reward.compute", traces, [new_span_id() for _ in traces], parents, queue_ends, compute_ends,
+                         shared, {**ids, "rewardmesh.score": scores}))  # fmt: skip
 
 
-def _sample_rows(out: list[SpanRow], trace: int | str, parent: int | str, sid: str, pipeline: str, t0: int,
-                 score: float, batch_size: int, timing: tuple[float, float, float], error: str) -> None:  # fmt: skip
-    """A kept sample's reward.queue / reward.compute spans (one reward.queue span with the error if it failed)
-    under its reward span (`parent`, in trace `trace`: ids as numbers or as their hex text)."""
-    total, queue, compute = timing
-    attrs: dict[str, AttributeValue] = {
-        "rewardmesh.sample_id": sid,
-        "rewardmesh.pipeline": pipeline,
-        "rewardmesh.batch.size": batch_size,
-    }
-    if error:
-        out.append(("reward.queue", trace, new_span_id(), parent, t0, t0 + int(total * 1e9), attrs, error, (),
-                    _INTERNAL))  # fmt: skip
-        return
-    queue_end = t0 + int(queue * 1e9)
-    out.append(("reward.queue", trace, new_span_id(), parent, t0, queue_end, attrs, None, (), _INTERNAL))
-    out.append(("reward.compute", trace, new_span_id(), parent, queue_end, queue_end + int(compute * 1e9),
-                (attrs, {"rewardmesh.score": score}), None, (), _INTERNAL))  # the shared part written once  # fmt: skip
-
-
-def _batch_row(batch: _Batch) -> SpanRow:
+def _batch_span(batch: _Batch) -> SpanBlock:
     """The batch's span: its own trace (a batch serves many samples, so it links to them, not to a parent);
     its id was drawn when the first kept member was queued."""
     attrs: dict[str, AttributeValue] = {
@@ -300,38 +292,48 @@ def _batch_row(batch: _Batch) -> SpanRow:
         "rewardmesh.batch.padded_tokens": batch.padded_tokens,
         "rewardmesh.batch.real_tokens": batch.real_tokens,
     }
-    return ("reward.batch", new_trace_id(), batch.span_id, 0, batch.start_ns, max(batch.end_ns, batch.start_ns),
-            attrs, None, batch.links(), _INTERNAL)  # fmt: skip
+    return SpanBlock("reward.batch", [f"{new_trace_id():032x}"], [batch.span_id], None, [batch.start_ns],
+                     [max(batch.end_ns, batch.start_ns)], attrs, links=[batch.links()])  # fmt: skip
 
 
-def _record_rows(out: list[SpanRow], r: _Record) -> None:
-    """The rows of a kept sample's record (a failure, or a member named by a keep decision)."""
-    sid, pipeline, tp, t0, score, batch_size, timing, error, _ = r
+def _record_spans(out: list[SpanBlock], r: _Record) -> None:
+    """The spans of a kept sample's record (a failure, or a member named by a keep decision)."""
+    sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
     parsed = parse_traceparent(tp)
-    if parsed is not None:
-        _sample_rows(out, parsed[0], parsed[1], sid, pipeline, t0, score, batch_size, timing, error)
+    if parsed is None:
+        return
+    trace, parent = f"{parsed[0]:032x}", f"{parsed[1]:016x}"
+    if not error:
+        _sample_spans(out, [trace], [parent], [sid], pipeline, batch_size, [t0], [queue], [compute], [score])
+        return
+    attrs: dict[str, AttributeValue] = {"rewardmesh.sample_id": sid, "rewardmesh.pipeline": pipeline,
+                                        "rewardmesh.batch.size": batch_size}  # fmt: skip
+    out.append(SpanBlock("reward.queue", [trace], [new_span_id()], [parent], [t0], [t0 + int(total * 1e9)], attrs,
+                         errors=[error]))  # fmt: skip
 
 
-def _head_sampled_rows(out: list[SpanRow], batch: _Batch, sample_ids: list[str], members: list[int]) -> None:
-    """The rows of a batch's scored head-sampled members, straight from the batch (no record per member). Where
-    every member's traceparent is well formed (one check per batch), the ids are copied as the hex they came as."""
-    hex_ids, pipeline, size, compute = batch.hex_ids(), batch.pipeline, batch.size, batch.compute_s
-    start, queue_s, scores = batch.start_ns, batch.queue_s, batch.scores
-    joined = batch.contexts if hex_ids else ""
-    for i in members:
-        tp = joined[i * (_TP_LEN + 1) : i * (_TP_LEN + 1) + _TP_LEN] if hex_ids else batch.context(i)  # type: ignore[index]
-        if tp is None:
-            continue
-        if hex_ids:
-            trace: int | str = tp[3:35]
-            parent: int | str = tp[36:52]
-        elif (parsed := parse_traceparent(tp)) is not None:
-            trace, parent = parsed[0], parsed[1]
-        else:
-            continue
-        queue = queue_s[i]
-        _sample_rows(out, trace, parent, sample_ids[i], pipeline, start - int(queue * 1e9), scores[i], size,
-                     (queue + compute, queue, compute), "")  # fmt: skip
+def _head_sampled_spans(out: list[SpanBlock], batch: _Batch, sample_ids: list[str], members: list[int]) -> None:
+    """The spans of a batch's scored head-sampled members, straight from the batch, a column at a time. Where every
+    member's traceparent is well formed (one check for the batch), the ids are slices of the string they came in."""
+    if batch.hex_ids():
+        joined: str = batch.contexts  # type: ignore[assignment]
+        offsets = [i * (_TP_LEN + 1) for i in members]
+        traces = [joined[o + 3 : o + 35] for o in offsets]
+        parents = [joined[o + 36 : o + 52] for o in offsets]
+    else:
+        kept, traces, parents = [], [], []
+        for i in members:
+            if (tp := batch.context(i)) is not None and (parsed := parse_traceparent(tp)) is not None:
+                kept.append(i)
+                traces.append(f"{parsed[0]:032x}")
+                parents.append(f"{parsed[1]:016x}")
+        members = kept
+    queue_s, start, compute = batch.queue_s, batch.start_ns, batch.compute_s
+    queues = [queue_s[i] for i in members]
+    scores = batch.scores
+    _sample_spans(out, traces, parents, [sample_ids[i] for i in members], batch.pipeline, batch.size,
+                  [start - int(q * 1e9) for q in queues], queues, [compute] * len(members),
+                  [scores[i] for i in members])  # fmt: skip
 
 
 _LIVE: weakref.WeakSet[RewardTelemetry] = weakref.WeakSet()
@@ -474,9 +476,9 @@ class RewardTelemetry:
             rec.wake()
         return n
 
-    def _drain(self) -> list[SpanRow]:
+    def _drain(self) -> list[SpanBlock]:
         """The spans of the kept samples queued so far (the builder thread's call)."""
-        out: list[SpanRow] = []
+        out: list[SpanBlock] = []
         popleft = self._deferred.popleft
         while True:
             try:
@@ -485,11 +487,11 @@ class RewardTelemetry:
                 return out
             try:
                 if len(entry) == 3:  # a batch's head-sampled members
-                    _head_sampled_rows(out, *entry)
+                    _head_sampled_spans(out, *entry)
                 else:
-                    _record_rows(out, entry)
+                    _record_spans(out, entry)
                 if batch is not None:
-                    out.append(_batch_row(batch))
+                    out.append(_batch_span(batch))
             except Exception:  # telemetry must never cost a sample its result
                 log.debug("could not build the spans of a kept sample", exc_info=True)
 

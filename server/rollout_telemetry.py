@@ -18,7 +18,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanContext, get_current_span
 from opentelemetry.util.types import AttributeValue
 
-from client.flight_recorder import FlightRecorder, SpanRow, new_span_id, new_trace_id, traceparent
+from client.flight_recorder import FlightRecorder, SpanBlock, new_span_id, new_trace_id, traceparent
 from client.telemetry import STEP_KEY, recorder, trace_config
 from rewardmesh.v1 import reward_pb2, rollout_pb2
 
@@ -100,7 +100,7 @@ class SampleTrace:
 
     # -- kept: spans ---------------------------------------------------------------------------
 
-    def spans(self, rec: FlightRecorder) -> list[SpanRow]:
+    def spans(self, rec: FlightRecorder) -> list[SpanBlock]:
         tid, sid = self.trace_id, self.span_id
         out = [rec.span("rollout.sample", tid, sid, self.parent_id, self.start_ns, self.end_ns, self.attrs,
                         error=self.error)]  # fmt: skip

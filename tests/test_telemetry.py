@@ -42,6 +42,44 @@ def tool_script(text: str, turn: int) -> tuple[str, float]:
     return "#### 4", 0.02 if "slow" in text else 0.0
 
 
+@pytest.fixture
+def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[str, Any]]]:
+    """An OTLP JSON lines exporter beside the in-memory one for one test, fed kept spans as a deployment's exporter
+    is: blocks straight from the flight recorder. Returns a reader: the spans written so far, by span id."""
+    from client.telemetry import SerializedExporter
+
+    assert telemetry.recorder is not None
+    path = tmp_path / "kept.jsonl"
+    exporter = SerializedExporter(OtlpJsonLinesExporter(path))
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]  # nothing of an earlier test's
+    telemetry.recorder.exporters.append(exporter)
+
+    def read() -> dict[str, Any]:
+        telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        scopes = [ss for x in lines for rs in x["resourceSpans"] for ss in rs["scopeSpans"]]
+        return {s["spanId"]: s for ss in scopes for s in ss["spans"]}
+
+    yield read
+    telemetry.recorder.exporters.remove(exporter)
+    exporter.shutdown()
+
+
+def assert_written_as_span_objects(written: dict[str, Any], names: tuple[str, ...]) -> int:
+    """Every kept span the in-memory exporter got (span objects built from the recorder's blocks) was written by
+    the JSON exporter from the blocks themselves, with exactly the same content; returns how many."""
+    from client.telemetry import span_to_otlp
+
+    kept = [s for s in SPANS.get_finished_spans() if s.name in names]
+    assert {f"{s.context.span_id:016x}" for s in kept} == set(written)
+    for s in kept:
+        assert written[f"{s.context.span_id:016x}"] == json.loads(json.dumps(span_to_otlp(s)))
+    return len(kept)
+
+
+KEPT_NAMES = ("rollout.sample", "generate", "tool_call", "reward", "reward.queue", "reward.compute", "reward.batch")
+
+
 def metric_points(name: str) -> list[Any]:
     data = METRICS.get_metrics_data()
     if data is None:  # nothing recorded yet in this process
@@ -63,7 +101,10 @@ def head_ratio(telemetry: Telemetry) -> Iterator[Callable[[float], None]]:
 
 
 async def test_one_trace_per_step_across_three_services(
-    telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
+    telemetry: Telemetry,
+    tiny_models: TinyModelPaths,
+    head_ratio: Callable[[float], None],
+    written: Callable[[], dict[str, Any]],
 ) -> None:
     head_ratio(1.0)  # every sample traced in full, RPC spans included
     tok = load_tokenizer(str(tiny_models.policy))
@@ -132,6 +173,9 @@ async def test_one_trace_per_step_across_three_services(
     assert sum(p.sum for p in sizes) == 4
     scored = [p for p in metric_points("rewardmesh.reward.scored") if p.attributes["pipeline"] == "gsm8k_batched"]
     assert sum(p.value for p in scored) == 4
+    # A deployment's exporter wrote the same kept spans from the recorder's blocks (4 samples: 5 spans each on
+    # the rollout server, 2 on the reward server, plus the batch spans).
+    assert assert_written_as_span_objects(written(), KEPT_NAMES) == 4 * 7 + len(named["reward.batch"])
 
 
 async def test_failures_are_counted_by_kind(telemetry: Telemetry) -> None:
@@ -188,6 +232,33 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
     assert len(spans) == 2
     for span in spans:
         assert json.loads(span_json(span)) == json.loads(json.dumps(span_to_otlp(span)))
+
+
+def test_a_block_is_written_as_its_span_objects_are() -> None:
+    """block_json (the JSON exporter's text for a block of spans, written column by column) says what span_to_otlp
+    says of the block's span objects: shared and per-span attributes of every type, errors, links, roots."""
+    from client.flight_recorder import SpanBlock
+    from client.telemetry import block_json, resource, span_to_otlp
+
+    res = resource("test")
+    t1, t2 = f"{123:032x}", f"{2**127 + 5:032x}"
+    blocks = [
+        SpanBlock("reward.queue", [t1, t2], [1, 2**64 - 1], [f"{7:016x}", f"{8:016x}"], [10, 20], [15, 20],
+                  {"p": "gsm8k", "n": 3}, {"id": ['a"b', "é\n"], "score": [0.5, float("nan")]},
+                  errors=[None, "boom \"x\""]),
+        SpanBlock("reward.batch", [t2], [3], None, [5], [9], {"size": 2, "flag": True},
+                  {"mixed": [[1, 2]]}, links=[[(t1, f"{7:016x}", True), (t2, f"{8:016x}", False)]]),
+        SpanBlock("only columns", [t1], [4], [f"{1:016x}"], [1], [2], {}, {"i": [2**40], "f": [float("inf")]}),
+        SpanBlock("no attributes", [t1], [5], None, [1], [2], {}),
+    ]  # fmt: skip
+    for block in blocks:
+        spans = block.spans(res)
+        assert len(spans) == len(block)
+        texts = block_json(block)
+        assert [json.loads(t) for t in texts] == [json.loads(json.dumps(span_to_otlp(s))) for s in spans]
+    queue = blocks[0].spans(res)
+    assert [s.context.span_id for s in queue] == [1, 2**64 - 1] and queue[1].context.trace_id == 2**127 + 5
+    assert queue[0].attributes == {"p": "gsm8k", "n": 3, "id": 'a"b', "score": 0.5} and queue[1].status.description
 
 
 async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
@@ -323,7 +394,9 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
     assert first == len([s for s in spans if s.name.startswith("reward.")]) and again == 0
 
 
-async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_one(telemetry: Telemetry) -> None:
+async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_one(
+    telemetry: Telemetry, written: Callable[[], dict[str, Any]]
+) -> None:
     """An older sender leaves ScoreRequest.items_untraced unset: each item's traceparent is read and a
     head-sampled one's reward spans are exported under it. A sender that sets it is taken at its word (the
     flag spares the server a map read per sample); RewardClient sets it only on messages with no context."""
@@ -351,6 +424,7 @@ async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_
     assert sorted(s.attributes["rewardmesh.sample_id"] for s in mine) == ["h0", "h0", "h1", "h1"]
     for s in mine:
         assert (s.context.trace_id, s.parent.span_id) == parents[s.attributes["rewardmesh.sample_id"]]
+    assert assert_written_as_span_objects(written(), KEPT_NAMES) >= 5  # and the batch span(s)
 
 
 async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> None:
@@ -423,7 +497,9 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
         assert "no_such_pipeline" in (span.status.description or "")
 
 
-async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(telemetry: Telemetry) -> None:
+async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
+    telemetry: Telemetry, written: Callable[[], dict[str, Any]]
+) -> None:
     """A sample that failed inside a batch, kept after the fact: its error span under its sender's span, and the
     batch's span, which the failure exports as the batch's first kept member, links it (a failure drew its
     batch's span id but never built the span); a batch-mate kept later has its own spans."""
@@ -457,6 +533,7 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(telemet
     assert batch.attributes["rewardmesh.batch.size"] == 4
     linked = {link.context.span_id for link in batch.links}  # m1 too if it was kept before the span was built
     assert parents["m0"][1] in linked and linked <= {parents["m0"][1], parents["m1"][1]}
+    assert assert_written_as_span_objects(written(), KEPT_NAMES) == 4  # the failure's, m1's two, the batch's
 
 
 def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
