@@ -182,7 +182,7 @@ def parse_traceparent(value: str) -> tuple[int, int, bool] | None:
 
 DEFERRED_TICK_S = 0.2  # the longest a kept record waits to become spans
 EXPORT_BATCH = 512  # spans per export call (BatchSpanProcessor's default export batch size)
-MAX_QUEUED = 1 << 15  # kept records waiting for the builder thread, per queue; beyond it they are dropped (counted)
+MAX_QUEUED_SPANS = 1 << 16  # per queue, waiting for the builder thread; beyond it kept spans are dropped (counted)
 
 
 class _DeferredFlush(SpanProcessor):
@@ -231,6 +231,44 @@ class Ring:
         return len(self._young) + len(self._old)
 
 
+class SpanQueue:
+    """Kept samples waiting for the recorder's builder thread, bounded in spans (a stalled exporter costs dropped
+    spans, counted, not memory): `put` on the owner's thread, `take` on the builder's. Each counter is written by
+    one thread only, so none needs a lock."""
+
+    def __init__(self, recorder: FlightRecorder) -> None:
+        self.recorder = recorder
+        self._items: deque[Any] = deque()
+        self._put = self._taken = 0  # spans put in and taken out, ever
+        self._unannounced = 0  # spans put in since the builder was last woken
+
+    def put(self, item: Any, spans: int) -> bool:
+        """Queue `item` (worth `spans` spans); False, and the spans counted as dropped, if the queue is full."""
+        if self._put - self._taken + spans > MAX_QUEUED_SPANS:
+            self.recorder.dropped_spans += spans
+            return False
+        self._items.append((item, spans))
+        self._put += spans
+        self._unannounced += spans
+        if self._unannounced >= EXPORT_BATCH:  # a burst's worth: build now rather than at the next tick
+            self._unannounced = 0
+            self.recorder.wake()
+        return True
+
+    def take(self) -> list[Any]:
+        """Everything queued so far, oldest first."""
+        out, taken, popleft = [], 0, self._items.popleft
+        while True:
+            try:
+                item, spans = popleft()
+            except IndexError:
+                break
+            out.append(item)
+            taken += spans
+        self._taken += taken
+        return out
+
+
 class FlightRecorder:
     """Per-sample records (whatever the caller records) in a bounded ring, and the export of kept spans.
 
@@ -254,8 +292,8 @@ class FlightRecorder:
         # Used from the event loop's thread only (the hot path and the KeepTraces handlers), so no lock.
         self._ring = Ring(self.capacity)
         self.exported_spans = 0
-        self.dropped_spans = 0  # kept spans refused because the builder fell MAX_QUEUED records behind
-        self._queued: deque[list[SpanBlock]] = deque()  # export_tree's trees, for the builder thread
+        self.dropped_spans = 0  # kept spans refused because the builder fell MAX_QUEUED_SPANS behind
+        self._queued = SpanQueue(self)  # export_tree's trees, for the builder thread
         # Deferred building: owners queue kept records (plain tuples) and this recorder's builder thread
         # turns them into blocks in bursts, off the event loop, each burst exported as soon as it is built.
         self._sources: list[weakref.WeakMethod[Callable[[], list[SpanBlock]]]] = [
@@ -370,10 +408,6 @@ class FlightRecorder:
         return SpanBlock(name, [f"{trace_id:032x}"], [span_id], [f"{parent_id:016x}"] if parent_id else None,
                          [start_ns], [end_ns], attributes or {}, errors=None if error is None else [error])  # fmt: skip
 
-    def admits(self, queued: int) -> bool:
-        """Whether a queue holding `queued` kept records may take one more (the builder keeps up)."""
-        return queued < MAX_QUEUED
-
     def export_tree(self, record: Any) -> int:
         """Queue a kept record's spans (`record.spans(self)`: cheap to build here) for the builder thread; how
         many. Never raises: telemetry must not cost a sample its result."""
@@ -383,22 +417,14 @@ class FlightRecorder:
             log.debug("could not build the spans of a kept sample", exc_info=True)
             return 0
         n = sum(map(len, blocks))
-        if not self.admits(len(self._queued)):
-            self.dropped_spans += n
+        if not self._queued.put(blocks, n):
             return 0
-        self._queued.append(blocks)
         if self._builder is None:
             self._start_builder()
         return n
 
     def _drain_queued(self) -> list[SpanBlock]:
-        out: list[SpanBlock] = []
-        popleft = self._queued.popleft
-        while True:
-            try:
-                out += popleft()
-            except IndexError:
-                return out
+        return [block for blocks in self._queued.take() for block in blocks]
 
     def _export(self, blocks: Sequence[SpanBlock]) -> None:
         """Hand finished spans to the exporters (blocks where they take them, span objects otherwise) and the

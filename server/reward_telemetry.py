@@ -21,7 +21,6 @@ import math
 import re
 import weakref
 from array import array
-from collections import deque
 from collections.abc import Mapping, Sequence
 
 import grpc
@@ -31,11 +30,11 @@ from opentelemetry.util.types import AttributeValue
 
 from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
 from client.flight_recorder import (
-    EXPORT_BATCH,
     FlightRecorder,
     LinkTo,
     Ring,
     SpanBlock,
+    SpanQueue,
     new_span_id,
     new_trace_id,
     parse_traceparent,
@@ -384,9 +383,7 @@ class RewardTelemetry:
         self._batch_no = 0
         # Kept samples waiting to become spans: (a record, or a batch's head-sampled members; the batch whose span
         # goes with them, if any).
-        self._deferred: deque[tuple[_Entry, _Batch | None]] = deque()
-        self._registered = False
-        self._unannounced = 0  # spans queued since the builder was last woken
+        self._deferred: SpanQueue | None = None  # made, and registered with the recorder, at the first kept sample
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
 
@@ -457,34 +454,23 @@ class RewardTelemetry:
 
     def _queue(self, rec: FlightRecorder, entry: _Entry, spans: int, batch: _Batch | None) -> int:
         """Queue kept samples' spans (`spans` of them; built in the recorder's builder thread) and, with the first
-        kept member of `batch`, the batch's span; how many will be exported."""
+        kept member of `batch`, the batch's span; how many will be exported (0: dropped, the builder is behind)."""
         owns_batch = batch is not None and not batch.span_id
-        n = spans + owns_batch
-        deferred = self._deferred
-        if not rec.admits(len(deferred)):  # the builder is far behind (a stalled exporter): drop, counted
-            rec.dropped_spans += n
-            return 0
-        if owns_batch:
+        if owns_batch:  # drawn before it is queued: the builder may take it at once
             batch.span_id = new_span_id()  # type: ignore[union-attr]
-        if not deferred and not self._registered:
+        if self._deferred is None:
+            self._deferred = SpanQueue(rec)
             rec.add_source(self._drain)
-            self._registered = True
-        deferred.append((entry, batch if owns_batch else None))
-        self._unannounced += n
-        if self._unannounced >= EXPORT_BATCH:  # a burst's worth: build now rather than at the next tick
-            self._unannounced = 0
-            rec.wake()
-        return n
+        if not self._deferred.put((entry, batch if owns_batch else None), spans + owns_batch):
+            if owns_batch:
+                batch.span_id = 0  # type: ignore[union-attr]  # a later kept member exports it
+            return 0
+        return spans + owns_batch
 
     def _drain(self) -> list[SpanBlock]:
         """The spans of the kept samples queued so far (the builder thread's call)."""
         out: list[SpanBlock] = []
-        popleft = self._deferred.popleft
-        while True:
-            try:
-                entry, batch = popleft()
-            except IndexError:
-                return out
+        for entry, batch in self._deferred.take() if self._deferred is not None else ():
             try:
                 if len(entry) == 3:  # a batch's head-sampled members
                     _head_sampled_spans(out, *entry)
@@ -494,6 +480,7 @@ class RewardTelemetry:
                     out.append(_batch_span(batch))
             except Exception:  # telemetry must never cost a sample its result
                 log.debug("could not build the spans of a kept sample", exc_info=True)
+        return out
 
     def keep(self, kept: Mapping[str, str]) -> tuple[int, int]:
         """Export the trees of these samples still remembered: sample id -> its traceparent, for one sent without

@@ -633,3 +633,46 @@ def test_ring_keeps_at_least_capacity_records() -> None:
         ring.put(i, (i,))
     assert [ring.get(i) for i in range(6, 10)] == [(6,), (7,), (8,), (9,)]
     assert ring.get(0) is None and len(ring) <= 8
+
+
+def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept spans wait for the recorder's builder thread in a queue bounded in spans: while an exporter hangs, the
+    queue fills, what does not fit is refused and counted as dropped, and what was taken is exported once the
+    exporter answers again. An exporter without `export_blocks` gets span objects."""
+    import threading
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from client import flight_recorder
+    from client.flight_recorder import FlightRecorder, SpanBlock, new_span_id
+    from client.telemetry import resource
+
+    monkeypatch.setattr(flight_recorder, "MAX_QUEUED_SPANS", 10)
+    entered, release = threading.Event(), threading.Event()
+    exported: list[ReadableSpan] = []
+
+    class Stalled(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            entered.set()
+            release.wait(10)
+            exported.extend(spans)
+            return SpanExportResult.SUCCESS
+
+    class Tree:
+        def spans(self, rec: FlightRecorder) -> list[SpanBlock]:
+            return [rec.span("root", 5, new_span_id(), None, 1, 2), rec.span("child", 5, new_span_id(), 7, 1, 2)]
+
+    rec = FlightRecorder(resource("test"), exporters=[Stalled()])
+    try:
+        assert rec.export_tree(Tree()) == 2
+        rec.wake()
+        assert entered.wait(5)  # the builder took the first tree and hangs in the exporter
+        assert [rec.export_tree(Tree()) for _ in range(6)] == [2, 2, 2, 2, 2, 0]  # 10 spans fit
+        assert rec.dropped_spans == 2
+    finally:
+        release.set()
+    rec.flush_deferred(export_all=True)
+    assert len(exported) == 12 and rec.exported_spans == 12
+    assert all(isinstance(s, ReadableSpan) and s.context.trace_id == 5 for s in exported)
+    assert {s.name: s.parent is None for s in exported} == {"root": True, "child": False}
+    rec.stop()
