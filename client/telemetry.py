@@ -168,7 +168,7 @@ def _metric_readers(names: Sequence[str], prometheus_port: int) -> list[MetricRe
 class SerializedExporter(SpanExporter):
     """An exporter fed by two threads, the SDK's batch processor (step and RPC spans) and the flight recorder's
     builder (kept trees), one call at a time: the SDK never calls an exporter concurrently, and exporters rely
-    on it. Rows pass through to an exporter that writes them itself."""
+    on it. Blocks pass through to an exporter that writes them itself."""
 
     export_blocks: Callable[[Resource, Sequence[SpanBlock]], SpanExportResult] | None = None
 

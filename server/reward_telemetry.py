@@ -193,7 +193,7 @@ class _Batch:
             links, contexts = [], [self.context(i) for i in sampled]
         if self.kept:  # the others, found by id (a head-sampled member that failed is among both)
             given, linked = self.given or {}, set(sampled)
-            for sid in self.kept:
+            for sid in list(self.kept):  # a copy: the event loop may add to it while the builder thread reads
                 if (i := self.index(sid)) is not None and i not in linked:
                     contexts.append(self.context(i) or given.get(sid))
         parsed = [p for tp in contexts if tp is not None and (p := parse_traceparent(tp)) is not None]
@@ -423,7 +423,7 @@ class RewardTelemetry:
                 if score is _FAILED:
                     self._failed_in.put(sid, batch)
         sampled = batch.sampled()
-        if sampled:  # queued as one entry: its rows are built off the event loop
+        if sampled:  # queued as one entry: its spans are built off the event loop
             members = [i for i in sampled if batch.scored(i)] if failed else sampled
             batch.head_kept = True
             if members:

@@ -394,6 +394,34 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
     assert first == len([s for s in spans if s.name.startswith("reward.")]) and again == 0
 
 
+async def test_a_head_sampled_sample_named_again_by_a_keep_decision_is_exported_once(telemetry: Telemetry) -> None:
+    """A head-sampled sample's reward spans are exported with its batch; a keep decision naming it later (it was
+    among its step's slowest) exports nothing more, while a batch-mate it names is exported."""
+    import asyncio
+
+    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from client.reward_client import RewardClient
+    from tests.support.servers import sample
+
+    parents = {sid: (new_trace_id(), new_span_id()) for sid in ("head", "other")}
+    SPANS.clear()
+    async with reward_server() as rs, RewardClient([rs.address]) as client:
+        contexts = {sid: traceparent(*parents[sid], sid == "head") for sid in parents}
+        futures = [client.submit(sample(sid), "gsm8k", trace_context={"traceparent": tp})
+                   for sid, tp in contexts.items()]  # fmt: skip
+        assert not [r for r in await asyncio.gather(*futures) if r.HasField("error")]
+        telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+        assert len([s for s in SPANS.get_finished_spans() if s.name.startswith("reward.")]) >= 2  # head's, at once
+        assert await client.keep_traces(["head"]) == 0
+        assert await client.keep_traces(["head", "other"]) >= 2  # other's two (and its batch span, if its own)
+    telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]
+    mine: list[Any] = [s for s in SPANS.get_finished_spans() if s.name in ("reward.queue", "reward.compute")]
+    assert sorted((s.attributes["rewardmesh.sample_id"], s.name) for s in mine) == [
+        ("head", "reward.compute"), ("head", "reward.queue"),
+        ("other", "reward.compute"), ("other", "reward.queue"),
+    ]  # fmt: skip
+
+
 async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_one(
     telemetry: Telemetry, written: Callable[[], dict[str, Any]]
 ) -> None:
