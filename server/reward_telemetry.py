@@ -282,33 +282,40 @@ def _sample_spans(out: list[SpanBlock], traces: list[str], parents: list[str], s
                          shared, {**ids, "rewardmesh.score": scores}))  # fmt: skip
 
 
-def _batch_span(batch: _Batch) -> SpanBlock:
-    """The batch's span: its own trace (a batch serves many samples, so it links to them, not to a parent);
-    its id was drawn when the first kept member was queued."""
-    attrs: dict[str, AttributeValue] = {
-        "rewardmesh.pipeline": batch.pipeline,
-        "rewardmesh.batch.size": batch.size,
-        "rewardmesh.batch.padded_tokens": batch.padded_tokens,
-        "rewardmesh.batch.real_tokens": batch.real_tokens,
-    }
-    return SpanBlock("reward.batch", [f"{new_trace_id():032x}"], [batch.span_id], None, [batch.start_ns],
-                     [max(batch.end_ns, batch.start_ns)], attrs, links=[batch.links()])  # fmt: skip
+def _batch_spans(out: list[SpanBlock], batches: list[_Batch]) -> None:
+    """The batches' spans, each in its own trace (a batch serves many samples, so it links to them rather than
+    having a parent); their ids were drawn when each batch's first kept member was queued."""
+    out.append(SpanBlock("reward.batch", [f"{new_trace_id():032x}" for _ in batches], [b.span_id for b in batches],
+                         None, [b.start_ns for b in batches], [max(b.end_ns, b.start_ns) for b in batches], {},
+                         {"rewardmesh.pipeline": [b.pipeline for b in batches],
+                          "rewardmesh.batch.size": [b.size for b in batches],
+                          "rewardmesh.batch.padded_tokens": [b.padded_tokens for b in batches],
+                          "rewardmesh.batch.real_tokens": [b.real_tokens for b in batches]},
+                         links=[b.links() for b in batches]))  # fmt: skip
 
 
-def _record_spans(out: list[SpanBlock], r: _Record) -> None:
-    """The spans of a kept sample's record (a failure, or a member named by a keep decision)."""
-    sid, pipeline, tp, t0, score, batch_size, (total, queue, compute), error, _ = r
-    parsed = parse_traceparent(tp)
-    if parsed is None:
-        return
-    trace, parent = f"{parsed[0]:032x}", f"{parsed[1]:016x}"
-    if not error:
-        _sample_spans(out, [trace], [parent], [sid], pipeline, batch_size, [t0], [queue], [compute], [score])
-        return
-    attrs: dict[str, AttributeValue] = {"rewardmesh.sample_id": sid, "rewardmesh.pipeline": pipeline,
-                                        "rewardmesh.batch.size": batch_size}  # fmt: skip
-    out.append(SpanBlock("reward.queue", [trace], [new_span_id()], [parent], [t0], [t0 + int(total * 1e9)], attrs,
-                         errors=[error]))  # fmt: skip
+def _record_spans(out: list[SpanBlock], records: list[_Record]) -> None:
+    """The spans of kept samples' records (failures, members named by a keep decision): the scored ones' in one
+    block pair per pipeline and batch size (so a drain's keep decisions cost a few blocks, not a few per sample)."""
+    scored: dict[tuple[str, int], list[tuple[str, str, _Record]]] = {}
+    for r in records:
+        sid, pipeline, tp, t0, _, batch_size, timing, error, _ = r
+        parsed = parse_traceparent(tp)
+        if parsed is None:
+            continue
+        trace, parent = f"{parsed[0]:032x}", f"{parsed[1]:016x}"
+        if not error:
+            scored.setdefault((pipeline, batch_size), []).append((trace, parent, r))
+            continue
+        attrs: dict[str, AttributeValue] = {"rewardmesh.sample_id": sid, "rewardmesh.pipeline": pipeline,
+                                            "rewardmesh.batch.size": batch_size}  # fmt: skip
+        out.append(SpanBlock("reward.queue", [trace], [new_span_id()], [parent], [t0], [t0 + int(timing[0] * 1e9)],
+                             attrs, errors=[error]))  # fmt: skip
+    for (pipeline, batch_size), group in scored.items():
+        rs = [r for _, _, r in group]
+        _sample_spans(out, [t for t, _, _ in group], [p for _, p, _ in group], [r[0] for r in rs], pipeline,
+                      batch_size, [r[3] for r in rs], [r[6][1] for r in rs], [r[6][2] for r in rs],
+                      [r[4] for r in rs])  # fmt: skip
 
 
 def _head_sampled_spans(out: list[SpanBlock], batch: _Batch, sample_ids: list[str], members: list[int]) -> None:
@@ -470,16 +477,24 @@ class RewardTelemetry:
     def _drain(self) -> list[SpanBlock]:
         """The spans of the kept samples queued so far (the builder thread's call)."""
         out: list[SpanBlock] = []
+        records: list[_Record] = []
+        batches: list[_Batch] = []
         for entry, batch in self._deferred.take() if self._deferred is not None else ():
-            try:
-                if len(entry) == 3:  # a batch's head-sampled members
-                    _head_sampled_spans(out, *entry)
-                else:
-                    _record_spans(out, entry)
-                if batch is not None:
-                    out.append(_batch_span(batch))
+            if batch is not None:
+                batches.append(batch)
+            if len(entry) != 3:
+                records.append(entry)
+                continue
+            try:  # a batch's head-sampled members
+                _head_sampled_spans(out, *entry)
             except Exception:  # telemetry must never cost a sample its result
-                log.debug("could not build the spans of a kept sample", exc_info=True)
+                log.debug("could not build the spans of a batch's head-sampled samples", exc_info=True)
+        try:
+            _record_spans(out, records)
+            if batches:
+                _batch_spans(out, batches)
+        except Exception:
+            log.debug("could not build the spans of kept samples", exc_info=True)
         return out
 
     def keep(self, kept: Mapping[str, str]) -> tuple[int, int]:
