@@ -60,7 +60,7 @@ class SpanBlock:
     span_ids: Sequence[int]
     parent_ids: Sequence[str] | None  # None: every span is a root
     starts: Sequence[int]  # ns since the epoch
-    ends: Sequence[int]
+    ends: Sequence[int]  # each at or after its start (the builder of a block sees to it)
     attributes: Attributes  # every span's
     columns: Mapping[str, Sequence[AttributeValue]] = field(default_factory=dict)  # an attribute per span
     errors: Sequence[str | None] | None = None  # a span's error message (None: every span is fine)
@@ -92,7 +92,7 @@ class SpanBlock:
                 self.kind,
                 _OK if error is None else Status(StatusCode.ERROR, error),
                 start,
-                max(end, start),
+                end,
             ))  # fmt: skip
         return out
 
@@ -406,7 +406,8 @@ class FlightRecorder:
     ) -> SpanBlock:
         """One finished span with exactly these ids and times (nothing is sampled or exported here)."""
         return SpanBlock(name, [f"{trace_id:032x}"], [span_id], [f"{parent_id:016x}"] if parent_id else None,
-                         [start_ns], [end_ns], attributes or {}, errors=None if error is None else [error])  # fmt: skip
+                         [start_ns], [max(end_ns, start_ns)], attributes or {},
+                         errors=None if error is None else [error])  # fmt: skip
 
     def export_tree(self, record: Any) -> int:
         """Queue a kept record's spans (`record.spans(self)`: cheap to build here) for the builder thread; how
