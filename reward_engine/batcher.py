@@ -119,6 +119,7 @@ class Ticket:
         if self.done:
             return False
         self.done = True
+        self.token = None  # a token may be the ticket itself (a servicer's flight): no cycle left to collect
         return True
 
     def resolve(self, value: Scored | BaseException) -> None:
@@ -134,8 +135,9 @@ class Ticket:
             return
         self.done = True
         assert self.sink is not None
+        token, self.token = self.token, None  # as in cancel: refcounting frees an answered ticket, not the GC
         try:
-            self.sink(self.token, value)
+            self.sink(token, value)
         except Exception:  # a sink's bug must not strand the rest of the batch
             log.exception("result sink failed for sample %s", self.inp.sample_id)
 

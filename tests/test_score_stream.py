@@ -212,3 +212,24 @@ async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retr
             await asyncio.sleep(0.01)
         retry = await asyncio.wait_for(client.submit(sample("again", response="xy", delay=0), "sleepy"), 10)
     assert not retry.HasField("error") and retry.score == 2.0
+
+
+async def test_a_scored_sample_leaves_no_reference_cycle() -> None:
+    """A sample's server-side objects (its flight, its decoded input) are freed by reference counting once it is
+    answered or cancelled: a flight whose batcher token is the flight itself used to stay in a cycle until the
+    garbage collector ran, 3 objects per sample and about 5% of a cheap rule's CPU in collections."""
+    import gc
+
+    from client.reward_client import RewardClient
+
+    async with reward_server() as rs, RewardClient([rs.address]) as client:
+        await asyncio.gather(*(client.submit(sample(f"warm{i}"), "gsm8k") for i in range(50)))
+        gc.collect()
+        gc.disable()
+        try:
+            results = await asyncio.gather(*(client.submit(sample(f"s{i}"), "gsm8k") for i in range(400)))
+            assert not [r for r in results if r.HasField("error")]
+            leftover = gc.collect()  # objects found only by the collector: in cycles
+        finally:
+            gc.enable()
+    assert leftover < 100  # 918 with the cycle; what is left is the client's and gRPC's own
