@@ -97,6 +97,38 @@ class SpanBlock:
         return out
 
 
+def merge_singles(blocks: list[SpanBlock]) -> list[SpanBlock]:
+    """Blocks of one span each merged into one block per name, kind and attribute keys (the attributes become
+    columns), so that many small trees (a rollout server's kept samples) cost what one batch's spans do to write.
+    Other blocks pass through; the spans' order across names is not kept."""
+    out: list[SpanBlock] = []
+    groups: dict[tuple[Any, ...], list[SpanBlock]] = {}
+    for b in blocks:
+        if len(b.span_ids) != 1 or b.columns or b.links:
+            out.append(b)
+        else:
+            groups.setdefault((b.name, b.kind, b.parent_ids is None, *b.attributes), []).append(b)
+    for group in groups.values():
+        first = group[0]
+        if len(group) == 1:
+            out.append(first)
+            continue
+        errors = [b.errors[0] if b.errors is not None else None for b in group]
+        out.append(SpanBlock(
+            first.name,
+            [b.trace_ids[0] for b in group],
+            [b.span_ids[0] for b in group],
+            None if first.parent_ids is None else [b.parent_ids[0] for b in group],  # type: ignore[index]
+            [b.starts[0] for b in group],
+            [b.ends[0] for b in group],
+            {},
+            {k: [b.attributes[k] for b in group] for k in first.attributes},
+            errors=errors if any(e is not None for e in errors) else None,
+            kind=first.kind,
+        ))  # fmt: skip
+    return out
+
+
 def _context(trace_id: int, span_id: int) -> SpanContext:
     """`SpanContext(trace_id, span_id, False, SAMPLED)` without the constructor's checks (the ids are valid:
     drawn here or parsed from a checked traceparent)."""
@@ -425,7 +457,7 @@ class FlightRecorder:
         return n
 
     def _drain_queued(self) -> list[SpanBlock]:
-        return [block for blocks in self._queued.take() for block in blocks]
+        return merge_singles([block for blocks in self._queued.take() for block in blocks])
 
     def _export(self, blocks: Sequence[SpanBlock]) -> None:
         """Hand finished spans to the exporters (blocks where they take them, span objects otherwise) and the

@@ -261,6 +261,32 @@ def test_a_block_is_written_as_its_span_objects_are() -> None:
     assert queue[0].attributes == {"p": "gsm8k", "n": 3, "id": 'a"b', "score": 0.5} and queue[1].status.description
 
 
+def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
+    """A drain's blocks of one span each (a rollout server's kept trees) are merged by name, kind and attribute
+    keys into column blocks that are the same spans, and written as they are."""
+    from client.flight_recorder import FlightRecorder, merge_singles
+    from client.telemetry import block_json, resource, span_to_otlp
+
+    rec = FlightRecorder(resource("test"))
+    singles = [
+        rec.span("rollout.sample", 11, 1, None, 5, 9, {"id": "a", "n": 1}),
+        rec.span("rollout.sample", 12, 2, None, 6, 8, {"id": "b", "n": 2.5}, error="boom"),
+        rec.span("generate", 11, 3, 1, 5, 6, {"turn": "0"}),
+        rec.span("generate", 11, 4, 1, 6, 7, {"turn": "1"}),
+        rec.span("generate", 12, 5, 2, 6, 7, {"other": "key"}),
+        rec.span("reward", 11, 6, 1, 7, 9, {"id": "a", "n": 1}),
+    ]
+    merged = merge_singles(singles)
+    assert sorted(len(b) for b in merged) == [1, 1, 2, 2]
+
+    def by_id(blocks: list[Any]) -> dict[int, Any]:
+        return {s.context.span_id: span_to_otlp(s) for b in blocks for s in b.spans(rec.resource)}
+
+    assert by_id(merged) == by_id(singles)
+    written = {json.loads(t)["spanId"]: json.loads(t) for b in merged for t in block_json(b)}
+    assert written == {f"{k:016x}": json.loads(json.dumps(v)) for k, v in by_id(singles).items()}
+
+
 async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
     telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
 ) -> None:
