@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from demo.server_process import ServerProcess
+from demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import FNS, sample
 from tests.support.waiting import wait_until
@@ -100,3 +101,33 @@ def test_demo_without_the_demo_extra_says_which_extra(
     assert cli.main(["reward-demo"]) == 2
     err = capsys.readouterr().err
     assert "rewardmesh[demo]" in err and "tqdm" in err and "matplotlib" not in err
+
+
+def test_demo_writes_every_span_of_its_kept_trees_as_otlp_json_lines(
+    tmp_path: Path, tiny_models: TinyModelPaths
+) -> None:
+    """`rewardmesh demo --trace-out` as a user runs it: the configured exporter gets the SDK's spans (steps, RPCs)
+    through a batch processor and the kept sample trees straight from the flight recorder, both in one file; every
+    kept span's parent is in it, and each kept sample's tree is whole (generate and reward under the sample, the
+    reward server's reward.queue and reward.compute under its reward span)."""
+    import json
+
+    out = tmp_path / "spans.jsonl"
+    proc = subprocess.run([*CLI, "demo", "--steps", "2", "--models", str(tiny_models.root), "--trace-out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "slowest sample of step" in proc.stdout
+    spans = [s for line in out.read_text().splitlines() for rs in json.loads(line)["resourceSpans"]
+             for ss in rs["scopeSpans"] for s in ss["spans"]]  # fmt: skip
+    by_id = {s["spanId"]: s for s in spans}
+    assert len(by_id) == len(spans)  # nothing written twice
+    assert [s["name"] for s in spans].count("trainer.step") == 2
+    samples = [s for s in spans if s["name"] == "rollout.sample"]
+    assert len(samples) >= 4  # the 4 slowest of each step at least
+    kept = ("rollout.sample", "generate", "reward", "reward.queue", "reward.compute")
+    assert all(s["parentSpanId"] in by_id for s in spans if s["name"] in kept)
+    for sample_span in samples:
+        children = {s["name"]: s for s in spans if s.get("parentSpanId") == sample_span["spanId"]}
+        assert {"generate", "reward"} <= set(children)
+        under_reward = {s["name"] for s in spans if s.get("parentSpanId") == children["reward"]["spanId"]}
+        assert under_reward == {"reward.queue", "reward.compute"}
