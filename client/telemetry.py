@@ -88,7 +88,6 @@ class Telemetry:
     metrics: bool = False
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
-    processors: list[SpanProcessor] = field(default_factory=list)
     trace: TraceConfig = field(default_factory=TraceConfig)
     recorder: FlightRecorder | None = None
 
@@ -223,12 +222,9 @@ def setup_telemetry(
             recorder = FlightRecorder(res, telemetry.trace.ring_size, shared, span_processors)
             provider.add_span_processor(recorder.flusher())  # first: deferred spans join every flush
             for exporter in shared:
-                processor = BatchSpanProcessor(exporter)
-                provider.add_span_processor(processor)
-                telemetry.processors.append(processor)
+                provider.add_span_processor(BatchSpanProcessor(exporter))
             for sp in span_processors:
                 provider.add_span_processor(sp)
-                telemetry.processors.append(sp)
             trace.set_tracer_provider(provider)
             telemetry.tracing, telemetry.tracer_provider = True, provider
             telemetry.recorder = recorder
