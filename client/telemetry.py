@@ -420,11 +420,16 @@ def _cached(cache: dict[str, str], key: str, text: str) -> str:
     return text
 
 
+def _key_prefix(key: str) -> str:
+    """An attribute's '{"key":...,"value":' text, cached."""
+    return _KEY_JSON.get(key) or _cached(_KEY_JSON, key, '{"key":' + _esc(key) + ',"value":')
+
+
 def _attr_items(attributes: Any) -> str:
     """A mapping's attributes as OTLP/JSON key-values, without the brackets around them."""
     parts = []
     for k, v in attributes.items():
-        prefix = _KEY_JSON.get(k) or _cached(_KEY_JSON, k, '{"key":' + _esc(k) + ',"value":')
+        prefix = _key_prefix(k)
         t = type(v)
         if t is str:
             parts.append(f'{prefix}{{"stringValue":{_esc(v)}}}}}')
@@ -490,7 +495,7 @@ _ERROR = _STATUS[trace.StatusCode.ERROR]
 
 def _column_json(key: str, values: Sequence[Any]) -> list[str]:
     """One attribute's key-value text for each span of a block (the values' type checked once per column)."""
-    prefix = _KEY_JSON.get(key) or _cached(_KEY_JSON, key, '{"key":' + _esc(key) + ',"value":')
+    prefix = _key_prefix(key)
     types = set(map(type, values))
     if types == {str}:
         return [f'{prefix}{{"stringValue":{v}}}}}' for v in map(_esc, values)]

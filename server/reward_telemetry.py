@@ -322,10 +322,9 @@ def _head_sampled_spans(out: list[SpanBlock], batch: _Batch, sample_ids: list[st
     """The spans of a batch's scored head-sampled members, straight from the batch, a column at a time. Where every
     member's traceparent is well formed (one check for the batch), the ids are slices of the string they came in."""
     if batch.hex_ids():
-        joined: str = batch.contexts  # type: ignore[assignment]
-        offsets = [i * (_TP_LEN + 1) for i in members]
-        traces = [joined[o + 3 : o + 35] for o in offsets]
-        parents = [joined[o + 36 : o + 52] for o in offsets]
+        contexts: list[str] = [batch.context(i) for i in members]  # type: ignore[misc]
+        traces = [tp[3:35] for tp in contexts]
+        parents = [tp[36:52] for tp in contexts]
     else:
         kept, traces, parents = [], [], []
         for i in members:
