@@ -331,6 +331,34 @@ async def test_circuit_breaker_half_open_probe_closes_it_when_the_judge_is_back(
             await source.close()
 
 
+async def test_a_breaker_is_shared_while_open_and_forgotten_with_its_last_source() -> None:
+    """Sources of one endpoint and settings share a breaker; one left open by closed sources does not
+    greet the next server at that address (an ephemeral port is reused), nor a source with other settings."""
+    async with FakeOpenAI(reply=Reply(status=503, raw_body="down")) as server:
+        first = judge(server.url, breaker_failures=2, breaker_open_s=30, max_concurrency=1)
+        twin = judge(server.url, breaker_failures=2, breaker_open_s=30, max_concurrency=1)
+        other = judge(server.url, breaker_failures=5, breaker_open_s=30, max_concurrency=1)
+        try:
+            await first.score_batch([sample("a"), sample("b")])
+            assert len(server.requests) == 2
+            assert isinstance((await twin.score_batch([sample("c")]))[0], DependencyFailed)  # shared, open
+            assert isinstance((await other.score_batch([sample("d")]))[0], SourceFailed)  # its own breaker
+            assert len(server.requests) == 3
+        finally:
+            await first.close()
+            await other.close()
+        try:
+            assert isinstance((await twin.score_batch([sample("e")]))[0], DependencyFailed)  # still a user
+        finally:
+            await twin.close()
+        server.reply = "Score: 8"
+        fresh = judge(server.url, breaker_failures=2, breaker_open_s=30, max_concurrency=1)
+        try:
+            assert await fresh.score_batch([sample("f")]) == [judged(0.8, 8.0)]
+        finally:
+            await fresh.close()
+
+
 async def test_hostile_reply_for_the_score_regex_is_that_sample_s_deadline() -> None:
     """A catastrophically backtracking score_regex on a judge reply is stopped by the parser's budget."""
     reply = "a" * 40 + "!"

@@ -108,7 +108,7 @@ class CircuitBreaker:
     Closed: calls go through; ``failures`` consecutive failures (connection errors, timeouts, HTTP 5xx)
     open it. Open: calls fail at once for ``open_s``. Then half-open: one call goes through as a probe;
     its success closes the breaker, its failure opens it again. Any answer but a 5xx is a success: the
-    endpoint is up. One breaker per endpoint URL, shared by every source that calls it.
+    endpoint is up. One breaker per endpoint URL and settings, shared by every open source that calls it.
     """
 
     def __init__(self, failures: int, open_s: float) -> None:
@@ -143,14 +143,26 @@ class CircuitBreaker:
         )
 
 
-_BREAKERS: dict[str, CircuitBreaker] = {}
+# Keyed by the settings too: sources that configure one endpoint differently do not inherit each other's.
+_BREAKERS: dict[tuple[str, int, float], tuple[CircuitBreaker, int]] = {}
 
 
-def breaker_for(endpoint: str, failures: int, open_s: float) -> CircuitBreaker:
-    breaker = _BREAKERS.get(endpoint)
-    if breaker is None:
-        breaker = _BREAKERS[endpoint] = CircuitBreaker(failures, open_s)
+def acquire_breaker(endpoint: str, failures: int, open_s: float) -> CircuitBreaker:
+    """The endpoint's shared breaker; each acquire is paired with a release when its source closes."""
+    breaker, users = _BREAKERS.get((endpoint, failures, open_s), (CircuitBreaker(failures, open_s), 0))
+    _BREAKERS[endpoint, failures, open_s] = (breaker, users + 1)
     return breaker
+
+
+def release_breaker(endpoint: str, breaker: CircuitBreaker) -> None:
+    """Forgets the breaker with its last user, so a later server at the same address starts closed."""
+    key = (endpoint, breaker.threshold, breaker.open_s)
+    held, users = _BREAKERS.get(key, (None, 0))
+    if held is breaker:
+        if users > 1:
+            _BREAKERS[key] = (breaker, users - 1)
+        else:
+            del _BREAKERS[key]
 
 
 # The score sits at the end of a reply; a regex never sees more than this many of its last characters.
@@ -300,7 +312,7 @@ class JudgeSource:
         self._limiter = RateLimiter(float(requests_per_minute))
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        self.breaker = breaker_for(self.endpoint, breaker_failures, float(breaker_open_s))
+        self.breaker = acquire_breaker(self.endpoint, breaker_failures, float(breaker_open_s))
         self._score_pattern = score_regex
         # The default regex is linear-time on a clipped reply: parsed inline. A user's regex may backtrack
         # for hours on some reply, so it is parsed in an isolated worker under parse_timeout_s.
@@ -447,6 +459,8 @@ class JudgeSource:
             await self._parser.warmup()
 
     async def close(self) -> None:
+        if not self._closed:
+            release_breaker(self.endpoint, self.breaker)
         self._closed = True
         if self._parser is not None:
             await self._parser.close()
