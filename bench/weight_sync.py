@@ -6,7 +6,10 @@ Side by side in one run, interleaved round by round, medians reported:
 - a bare grpc.aio client stream of the same bytes in 4 MiB messages (no protobuf, a sink server per target),
 - `TrainerClient.update_weights` over each transport (grpc, dist, shm), timed until every server reports the
   new version (the rollout servers run the hf backend in bf16: a whole dist or grpc update is adopted, an
-  O(1) swap of each parameter's storage; shm is copied in).
+  O(1) swap of each parameter's storage; shm is copied in). On one host, dist's two servers serve one copy
+  (the first receives it into /dev/shm, the second maps it); "dist, a copy per server" turns that off and
+  times the TCP chain itself, what servers on different hosts get.
+Each transport and server count has rollout servers of its own (their steady state is what a deployment sees).
 
     python -m bench.weight_sync [--params 100e6] [--rounds 5] [--device cpu|cuda]
 
@@ -194,21 +197,33 @@ async def run(args: argparse.Namespace) -> int:
     progress(f"{nparams / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB in bf16, {len(state)} tensors")
 
     py = [sys.executable, "-m", "bench.weight_sync"]
-    rollouts = [ServerProcess(f"rollout{i}", [*py, "rollout-server", "--model", str(model_dir), "--threads",
-                                              str(args.threads), "--device", args.device], workdir)
-                for i in range(2)]  # fmt: skip
+    # Every transport and server count has servers of its own: a deployment uses one data plane for a stable
+    # set of servers, and that steady state is what is timed (a server that switches planes, or is left out of
+    # every other update, pays fresh staging buffers).
+    fleets = {(t, n): [ServerProcess(f"rollout-{t}{n}-{i}", [*py, "rollout-server", "--model", str(model_dir),
+                                     "--threads", str(args.threads), "--device", args.device], workdir)
+                       for i in range(n)]
+              for t in args.transports for n in (1, 2)}  # fmt: skip
+    copies = ("dist, a copy per server", 2)  # the TCP chain itself: what servers on different hosts get
+    if "dist" in args.transports:
+        fleets[copies] = [ServerProcess(f"rollout-copies-{i}", [*py, "rollout-server", "--model", str(model_dir),
+                                        "--threads", str(args.threads), "--device", args.device], workdir)
+                          for i in range(2)]  # fmt: skip
+    rollouts = [r for fleet in fleets.values() for r in fleet]
     sinks = [ServerProcess(f"sink{i}", [*py, "sink"], workdir) for i in range(2)]
     procs = [*rollouts, *sinks]
     store = Store("127.0.0.1", 300)
     bare: dict[int, BareBroadcast] = {}
-    clients: dict[int, TrainerClient] = {}
+    clients: dict[tuple[str, int], TrainerClient] = {}
     sink_channels: list[aio.Channel] = []
     try:
         await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))  # sinks serve once they wrote
         await asyncio.gather(*(p.wait_serving() for p in rollouts))
         progress("servers up; forming the bare gloo groups")
         bare = {n: await asyncio.to_thread(BareBroadcast, store, n) for n in (1, 2)}
-        clients = {n: TrainerClient([r.address for r in rollouts[:n]]) for n in (1, 2)}
+        clients = {key: TrainerClient([r.address for r in fleet]) for key, fleet in fleets.items()}
+        if copies in clients:
+            clients[copies].weight_sync.share_host = False
         opts = [("grpc.max_send_message_length", 64 << 20)]
         sink_channels = [aio.insecure_channel(s.address, options=opts) for s in sinks]
         flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -223,11 +238,12 @@ async def run(args: argparse.Namespace) -> int:
             for k, v in state.items():
                 dst[k].copy_(v)
 
-        async def update(n: int, transport: str) -> None:
+        async def update(fleet: tuple[str, int], transport: str) -> None:
             nonlocal version
             version += 1
-            await clients[n].update_weights(state, version=version, transport=transport)
-            done = clients[n].last_weight_sync
+            client = clients[fleet]
+            await client.update_weights(state, version=version, transport=transport)
+            done = client.last_weight_sync
             assert done is not None and done.transport == transport
 
         modes: dict[tuple[str, int], Callable[[], Awaitable[object]]] = {
@@ -239,7 +255,9 @@ async def run(args: argparse.Namespace) -> int:
         }
         for transport in args.transports:
             for n in (1, 2):
-                modes[(f"update_weights {transport}", n)] = lambda n=n, t=transport: update(n, t)  # type: ignore[misc]
+                modes[(f"update_weights {transport}", n)] = lambda t=transport, n=n: update((t, n), t)  # type: ignore[misc]
+        if copies in fleets:
+            modes[(f"update_weights {copies[0]}", 2)] = lambda: update(copies, "dist")
         progress("warm-up (groups formed, buffers touched)")
         for fn in modes.values():
             await fn()
@@ -281,6 +299,11 @@ async def run(args: argparse.Namespace) -> int:
                    ("dist vs bare gloo broadcast, 1 server", r1, ">= 0.7", r1 >= 0.7),
                    ("dist vs bare gloo broadcast, 2 servers", r2, ">= 0.7", r2 >= 0.7),
                    ("dist, 2 servers / 1 server (time)", scale, "<= 1.3", scale <= 1.3)]  # fmt: skip
+        each = med[("update_weights dist, a copy per server", 2)]
+        checks += [("dist, a copy per server, 2 servers: vs bare gloo broadcast (for reference)",
+                    med[("bare gloo broadcast", 2)] / each, "", True),
+                   ("dist, a copy per server, 2 servers / 1 server (time, for reference)",
+                    each / med[("update_weights dist", 1)], "", True)]  # fmt: skip
     if "grpc" in args.transports:
         g1 = med[("bare grpc.aio stream", 1)] / med[("update_weights grpc", 1)]
         g2 = med[("bare grpc.aio stream", 2)] / med[("update_weights grpc", 2)]

@@ -3,6 +3,8 @@
 - dist: a torch.distributed process group of its own (never the process-global default group), formed over
   a TCP store the trainer hosts, bound to the one address it names; tensors go in buckets, one broadcast each.
 - shm: one file under /dev/shm, written once by the trainer, mapped by every rollout server on the host.
+- dist servers on one host share one copy: the first receives into a file under /dev/shm (`SharedWeights`),
+  the others in the chain map it and serve from it (`HostShare`).
 - grpc (the chunks themselves are in client/weights.py): `keep_freed_memory`, so its buffers are recycled.
 
 Every blocking call here (forming a group, a broadcast) runs in a worker thread, never on an event loop.
@@ -19,14 +21,16 @@ import logging
 import mmap
 import os
 import socket
+import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from client.weights import Bucket, Entry, byte_view, views
+from client.weights import Bucket, Entry, aligned, byte_view, views
 from reward_engine.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -198,34 +202,52 @@ def receive_buckets(
     buffers: Sequence[torch.Tensor] = (),
     *,
     chain: tuple[int, int] | None = None,
+    share: HostShare | None = None,
 ) -> dict[str, torch.Tensor]:
     """Rank > 0: every bucket lands in its staging buffer (`buffers` when given: one per bucket, reused), typed
     tensors are views into it (no copy).
 
     chain: (rank, world_size): receive from rank - 1, and forward each bucket to rank + 1 as soon as it is in
     while the next arrives. A forward that fails (the next server went away) does not fail this server: its own
-    bytes are whole; it raises ForwardFailed after the receive, with the staged tensors."""
+    bytes are whole; it raises ForwardFailed after the receive, with the staged tensors.
+    share (chain only): neighbours on this host share one copy of the weights (see HostShare)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     staged: dict[str, torch.Tensor] = {}
     failed = False
-    bufs = [buffers[i] if buffers else torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-            for i, b in enumerate(buckets)]  # fmt: skip
     if chain is None:
+        bufs = _buffers(buckets, buffers, device)
         works = [_broadcast(group, buf) for buf in bufs]
         for work in works:
             work.wait(timeout)
     else:
         rank, world = chain
-        works = [group.recv([buf], rank - 1, b.members[0]) for buf, b in zip(bufs, buckets, strict=True)]
+        nxt, tag = rank + 1 < world, len(entries)  # the file's path message (a bucket's tag: its first member)
         forwards: list[Any] | None = []
+        if share is not None and share.from_prev:
+            path = _receive_path(group, rank - 1, tag, timeout)
+            if path:  # else: the previous server could make no file, the bytes themselves follow
+                try:
+                    share.file = SharedWeights.open(path, file_offsets(buckets)[1])
+                except (InvalidInput, OSError) as exc:  # like a gloo failure: the chain breaks here, nothing applied
+                    raise RuntimeError(f"cannot map the previous server's weights file: {exc}") from exc
+        handing = share is not None and share.to_next and nxt
+        if handing:  # first: the next server waits for it before anything else
+            assert share is not None
+            forwards = _forward(group, forwards, _path_message(share.file.path if share.file else None), rank + 1, tag)
+        notices = handing and share is not None and share.file is not None  # the next reads our file: 1 byte each
+        mapped = share is not None and share.from_prev and share.file is not None
+        if mapped:
+            assert share is not None and share.file is not None
+            bufs = share.file.buckets(buckets)
+            into = list(torch.zeros(len(buckets), dtype=torch.uint8).split(1))
+        else:
+            bufs = into = _buffers(buckets, buffers, device)
+        notice = torch.ones(1, dtype=torch.uint8)
+        works = [group.recv([t], rank - 1, b.members[0]) for t, b in zip(into, buckets, strict=True)]
         for work, buf, b in zip(works, bufs, buckets, strict=True):
             work.wait(timeout)
-            if rank + 1 < world and forwards is not None:
-                try:
-                    forwards.append(group.send([buf], rank + 1, b.members[0]))
-                except RuntimeError as exc:
-                    log.warning("dist: forwarding weights to rank %d failed: %s", rank + 1, exc)
-                    forwards = None
+            if nxt:
+                forwards = _forward(group, forwards, notice if notices else buf, rank + 1, b.members[0])
         failed = forwards is None
         for work in forwards or ():
             try:
@@ -240,6 +262,24 @@ def receive_buckets(
     if failed:
         raise ForwardFailed(staged)
     return staged
+
+
+def _buffers(buckets: Sequence[Bucket], given: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    if given:
+        return list(given)
+    return [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in buckets]
+
+
+def _forward(group: Any, forwards: list[Any] | None, buf: torch.Tensor, to: int, tag: int) -> list[Any] | None:
+    """Post one send to the next server of the chain; None once one failed (no more are posted)."""
+    if forwards is None:
+        return None
+    try:
+        forwards.append(group.send([buf], to, tag))
+    except RuntimeError as exc:
+        log.warning("dist: forwarding weights to rank %d failed: %s", to, exc)
+        return None
+    return forwards
 
 
 class ForwardFailed(Exception):
@@ -341,11 +381,16 @@ class ShmWriter:
         self._fd, self._size = -1, -1
 
 
-def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
+def _weights_file(path: str, field: str) -> Path:
     resolved = Path(path).resolve()
     if resolved.parent != SHM_DIR or not resolved.name.startswith(SHM_PREFIX):
-        raise InvalidInput(f"shm.path: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
+        raise InvalidInput(f"{field}: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
+    return resolved
+
+
+def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
+    resolved = _weights_file(path, "shm.path")
     if len(offsets) != len(entries):
         raise InvalidInput(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
     end = max((off + e.nbytes for e, off in zip(entries, offsets, strict=True)), default=0)
@@ -358,3 +403,128 @@ def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict
             raise InvalidInput(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)
+
+
+# ------------------------------------------------------------------------------- one copy per host (dist)
+
+
+def file_offsets(buckets: Sequence[Bucket]) -> tuple[list[int], int]:
+    """Where each bucket lies in a SharedWeights file (back to back, aligned), and the file's size."""
+    offsets, end = [], 0
+    for b in buckets:
+        offsets.append(end)
+        end += aligned(b.nbytes)
+    return offsets, end
+
+
+def _close_file(fd: int, path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+    os.close(fd)  # drops the lock
+
+
+class SharedWeights:
+    """One update's buckets in a file under /dev/shm, which the dist servers of a host serve from: the first of
+    them in the chain receives the bytes into it, the others map it (no copy, and one copy of the weights on the
+    host instead of one per server).
+
+    Every process serving from the file holds a shared flock on it, for as long as any tensor of it maps the file
+    (a mapping holds a duplicate of the descriptor, and with it the lock). The process that made it writes it again
+    only once it can take the lock exclusively (`reusable`): a server whose update failed, still serving the
+    older weights, keeps its file from being overwritten, and the maker writes a new file instead. The maker
+    unlinks the file when it lets go; whoever still has it mapped keeps reading it. Left by a killed maker, it is
+    removed by `sweep_stale_shm` once nobody serves from it."""
+
+    def __init__(self, path: Path, fd: int, data: torch.Tensor, owner: bool) -> None:
+        self.path, self.data, self.owner = path, data, owner
+        self._finalizer = weakref.finalize(self, _close_file, fd, path if owner else None)
+        self._fd = fd
+
+    @classmethod
+    def create(cls, size: int) -> SharedWeights:
+        """A new file of `size` bytes (OSError when /dev/shm has no room for it, before anything is sent)."""
+        sweep_stale_shm()
+        name = f"{SHM_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        staging = SHM_DIR / f".{name}"  # locked before it gets a name the sweeper looks at
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.posix_fallocate(fd, 0, max(size, 1))  # a full /dev/shm fails here, not as SIGBUS on a write
+            os.rename(staging, SHM_DIR / name)
+            data = torch.frombuffer(mmap.mmap(fd, max(size, 1)), dtype=torch.uint8)[:size]
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+        return cls(SHM_DIR / name, fd, data, owner=True)
+
+    @classmethod
+    def open(cls, path: str, size: int) -> SharedWeights:
+        """Another server's file, mapped read-only (the model's weights must never write it), pages mapped now."""
+        resolved = _weights_file(path, "path")
+        fd = os.open(resolved, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # its maker holds the lock exclusively only for a moment (`reusable`)
+            have = os.fstat(fd).st_size
+            if have < size:
+                raise InvalidInput(f"{path!r} has {have} bytes, the buckets need {size}")
+            mm = mmap.mmap(fd, have, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():  # read-only on purpose: a write faults instead of changing others' weights
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(mm, dtype=torch.uint8)[:size]
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(resolved, fd, data, owner=False)
+
+    @property
+    def size(self) -> int:
+        return self.data.numel()
+
+    def buckets(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
+        offsets, _ = file_offsets(buckets)
+        return [self.data[off : off + b.nbytes] for off, b in zip(offsets, buckets, strict=True)]
+
+    def reusable(self) -> bool:
+        """Its maker's check before writing it again: no other process serves from it now."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # (Linux dropped our shared lock on the way: the caller lets the file go)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        return True
+
+    def close(self) -> None:
+        """Serve from it no longer: the lock goes with the last tensor that maps it; its maker unlinks it."""
+        self._finalizer()
+
+
+@dataclass
+class HostShare:
+    """A dist chain rank's part in sharing one copy of the weights with its neighbours on the host.
+
+    to_next: rank + 1 runs here and maps our file: send it the file's path first, then a one-byte notice per
+    bucket instead of its bytes. from_prev: rank - 1 runs here: receive its path, map the file (`file` is set
+    then), then a notice per bucket. An empty path (no room under /dev/shm) means the bytes follow as usual."""
+
+    to_next: bool
+    from_prev: bool
+    file: SharedWeights | None = None  # to_next alone: ours (None: none could be made); from_prev: theirs
+
+
+PATH_BYTES = 512  # the path message: utf-8, zero-padded; all zeros: no file
+
+
+def _path_message(path: Path | None) -> torch.Tensor:
+    raw = str(path).encode() if path is not None else b""
+    if len(raw) > PATH_BYTES:
+        raise ValueError(f"weights file path {path!r} is longer than {PATH_BYTES} bytes")
+    msg = torch.zeros(PATH_BYTES, dtype=torch.uint8)
+    msg[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return msg
+
+
+def _receive_path(group: Any, src: int, tag: int, timeout: datetime.timedelta) -> str:
+    msg = torch.zeros(PATH_BYTES, dtype=torch.uint8)
+    group.recv([msg], src, tag).wait(timeout)
+    return bytes(msg.numpy()).rstrip(b"\0").decode(errors="replace")

@@ -123,14 +123,23 @@ def _describe(exc: BaseException) -> str:
 
 
 class WeightSync:
-    """Keeps what outlives one update: the TCP store, the process group of the current servers, the shm file."""
+    """Keeps what outlives one update: the TCP store, the process group of the current servers, the shm file.
+
+    share_host: dist servers next to each other in the chain on one host serve one copy of the weights, which the
+    first receives into /dev/shm (see client.weight_planes.SharedWeights); False: each receives its own bytes."""
 
     def __init__(
-        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, dist_host: str | None = None
+        self,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 120.0,
+        dist_host: str | None = None,
+        share_host: bool = True,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.dist_host = dist_host
+        self.share_host = share_host
         self.host_id = host_id()
         self._store: Store | None = None
         self._group: Any = None
@@ -290,11 +299,17 @@ class WeightSync:
                                                       world_size=len(targets) + 1, backend=backend,
                                                       bucket_bytes=self.bucket_bytes, chain=chain,
                                                       layout=LAYOUT_VERSION))  # fmt: skip
+        # Neighbours in the chain on one host share one copy of the weights: the first receives it, the next maps it.
+        # (A chain has one answer per target, in rank order.) shared[i]: rank i + 1 shares with rank i + 2.
+        shared = [chain and self.share_host and bool(x.host_id) and x.host_id == y.host_id and x.dist_host_share
+                  and y.dist_host_share for x, y in itertools.pairwise(infos)]  # fmt: skip
         requests = {}
         for rank, (address, _) in enumerate(targets, start=1):
             req = rollout_pb2.TransferWeightsRequest()
             req.CopyFrom(base)
             req.dist.rank = rank
+            req.dist.share_with_next = rank <= len(shared) and shared[rank - 1]
+            req.dist.share_from_prev = rank >= 2 and shared[rank - 2]
             requests[address] = req
         # Check every manifest first: a server that refuses must not leave the others waiting in a broadcast.
         # The same manifest to the same servers in the same group was accepted last time: no need to ask again.

@@ -110,7 +110,7 @@ def check_manifest(specs_in: Sequence[rollout_pb2.WeightSpec], specs: Specs, tot
 # -------------------------------------------------------------------------------------------------- layouts
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -138,7 +138,7 @@ def layout(sizes: Sequence[int], bucket_bytes: int, alone_bytes: int = ALONE_BYT
         if size >= min(alone_bytes, bucket_bytes + 1):
             alone.append(Bucket((i,), (0,), size))
             continue
-        start = _aligned(end)
+        start = aligned(end)
         if members and start + size > bucket_bytes:
             packed.append(Bucket(tuple(members), tuple(offsets), end))
             members, offsets, start = [], [], 0

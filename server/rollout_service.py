@@ -243,6 +243,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             instance_id=self.weights.instance_id,
             dist_chain=True,
             dist_layout=LAYOUT_VERSION,
+            dist_host_share=bool(self.weights.host_id),
         )
 
 

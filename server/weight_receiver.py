@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -29,7 +30,10 @@ import torch
 from client.tensors import duration_seconds
 from client.weight_planes import (
     ForwardFailed,
+    HostShare,
+    SharedWeights,
     dist_available,
+    file_offsets,
     form_group,
     host_id,
     keep_freed_memory,
@@ -132,6 +136,10 @@ class WeightReceiver:
         self._spare: _Buffers | None = None
         # Buffers the backend adopted (the model's weights live in them now): spare after the next adopted update.
         self._held: _Buffers | None = None
+        # dist chains sharing one copy per host: the file the model serves from (ours or a neighbour's), and the
+        # one of ours it left, written again next time if nobody else serves from it (SharedWeights.reusable).
+        self._held_file: tuple[SharedWeights, dict[str, torch.Tensor]] | None = None
+        self._spare_file: SharedWeights | None = None
         self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
     def transports(self) -> list[Any]:
@@ -154,26 +162,82 @@ class WeightReceiver:
         tensors: dict[str, torch.Tensor],
         version: int,
         owned: _Buffers | None = None,
+        file: SharedWeights | None = None,
     ) -> tuple[int, float]:
         """Hand the staged tensors to the backend. `owned`: they lie in buffers of ours that nothing else will
         write (dist: the buckets, grpc: fresh tensors), so a backend that can adopt them takes them without a copy.
+        `file`: they lie in a host's shared file, which the model then serves from (adopted) or is let go (copied).
         """
         version = version or self.backend.policy_version + 1
         started = time.perf_counter()
         adopt = getattr(self.backend, "adopt_weights", None)
-        if owned is not None and adopt is not None:
+        if self._held_file is not None and not ((owned is not None or file is not None) and self._whole(tensors)):
+            # A copy into the model would write the host's shared file (or fault: a neighbour's is mapped read-only)
+            tensors, owned = self._private(tensors, self._held_file[1])
+            self._let_go(file)
+            file = None
+        if (owned is not None or file is not None) and adopt is not None:
             adopted = bool(await adopt(tensors, version))
         else:
             await self.backend.update_weights(tensors, version)
             adopted = False
+        if adopted:  # whatever the model served from before is free now
+            self._let_go(self._held_file[0] if self._held_file else None)
+            self._held_file = (file, tensors) if file is not None else None
+        else:
+            self._let_go(file)
         if owned is not None and _on_cpu(owned):
             if adopted:  # the model left the buffers it held: they receive the next update
                 self._spare, self._held = self._held, owned
             else:  # copied out of them: free again
                 self._spare = owned
-        elif adopted:  # on a GPU nothing is kept (the caching allocator makes fresh buffers cheap there)
+        elif adopted:  # a shared file, or on a GPU (the caching allocator makes fresh buffers cheap there)
             self._spare, self._held = None, None
+        # One spare copy at most: the kind the last update used (a file for a host's shared copy, else buffers).
+        if self._spare is not None and self._spare_file is not None:
+            self._spare_file.close()
+            self._spare_file = None
         return self.backend.policy_version, time.perf_counter() - started
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Every weight, in the model's dtypes and shapes: what a backend adopts rather than copies in."""
+        specs = self.backend.weight_specs()
+        return tensors.keys() == specs.keys() and all((tuple(t.shape), t.dtype) == specs[n] for n, t in tensors.items())
+
+    def _private(
+        self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], _Buffers]:
+        """The whole model in buffers of this process: the update where it has a tensor, else the weights held now.
+        One copy, as a copy into the model would be; the model adopts them and leaves the shared file."""
+        take, self._spare = _recycler(self._spare, torch.device("cpu")), None
+        out = {}
+        for name, (shape, dtype) in self.backend.weight_specs().items():
+            buf = take(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+            buf.copy_(tensors.get(name, held[name]))
+            out[name] = buf
+        return out, [byte_view(t) for t in out.values()]
+
+    def _let_go(self, file: SharedWeights | None) -> None:
+        """Serve from `file` no longer; one of ours is kept to be written again."""
+        if file is None:
+            return
+        if file.owner and self._spare_file is None:
+            self._spare_file = file
+        else:
+            file.close()
+
+    def _host_file(self, size: int) -> SharedWeights | None:
+        """The file this server receives a host's shared copy into: its spare one when nobody serves from it."""
+        spare, self._spare_file = self._spare_file, None
+        if spare is not None and spare.size == size and spare.reusable():
+            return spare
+        if spare is not None:
+            spare.close()  # another server still serves from it (or the layout changed): it keeps its mapping
+        try:
+            return SharedWeights.create(size)
+        except OSError as exc:  # no room under /dev/shm: the bytes go on over TCP
+            log.warning("dist: no shared file for the next server on this host, sending it the bytes: %s", exc)
+            return None
 
     async def receive_chunks(
         self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
@@ -212,15 +276,15 @@ class WeightReceiver:
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
-        owned = None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
+        owned, file = None, None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
         async with self._lock:
             if which == "shm":
                 if not self.host_id:
                     raise InvalidInput("shm: this server has no usable /dev/shm")
                 tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
             else:
-                tensors, owned = await self._receive_dist(request.dist, entries, timeout_s)
-            applied, spent = await self._apply(tensors, request.policy_version, owned)
+                tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
+            applied, spent = await self._apply(tensors, request.policy_version, owned, file)
         total = sum(e.nbytes for e in entries)
         seconds = time.perf_counter() - started
         log.info("applied %d tensors (%d bytes) from %s as policy version %d in %.3fs (apply %.3fs)",
@@ -231,7 +295,8 @@ class WeightReceiver:
 
     async def _receive_dist(
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
-    ) -> tuple[dict[str, torch.Tensor], _Buffers]:
+    ) -> tuple[dict[str, torch.Tensor], _Buffers | None, SharedWeights | None]:
+        """The staged tensors, and what they lie in: buffers of ours, or a host's shared file."""
         if not dist_available():
             raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
         if rdv.backend not in ("gloo", "nccl"):
@@ -245,13 +310,26 @@ class WeightReceiver:
             )
         if rdv.bucket_bytes < 1:
             raise InvalidInput(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
+        if rdv.share_from_prev and not (rdv.chain and rdv.rank >= 2):
+            raise InvalidInput("dist.share_from_prev: set only in a chain, on ranks >= 2 (rank 1 hears the trainer)")
+        if rdv.share_with_next and not (rdv.chain and rdv.rank + 1 < rdv.world_size):
+            raise InvalidInput("dist.share_with_next: set only in a chain on a rank that has a next one")
         device = self._device() if rdv.backend == "nccl" else torch.device("cpu")
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
         buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
         group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
-        take = _recycler(self._spare, device)
-        buffers = [take(b.nbytes) for b in buckets]
-        self._spare = None  # in use now: spare again only once this update is applied (or copied out)
+        share = None
+        if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
+            share = HostShare(to_next=rdv.share_with_next, from_prev=rdv.share_from_prev)
+        buffers: _Buffers = []
+        if share is not None and not share.from_prev:  # we receive the host's copy
+            share.file = await asyncio.to_thread(self._host_file, file_offsets(buckets)[1])
+            if share.file is not None:
+                buffers = share.file.buckets(buckets)
+        if not buffers and (share is None or not share.from_prev):  # (a mapped neighbour's file needs none)
+            take = _recycler(self._spare, device)
+            buffers = [take(b.nbytes) for b in buckets]
+            self._spare = None  # in use now: spare again only once this update is applied (or copied out)
 
         def receive() -> dict[str, torch.Tensor]:
             pg = group
@@ -260,7 +338,7 @@ class WeightReceiver:
                                 world_size=rdv.world_size, backend=rdv.backend, timeout_s=timeout_s)  # fmt: skip
             chain = (rdv.rank, rdv.world_size) if rdv.chain else None
             try:
-                staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers, chain=chain)
+                staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers, chain=chain, share=share)
             except ForwardFailed as exc:  # our bytes are whole; the group is not (the next server went away)
                 return exc.staged
             self._groups[key] = pg
@@ -270,10 +348,14 @@ class WeightReceiver:
 
         try:
             staged = await asyncio.to_thread(receive)
-            return staged, buffers
         except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
             # a late write may still land in these buffers: never reuse them (self._spare is None already)
+            if share is not None and share.file is not None:
+                share.file.close()
             text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TimeoutError(text) from exc
             raise Unavailable(text) from exc
+        if share is not None and share.file is not None:
+            return staged, None, share.file
+        return staged, buffers, None

@@ -294,6 +294,16 @@ async def test_transfer_requests_are_checked_before_anything_is_received(tiny_mo
             (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 1,
                                                                     "world_size": 2, "backend": "gloo"}),
              "dist.layout: 0 is not this server's bucket layout"),  # a trainer of an older release
+            (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 1,
+                                                                    "world_size": 3, "backend": "gloo", "chain": True,
+                                                                    "layout": LAYOUT_VERSION, "bucket_bytes": 1 << 20,
+                                                                    "share_from_prev": True}),
+             "dist.share_from_prev"),  # rank 1's sender is the trainer, which has no file
+            (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 2,
+                                                                    "world_size": 3, "backend": "gloo", "chain": True,
+                                                                    "layout": LAYOUT_VERSION, "bucket_bytes": 1 << 20,
+                                                                    "share_with_next": True}),
+             "dist.share_with_next"),
         ]  # fmt: skip
         for request, text in cases:
             with pytest.raises(aio.AioRpcError) as info:
@@ -806,3 +816,165 @@ def test_the_shm_file_stays_mapped_between_updates_and_a_new_size_gets_a_new_fil
         assert int(map_shm(str(writer.path), [Entry("w", (10,), torch.uint8, 10)], [0])["w"][9]) == 3
     finally:
         writer.close()
+
+
+# ------------------------------------------------------------ dist servers on one host share one copy
+
+
+async def _all_have(ros: list[Any], state: dict[str, torch.Tensor], version: int) -> bool:
+    """Every server holds exactly `state` and labels what it generates with `version`."""
+    return all([same(model_weights(r), state) and await generated_version(r.address) == version for r in ros])
+
+
+def _served_from(server: Any) -> Path | None:
+    held = server.servicer.weights._held_file
+    if held is None:
+        return None
+    file = held[0]
+    assert all(_inside(p, [file.data]) for p in server.backend._lm.parameters())  # no copy of its own
+    return Path(file.path)
+
+
+async def test_dist_servers_on_one_host_serve_one_copy_and_a_file_still_served_is_never_written(
+    tiny_models: TinyModelPaths,
+) -> None:
+    """Three servers on this host: the first receives the bytes into a file, the others map it and serve from it.
+    Two files take turns; a server left out of an update keeps serving its file, which is then never written
+    again (a new file is made), and its weights stay exactly what it was sent."""
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    base = policy_state(tiny_models)
+    weights = {step: {k: v.float() for k, v in perturbed(base, 60 + step).items()} for step in range(1, 7)}
+    async with servers(tiny_models, 3) as ros, TrainerClient([r.address for r in ros]) as client:
+        client.weight_sync.bucket_bytes = 64 << 10
+        files = []
+        for step in (1, 2, 3):
+            assert await client.update_weights(weights[step], transport="dist") == step
+            where = {_served_from(r) for r in ros}
+            assert len(where) == 1 and None not in where  # one copy on the host
+            assert await _all_have(ros, weights[step], step)
+            files.append(where.pop())
+        assert files[2] == files[0] != files[1]  # two files take turns: nothing new is made or faulted in
+        assert ros[0].servicer.weights._held_file[0].owner and not ros[1].servicer.weights._held_file[0].owner
+        # Step 4 reaches the first two only: the third keeps serving step 3's file, which the first then holds
+        # as its spare; step 5 must not be written into it.
+        async with TrainerClient([r.address for r in ros[:2]]) as two:
+            two.policy_version = 3
+            two.weight_sync.bucket_bytes = 64 << 10
+            assert await two.update_weights(weights[4], transport="dist") == 4
+        assert _served_from(ros[2]) == files[2] and _served_from(ros[1]) == _served_from(ros[0]) == files[1]
+        lagging = {n: p.detach() for n, p in ros[2].backend._lm.named_parameters()}  # views into step 3's file
+        client.policy_version = 4
+        assert await client.update_weights(weights[5], transport="dist") == 5
+        now = {_served_from(r) for r in ros}
+        assert len(now) == 1 and now.isdisjoint({files[0], files[1]})  # a new file: the old one was still served
+        assert same(weights[3], lagging)  # never written under the server that served it
+        assert await _all_have(ros, weights[5], 5)
+
+
+async def test_copies_into_a_model_served_from_a_shared_file_go_to_private_memory(tiny_models: TinyModelPaths) -> None:
+    """After a shared dist update, updates the model copies rather than adopts (shm; one tensor over grpc; another
+    dtype over dist) land in buffers of the server's own: the file is never written (the second server maps it
+    read-only, a write would crash it) and each server ends with exactly what it was sent."""
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    base = policy_state(tiny_models)
+    async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
+        client.weight_sync.bucket_bytes = 64 << 10
+        shared = {k: v.float() for k, v in perturbed(base, 71).items()}
+        assert await client.update_weights(shared, transport="dist") == 1
+        file = ros[0].servicer.weights._held_file[0]
+        snapshot = file.data.clone()
+        name = "model.norm.weight"
+        part = {name: torch.full_like(shared[name], 0.25)}
+        assert await client.update_weights(part, transport="grpc") == 2  # partial: the rest is kept
+        expected = {**shared, **part}
+        assert all(same(model_weights(r), expected) for r in ros)
+        assert all(_served_from(r) is None for r in ros) and torch.equal(file.data, snapshot)
+        assert await client.update_weights(shared, transport="dist") == 3
+        assert {_served_from(r) for r in ros} != {None}
+        for step, (transport, state) in enumerate([("shm", perturbed(base, 72)), ("dist", perturbed(base, 73))], 4):
+            assert await client.update_weights(state, transport=transport) == step  # bf16 into an fp32 model: copied
+            assert await _all_have(ros, state, step)
+            assert all(_served_from(r) is None for r in ros)
+
+
+async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_bytes(
+    tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room under /dev/shm: the first server says so with an empty path and the bytes follow over TCP. With
+    `share_host` off, or between servers that report different hosts, nothing is shared."""
+    from client.weight_planes import SharedWeights
+
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    base = policy_state(tiny_models)
+
+    def full(size: int) -> SharedWeights:
+        raise OSError(28, "No space left on device")
+
+    async with servers(tiny_models, 3) as ros, TrainerClient([r.address for r in ros]) as client:
+        client.weight_sync.bucket_bytes = 64 << 10
+        monkeypatch.setattr(SharedWeights, "create", staticmethod(full))
+        new = {k: v.float() for k, v in perturbed(base, 81).items()}
+        assert await client.update_weights(new, transport="dist") == 1
+        assert all(same(model_weights(r), new) and _served_from(r) is None for r in ros)
+        monkeypatch.undo()
+        client.weight_sync.share_host = False  # turned off by the trainer
+        newer = {k: v.float() for k, v in perturbed(base, 82).items()}
+        assert await client.update_weights(newer, transport="dist") == 2
+        assert all(same(model_weights(r), newer) and _served_from(r) is None for r in ros)
+        client.weight_sync.share_host = True
+        ros[1].servicer.weights.host_id = "elsewhere"  # the chain: 0 | 1 | 2, no two neighbours on one host
+        newest = {k: v.float() for k, v in perturbed(base, 83).items()}
+        assert await client.update_weights(newest, transport="dist") == 3
+        assert all(same(model_weights(r), newest) and _served_from(r) is None for r in ros)
+
+
+def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
+    from client.weight_planes import SHM_DIR, SharedWeights, sweep_stale_shm
+    from reward_engine.errors import InvalidInput
+
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    mine = SharedWeights.create(4096)
+    try:
+        reader = SharedWeights.open(str(mine.path), 4096)
+        assert not mine.reusable()  # someone serves from it
+        reader.close()
+        mine2 = SharedWeights.create(4096)
+        try:
+            assert mine2.reusable() and mine2.reusable()  # nobody else: again and again
+        finally:
+            mine2.close()
+        with pytest.raises(InvalidInput, match="not a rewardmesh weights file"):
+            SharedWeights.open("/etc/passwd", 1)
+        with pytest.raises(InvalidInput, match="has 4096 bytes"):
+            SharedWeights.open(str(mine.path), 8192)
+    finally:
+        mine.close()
+    assert not mine.path.exists()
+    # A maker killed while another server serves from its file: the file stays until that server lets go.
+    code = (
+        "from client.weight_planes import SharedWeights\n"
+        "import time\nf = SharedWeights.create(4096); f.data.fill_(7)\n"
+        "print(f.path, flush=True); time.sleep(120)\n"
+    )
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        path = Path(proc.stdout.readline().strip())
+        assert path.parent == SHM_DIR
+        served = SharedWeights.open(str(path), 4096)
+        proc.kill()
+        proc.wait(timeout=30)
+        assert path not in sweep_stale_shm() and path.exists() and int(served.data[4095]) == 7
+        served.close()
+        assert path not in sweep_stale_shm()  # a tensor still maps it: still served
+        del served  # the last view of it
+        assert path in sweep_stale_shm() and not path.exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

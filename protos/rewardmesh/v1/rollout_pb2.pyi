@@ -174,7 +174,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout")
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout", "dist_host_share")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class GetInfoResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DIST_CHAIN_FIELD_NUMBER: _ClassVar[int]
     DIST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DIST_HOST_SHARE_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -199,7 +200,8 @@ class GetInfoResponse(_message.Message):
     instance_id: str
     dist_chain: bool
     dist_layout: int
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ...) -> None: ...
+    dist_host_share: bool
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ..., dist_host_share: _Optional[bool] = ...) -> None: ...
 
 class WeightSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -212,7 +214,7 @@ class WeightSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DistRendezvous(_message.Message):
-    __slots__ = ("host", "port", "group", "rank", "world_size", "backend", "bucket_bytes", "chain", "layout")
+    __slots__ = ("host", "port", "group", "rank", "world_size", "backend", "bucket_bytes", "chain", "layout", "share_with_next", "share_from_prev")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,8 @@ class DistRendezvous(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_WITH_NEXT_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FROM_PREV_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     group: str
@@ -231,7 +235,9 @@ class DistRendezvous(_message.Message):
     bucket_bytes: int
     chain: bool
     layout: int
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., chain: _Optional[bool] = ..., layout: _Optional[int] = ...) -> None: ...
+    share_with_next: bool
+    share_from_prev: bool
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., chain: _Optional[bool] = ..., layout: _Optional[int] = ..., share_with_next: _Optional[bool] = ..., share_from_prev: _Optional[bool] = ...) -> None: ...
 
 class ShmSource(_message.Message):
     __slots__ = ("path", "offsets")
