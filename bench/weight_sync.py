@@ -215,6 +215,7 @@ async def run(args: argparse.Namespace) -> int:
     store = Store("127.0.0.1", 300)
     bare: dict[int, BareBroadcast] = {}
     clients: dict[tuple[str, int], TrainerClient] = {}
+    memory: dict[tuple[str, int], list[tuple[int, int]]] = {}
     sink_channels: list[aio.Channel] = []
     try:
         await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))  # sinks serve once they wrote
@@ -270,6 +271,7 @@ async def run(args: argparse.Namespace) -> int:
                 await modes[key]()
                 times[key].append(time.perf_counter() - started)
             progress(f"round {r + 1}/{args.rounds} done")
+        memory = {key: [rss(r.pid) for r in fleet] for key, fleet in fleets.items() if key[0].startswith("dist")}
     finally:
         for c in clients.values():
             await c.close()
@@ -289,6 +291,11 @@ async def run(args: argparse.Namespace) -> int:
     print(f"\nweight sync: {nparams / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB bf16, {len(state)} tensors; median "
           f"of {args.rounds} interleaved rounds; torch threads {args.threads}; {machine}\n")  # fmt: skip
     print(fmt_table(rows, nbytes))
+    print("\nmemory of each dist server after the rounds (MB; private: RssAnon, mapped /dev/shm files: RssShmem)\n")
+    print("| servers | server 1: private, shm | server 2: private, shm |\n|---|---|---|")
+    for (name, n), usage in memory.items():
+        cells = " | ".join(f"{a / 1e6:.0f}, {sh / 1e6:.0f}" for a, sh in usage)
+        print(f"| update_weights {name} ({n}) | {cells} |")
     checks = []
     if "dist" in args.transports:
         r1 = med[("bare gloo broadcast", 1)] / med[("update_weights dist", 1)]
@@ -316,6 +323,13 @@ async def run(args: argparse.Namespace) -> int:
     for name, value, target, ok in checks:
         print(f"| {name} | {value:.2f}x | {target} | {'PASS' if ok else 'FAIL' if target else ''} |")
     return 0
+
+
+def rss(pid: int) -> tuple[int, int]:
+    """A process's private resident memory and its resident pages of shared-memory files, in bytes."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    kb = [int(fields.get(k, "0 kB").split()[0]) for k in ("RssAnon", "RssShmem")]
+    return kb[0] * 1024, kb[1] * 1024
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -230,16 +230,12 @@ def receive_buckets(
                     share.file = SharedWeights.open(path, file_offsets(buckets)[1])
                 except (InvalidInput, OSError) as exc:  # like a gloo failure: the chain breaks here, nothing applied
                     raise RuntimeError(f"cannot map the previous server's weights file: {exc}") from exc
-        handing = share is not None and share.to_next and nxt
-        if handing:  # first: the next server waits for it before anything else
-            assert share is not None
-            forwards = _forward(group, forwards, _path_message(share.file.path if share.file else None), rank + 1, tag)
-        notices = handing and share is not None and share.file is not None  # the next reads our file: 1 byte each
-        mapped = share is not None and share.from_prev and share.file is not None
-        if mapped:
-            assert share is not None and share.file is not None
-            bufs = share.file.buckets(buckets)
-            into = list(torch.zeros(len(buckets), dtype=torch.uint8).split(1))
+        file = share.file if share is not None else None  # ours, or the previous server's
+        if share is not None and share.to_next and nxt:  # first: the next server waits for it before anything else
+            forwards = _forward(group, forwards, _path_message(file.path if file else None), rank + 1, tag)
+        if file is not None and share is not None and share.from_prev:  # the bytes are in the file already
+            bufs = file.buckets(buckets)
+            into = list(torch.zeros(len(buckets), dtype=torch.uint8).split(1))  # one-byte notices
         else:
             bufs = into = _buffers(buckets, buffers, device)
         notice = torch.ones(1, dtype=torch.uint8)
@@ -247,7 +243,7 @@ def receive_buckets(
         for work, buf, b in zip(works, bufs, buckets, strict=True):
             work.wait(timeout)
             if nxt:
-                forwards = _forward(group, forwards, notice if notices else buf, rank + 1, b.members[0])
+                forwards = _forward(group, forwards, notice if file is not None else buf, rank + 1, b.members[0])
         failed = forwards is None
         for work in forwards or ():
             try:

@@ -321,12 +321,11 @@ class WeightReceiver:
         share = None
         if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
             share = HostShare(to_next=rdv.share_with_next, from_prev=rdv.share_from_prev)
-        buffers: _Buffers = []
         if share is not None and not share.from_prev:  # we receive the host's copy
             share.file = await asyncio.to_thread(self._host_file, file_offsets(buckets)[1])
-            if share.file is not None:
-                buffers = share.file.buckets(buckets)
-        if not buffers and (share is None or not share.from_prev):  # (a mapped neighbour's file needs none)
+        if share is not None and share.file is not None:
+            buffers = share.file.buckets(buckets)
+        else:  # (also where a neighbour's file is mapped instead, unless it sends the bytes: no room for a file)
             take = _recycler(self._spare, device)
             buffers = [take(b.nbytes) for b in buckets]
             self._spare = None  # in use now: spare again only once this update is applied (or copied out)
