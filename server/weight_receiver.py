@@ -9,7 +9,9 @@ instead of a copy; the buffers it held before are then free and receive the next
 Peak extra memory during an update: the staged weights (dist: the received buckets, which the typed tensors
 are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped). On CPU the
 dist buffers the model gave back are kept for the next update of the same layout, so the steady state is the
-model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers.
+model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers. dist servers
+of one host that share a copy (client.weight_planes.SharedWeights): the first holds two files (the one the model
+serves from, a spare), the others map its file and hold none of their own.
 """
 
 from __future__ import annotations
