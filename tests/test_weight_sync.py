@@ -5,10 +5,11 @@ leave the old weights serving and name the server."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -757,24 +758,31 @@ async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version
         assert c[0].backend.policy_version == 2 and same(model_weights(c[0]), newer) and client.join_updates == 1
 
 
-def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
-    from client.weight_planes import SHM_DIR, ShmWriter, sweep_stale_shm
+@contextmanager
+def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A process that makes a weights file under /dev/shm (`make` binds it to `f`) and sleeps until killed."""
+    from client.weight_planes import SHM_DIR
 
-    if not weight_sync.host_id():
-        pytest.skip("no usable /dev/shm")
-    code = (
-        "import sys, time, torch\n"
-        "from client.weight_planes import ShmWriter\n"
-        "w = ShmWriter(); w.write([torch.ones(1000)], [0], 4000)\n"
-        "print(w.path, flush=True); time.sleep(120)\n"
-    )
-    import subprocess
-
+    code = f"import time, torch\nfrom client.weight_planes import SharedWeights, ShmWriter\n{make}\n"
+    code += "print(f.path, flush=True); time.sleep(120)\n"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         path = Path(proc.stdout.readline().strip())
-        assert path.parent == SHM_DIR and path.exists()
+        assert path.parent == SHM_DIR
+        yield proc, path
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
+    from client.weight_planes import ShmWriter, sweep_stale_shm
+
+    if not weight_sync.host_id():
+        pytest.skip("no usable /dev/shm")
+    with process_making("f = ShmWriter(); f.write([torch.ones(1000)], [0], 4000)") as (proc, path):
+        assert path.exists()
         mine = ShmWriter()  # sweeps: the live writer's file stays
         mine.write([torch.zeros(10)], [0], 40)
         assert path.exists() and mine.path.exists()
@@ -785,9 +793,6 @@ def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
         assert mine.path.exists()  # a live writer's file (this process holds its lock) is never swept
         mine.close()
         assert not mine.path.exists()
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def test_the_shm_file_stays_mapped_between_updates_and_a_new_size_gets_a_new_file() -> None:
@@ -932,7 +937,7 @@ async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_byt
 
 
 def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
-    from client.weight_planes import SHM_DIR, SharedWeights, sweep_stale_shm
+    from client.weight_planes import SharedWeights, sweep_stale_shm
     from reward_engine.errors import InvalidInput
 
     if not weight_sync.host_id():
@@ -955,18 +960,7 @@ def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_
         mine.close()
     assert not mine.path.exists()
     # A maker killed while another server serves from its file: the file stays until that server lets go.
-    code = (
-        "from client.weight_planes import SharedWeights\n"
-        "import time\nf = SharedWeights.create(4096); f.data.fill_(7)\n"
-        "print(f.path, flush=True); time.sleep(120)\n"
-    )
-    import subprocess
-
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        path = Path(proc.stdout.readline().strip())
-        assert path.parent == SHM_DIR
+    with process_making("f = SharedWeights.create(4096); f.data.fill_(7)") as (proc, path):
         served = SharedWeights.open(str(path), 4096)
         proc.kill()
         proc.wait(timeout=30)
@@ -975,6 +969,3 @@ def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_
         assert path not in sweep_stale_shm()  # a tensor still maps it: still served
         del served  # the last view of it
         assert path in sweep_stale_shm() and not path.exists()
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
