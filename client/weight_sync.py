@@ -2,7 +2,8 @@
 
 gRPC is the control plane (`GetInfo` says what a server accepts, `TransferWeights` carries the manifest, the
 version and the rendezvous); the bytes go on the fastest plane every target supports:
-shm (all on this host) > dist (a torch.distributed broadcast) > grpc (chunks on `UpdateWeights`).
+ipc (CUDA tensors, every server on their GPU) > shm (all on this host) > dist (a torch.distributed broadcast) >
+grpc (chunks on `UpdateWeights`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 from grpc import aio
 
+from client import cuda_ipc
+from client.cuda_ipc import device_uuid
 from client.weight_planes import (
     ShmWriter,
     Store,
@@ -35,7 +38,7 @@ from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "shm", "dist", "grpc")
+TRANSPORTS = ("auto", "ipc", "shm", "dist", "grpc")
 _UPDATE_WEIGHTS = "/rewardmesh.v1.RolloutService/UpdateWeights"
 
 
@@ -167,6 +170,10 @@ class WeightSync:
     def choose(self, infos: Sequence[rollout_pb2.GetInfoResponse], device: torch.device) -> str:
         """auto: the fastest data plane every target supports (servers that predate the field: grpc)."""
         offered = [set(i.weight_transports) or {rollout_pb2.WEIGHT_TRANSPORT_GRPC} for i in infos]
+        ipc = rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC
+        if device.type == "cuda" and all(ipc in o and i.cuda_device_uuid == device_uuid(device)
+                                         for o, i in zip(offered, infos, strict=True)):  # fmt: skip
+            return "ipc"
         shm = rollout_pb2.WEIGHT_TRANSPORT_SHM
         local = [shm in o and i.host_id == self.host_id for o, i in zip(offered, infos, strict=True)]
         if device.type == "cpu" and self.host_id and all(local):
@@ -209,6 +216,8 @@ class WeightSync:
             outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, fanout, a))
         elif transport == "shm":
             outcomes = await self._send_shm(targets, state, version)
+        elif transport == "ipc":
+            outcomes = await self._send_ipc(targets, state, version)
         else:
             outcomes = await self._send_dist(targets, state, version, infos)
         failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
@@ -262,6 +271,19 @@ class WeightSync:
         if any(isinstance(o, BaseException) for o in outcomes.values()):
             shm.rotate()  # a server that gave up late may still read the old file
         return outcomes
+
+    async def _send_ipc(
+        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, Any]:
+        """CUDA IPC: the servers read our tensors where they lie; they stay referenced (and unchanged: the caller
+        awaits this) until every server has answered."""
+        tensors = [t.detach() for t in state.values()]
+        if not tensors or not all(t.is_cuda for t in tensors):
+            raise ValueError("transport='ipc' shares CUDA tensors: move the state dict to the servers' GPU first")
+        request = self._request(state, version)
+        request.cuda_ipc.CopyFrom(cuda_ipc.handles(tensors))
+        torch.cuda.synchronize(tensors[0].device)  # the servers read what the last kernel wrote
+        return await self._gather(targets, lambda a, ch: self._call(ch, request))
 
     def _rendezvous_host(self, targets: Sequence[tuple[str, aio.Channel]]) -> str:
         if self.dist_host:

@@ -244,6 +244,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             dist_chain=True,
             dist_layout=LAYOUT_VERSION,
             dist_host_share=bool(self.weights.host_id),
+            cuda_device_uuid=self.weights.cuda_uuid(),
         )
 
 

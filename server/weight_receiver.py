@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import torch
 
+from client.cuda_ipc import check_source, device_uuid, open_tensors
 from client.tensors import duration_seconds
 from client.weight_planes import (
     ForwardFailed,
@@ -144,8 +145,18 @@ class WeightReceiver:
         self._spare_file: SharedWeights | None = None
         self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
+    def cuda_uuid(self) -> str:
+        """The GPU the model runs on ("" if none): a trainer with its tensors there may send CUDA IPC handles."""
+        engine_gpu = getattr(self.backend, "cuda_device_uuid", None)  # vLLM: its engine's, when it takes IPC
+        if isinstance(engine_gpu, str):
+            return engine_gpu
+        device = self._device()
+        return device_uuid(device) if device.type == "cuda" else ""
+
     def transports(self) -> list[Any]:
         out: list[Any] = []
+        if self.cuda_uuid():
+            out.append(rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC)
         if self.host_id:
             out.append(rollout_pb2.WEIGHT_TRANSPORT_SHM)
         # dist needs a backend that says where its weights live (hf); vLLM's engine would need its own
@@ -274,19 +285,24 @@ class WeightReceiver:
         entries = check_manifest(request.tensors, self.backend.weight_specs(), request.total_bytes)
         which = request.WhichOneof("source")
         if which is None:
-            raise InvalidInput("source: set dist or shm (gRPC chunks go on UpdateWeights)")
+            raise InvalidInput("source: set dist, shm or cuda_ipc (gRPC chunks go on UpdateWeights)")
+        if which == "cuda_ipc":
+            check_source(request.cuda_ipc, entries, self.cuda_uuid())
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
         owned, file = None, None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
         async with self._lock:
-            if which == "shm":
-                if not self.host_id:
-                    raise InvalidInput("shm: this server has no usable /dev/shm")
-                tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
+            if which == "cuda_ipc":
+                applied, spent = await self._apply_ipc(request.cuda_ipc, entries, request.policy_version)
             else:
-                tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
-            applied, spent = await self._apply(tensors, request.policy_version, owned, file)
+                if which == "shm":
+                    if not self.host_id:
+                        raise InvalidInput("shm: this server has no usable /dev/shm")
+                    tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
+                else:
+                    tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
+                applied, spent = await self._apply(tensors, request.policy_version, owned, file)
         total = sum(e.nbytes for e in entries)
         seconds = time.perf_counter() - started
         log.info("applied %d tensors (%d bytes) from %s as policy version %d in %.3fs (apply %.3fs)",
@@ -294,6 +310,19 @@ class WeightReceiver:
         return rollout_pb2.TransferWeightsResponse(
             policy_version=applied, num_tensors=len(entries), num_bytes=total, seconds=seconds, apply_seconds=spent
         )
+
+    async def _apply_ipc(
+        self, source: rollout_pb2.CudaIpcSource, entries: list[Any], version: int
+    ) -> tuple[int, float]:
+        """The trainer's tensors on our GPU: vLLM loads them through its weight-transfer engine; other backends
+        copy them in (device to device: the trainer owns that memory, so nothing is adopted)."""
+        started = time.perf_counter()
+        by_engine = getattr(self.backend, "update_weights_ipc", None)
+        if by_engine is not None:
+            await by_engine(entries, source, version or self.backend.policy_version + 1)
+            return self.backend.policy_version, time.perf_counter() - started
+        tensors = open_tensors(source, entries, self._device())
+        return await self._apply(tensors, version)
 
     async def _receive_dist(
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float

@@ -186,7 +186,8 @@ def test_engine_args_are_parsed_as_yaml_scalars() -> None:
 
 
 @pytest.fixture
-def fake_vllm(tiny_models: TinyModelPaths) -> Iterator[type[FakeEngine]]:
+def fake_vllm(tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeEngine]]:
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # the backend sets it; restored after
     with installed(state_dict(tiny_models.policy)) as engine_cls:
         yield engine_cls
 
@@ -606,3 +607,51 @@ def test_engine_options_come_from_flags_environment_and_yaml(monkeypatch: pytest
         backend_options(
             resolve(RolloutServerConfig, build_parser().parse_args(["serve", "rollout", "--engine-arg", "a=1"]), {})
         )
+
+
+def ipc_source(state: dict[str, torch.Tensor], memory: dict[bytes, torch.Tensor]) -> Any:
+    """Handles as the trainer's `cuda_ipc.handles` writes them, for tensors the stand-in engine can look up."""
+    source = rollout_pb2.CudaIpcSource(device_uuid="GPU-test")
+    for i, t in enumerate(state.values()):
+        key = f"storage-{i}".encode()
+        memory[key] = t.flatten()
+        source.handles.add(storage_handle=key, storage_size_bytes=t.numel() * t.element_size(), stride=list(t.stride()),
+                           ref_counter_handle=b"ref", event_handle=b"event")  # fmt: skip
+    return source
+
+
+async def test_cuda_ipc_updates_go_through_vllms_weight_transfer_engine(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    """The engine is built with vLLM's "ipc" weight transfer; an update is init (once), pause, start, update
+    (handles as torch's rebuild arguments, pickled by the server itself), finish, label, resume; a load that
+    fails part-way leaves the server refusing work, and resumes generation all the same."""
+    from client.cuda_ipc import check_source
+    from client.weights import Entry
+
+    backend = VLLMBackend(str(tiny_models.policy))
+    await backend.start()
+    engine = fake_vllm.last
+    assert engine is not None and engine.args.weight_transfer_config.backend == "ipc"
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    sequence = ["pause_generation", "start_weight_update", "update_weights", "finish_weight_update",
+                "update_weight_version", "resume_generation"]  # fmt: skip
+    for version in (5, 6):
+        engine.calls.clear()
+        new = perturbed(state_dict(tiny_models.policy), scale=0.1 * version)
+        entries = [Entry(n, tuple(t.shape), t.dtype, t.numel() * t.element_size()) for n, t in new.items()]
+        source = ipc_source(new, engine.ipc_memory)
+        check_source(source, entries, "GPU-test")  # what the receiver checks first
+        await backend.update_weights_ipc(entries, source, version)
+        first: list[tuple[Any, ...]] = [("init_weight_transfer_engine", {})] if version == 5 else []  # once
+        assert engine.calls[: len(first)] == first and engine.calls[len(first)] == ("pause_generation", "keep", True)
+        assert [c[0] for c in engine.calls[len(first) :]] == sequence
+        assert backend.policy_version == version
+        assert all(torch.equal(engine.model.state[k], new[k]) for k in new if k != "lm_head.weight")
+        assert "lm_head.weight" not in engine.model.loads[-1]  # tied to the embeddings: vLLM ignores it
+    engine.model.fail_after = 2
+    engine.calls.clear()
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        await backend.update_weights_ipc(entries, source, 7)
+    assert backend.policy_version == 6 and backend.unusable and engine.calls[-1] == ("resume_generation",)
+    await backend.close()

@@ -285,7 +285,7 @@ async def test_transfer_requests_are_checked_before_anything_is_received(tiny_mo
         cases = [
             (rollout_pb2.TransferWeightsRequest(tensors=good, total_bytes=total + 1, shm={"path": "/dev/shm/x"}),
              "total_bytes"),
-            (rollout_pb2.TransferWeightsRequest(tensors=good, total_bytes=total), "source: set dist or shm"),
+            (rollout_pb2.TransferWeightsRequest(tensors=good, total_bytes=total), "source: set dist, shm or cuda_ipc"),
             (rollout_pb2.TransferWeightsRequest(tensors=good, shm={"path": "/etc/passwd", "offsets": [0] * len(good)}),
              "shm.path"),
             (rollout_pb2.TransferWeightsRequest(tensors=good, dist={"host": "127.0.0.1", "port": 1, "rank": 0,

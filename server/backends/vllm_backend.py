@@ -21,20 +21,24 @@ pause/resume fall back to committing between scheduler steps and resetting the p
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import difflib
 import json
 import logging
 import math
+import os
+import pickle
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from client.weights import WeightsError, validate_weights
+from client.cuda_ipc import device_uuid, rebuild_args
+from client.weights import Entry, WeightsError, validate_weights
 from reward_engine.errors import Unavailable
 from server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
 from server.backends.hf import trim_at_stop, validate_request
@@ -333,6 +337,8 @@ class VLLMBackend:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         self._closed = False
+        self._ipc = False  # the engine runs vLLM's "ipc" weight transfer (set when it is built)
+        self._ipc_ready = False  # init_weight_transfer_engine done
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -365,6 +371,17 @@ class VLLMBackend:
         if "logprobs_mode" in known and "logprobs_mode" not in kwargs:
             # the log-prob of the distribution actually sampled from (after temperature, top-k, top-p)
             kwargs["logprobs_mode"] = "processed_logprobs"
+        if "weight_transfer_config" in known and "weight_transfer_config" not in kwargs:
+            from vllm.config import WeightTransferConfig
+
+            # CUDA IPC updates from a colocated trainer. The handles reach the workers as a pickle this server
+            # builds itself from checked fields (update_weights_ipc); vLLM unpickles them only with this set.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+        config = kwargs.get("weight_transfer_config")
+        self._ipc = getattr(config, "backend", None) == "ipc" or (
+            isinstance(config, dict) and config.get("backend") == "ipc"
+        )
         return engine_cls.from_engine_args(AsyncEngineArgs(**kwargs))
 
     async def start(self) -> None:
@@ -617,29 +634,78 @@ class VLLMBackend:
                 with contextlib.suppress(Exception):
                     await engine.collective_rpc("rewardmesh_discard_weights")
                 raise
-            try:
-                try:
-                    await engine.collective_rpc("rewardmesh_commit_weights", args=(expected,))
-                except BaseException as exc:
-                    self._mark_torn(expected, version, exc)
-                    raise
-                self._torn.difference_update(expected)
-                if not self._torn:
-                    self.unusable = None
-                self.policy_version = int(version)
-                if hasattr(engine, "update_weight_version"):
-                    try:
-                        await engine.update_weight_version(str(version))
-                    except Exception:
-                        logger.warning("vllm backend: update_weight_version(%s) failed", version, exc_info=True)
-            finally:
-                if paused:
-                    await engine.resume_generation()
-            if not paused:
-                await self._reset_prefix_cache()
+            await self._load(engine, paused, expected, version,
+                             lambda: engine.collective_rpc("rewardmesh_commit_weights", args=(expected,)))  # fmt: skip
         logger.info(
             "vllm backend: applied %d tensors in %d chunk(s), policy_version=%d", len(expected), chunks, version
         )
+
+    async def _load(
+        self, engine: Any, paused: bool, names: list[str], version: int, load: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """Load (the engine paused, or between steps), label the version, resume; a load that fails part-way
+        marks the model torn."""
+        try:
+            try:
+                await load()
+            except BaseException as exc:
+                self._mark_torn(names, version, exc)
+                raise
+            self._torn.difference_update(names)
+            if not self._torn:
+                self.unusable = None
+            self.policy_version = int(version)
+            if hasattr(engine, "update_weight_version"):
+                try:
+                    await engine.update_weight_version(str(version))
+                except Exception:
+                    logger.warning("vllm backend: update_weight_version(%s) failed", version, exc_info=True)
+        finally:
+            if paused:
+                await engine.resume_generation()
+        if not paused:
+            await self._reset_prefix_cache()
+
+    @property
+    def cuda_device_uuid(self) -> str:
+        """The engine's GPU when it takes CUDA IPC updates (vLLM's "ipc" weight transfer), else ""."""
+        return device_uuid(0) if self._ipc else ""
+
+    async def update_weights_ipc(self, entries: list[Entry], source: Any, version: int) -> None:
+        """CUDA IPC handles of a colocated trainer's tensors (checked by the receiver), loaded by vLLM's own
+        weight-transfer engine: pause (requests kept), start, update (the workers open the handles and load
+        device to device), finish, label the version, resume. Unverified: needs a GPU and vLLM."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        if (quantized := self.quantization()) is not None:
+            raise WeightsError(f"{self.model} is quantized ({quantized}): in-place weight updates are not supported")
+        if self._engine is None:
+            await self.start()
+        engine = self._engine
+        init_request, update_request = weight_transfer_requests()
+        skip = {"lm_head.weight"} if self._tied() else set()  # vLLM ignores it for tied embeddings
+        chosen = [(h, e) for h, e in zip(source.handles, entries, strict=True) if e.name not in skip]
+        handles = [{source.device_uuid: (rebuild_cuda_tensor, rebuild_args(h, e, 0))} for h, e in chosen]
+        names = [e.name for _, e in chosen]
+        info = {"names": names, "dtype_names": [str(e.dtype).removeprefix("torch.") for _, e in chosen],
+                "shapes": [list(e.shape) for _, e in chosen],
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}  # fmt: skip
+        async with self._update_lock:
+            if not self._ipc_ready:
+                await engine.init_weight_transfer_engine(init_request(init_info={}))
+                self._ipc_ready = True
+            self._updates += 1
+            paused = await self._pause(engine)
+
+            async def load() -> None:
+                if hasattr(engine, "start_weight_update"):  # releases with the four-phase protocol
+                    await engine.start_weight_update()
+                await engine.update_weights(update_request(update_info=info))
+                if hasattr(engine, "finish_weight_update"):
+                    await engine.finish_weight_update()
+
+            await self._load(engine, paused, names, version, load)
+        logger.info("vllm backend: loaded %d tensors over CUDA IPC, policy_version=%d", len(names), version)
 
     def _mark_torn(self, names: list[str], version: int, exc: BaseException) -> None:
         """A commit that failed inside ``load_weights`` may have applied some tensors: stop serving.
@@ -686,6 +752,13 @@ class VLLMBackend:
             return
         if ok is False:
             logger.warning("vllm backend: prefix cache not reset (requests in flight); stale prefixes may be reused")
+
+
+def weight_transfer_requests() -> tuple[Any, Any]:
+    """vLLM's request types for its weight-transfer engine (init, update)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    return WeightTransferInitRequest, WeightTransferUpdateRequest
 
 
 def _token_logprobs(completion: Any, token_ids: list[int]) -> list[float] | None:

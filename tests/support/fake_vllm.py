@@ -4,12 +4,16 @@ vLLM cannot run here (it needs CUDA), so this stand-in lets the backend's own lo
 argument validation, booting off the event loop, prompt construction, log-prob / version / preemption
 extraction, error finishes, and the weight-update sequence with the real worker extension and a real model
 state dict. The API shapes follow vLLM 0.33's source (``AsyncEngineArgs``, ``AsyncLLM``, ``RequestOutput``,
-``CompletionOutput.weight_versions``, ``pause_generation(mode=..., clear_cache=...)``).
+``CompletionOutput.weight_versions``, ``pause_generation(mode=..., clear_cache=...)``, the weight-transfer engine's
+requests and its IPC backend's ``update_info``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
+import pickle
 import sys
 import time
 import types
@@ -41,6 +45,22 @@ class AsyncEngineArgs:
     max_num_seqs: int = 256
     quantization: str | None = None
     compilation_config: dict[str, Any] = field(default_factory=dict)
+    weight_transfer_config: Any = None
+
+
+@dataclass
+class WeightTransferConfig:
+    backend: str = "nccl"
+
+
+@dataclass
+class WeightTransferInitRequest:
+    init_info: dict[str, Any]
+
+
+@dataclass
+class WeightTransferUpdateRequest:
+    update_info: dict[str, Any]
 
 
 class RequestOutputKind(Enum):
@@ -95,6 +115,8 @@ class FakeEngine:
     last: FakeEngine | None = None
     boot_seconds = 0.0
     state: ClassVar[dict[str, torch.Tensor]] = {}
+    # What a CUDA IPC storage handle opens to; a GPU's driver maps the trainer's memory, the stand-in looks it up.
+    ipc_memory: ClassVar[dict[bytes, torch.Tensor]] = {}
 
     def __init__(self, args: AsyncEngineArgs) -> None:
         self.args = args
@@ -164,6 +186,35 @@ class FakeEngine:
         self.calls.append(("reset_prefix_cache", reset_running_requests))
         return True
 
+    async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
+        self.calls.append(("init_weight_transfer_engine", request.init_info))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start_weight_update",))
+
+    async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
+        """vLLM's IPC engine: unpickle the handles (only where allowed), open each, load them in one call."""
+        self.calls.append(("update_weights",))
+        info = request.update_info
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise ValueError(
+                "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+            )
+        handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+        weights = []
+        for name, dtype_name, shape, handle in zip(
+            info["names"], info["dtype_names"], info["shapes"], handles, strict=True
+        ):
+            ((func, args),) = handle.values()  # vLLM calls func(*args) on its GPU; here the storage is looked up
+            assert func.__name__ == "rebuild_cuda_tensor" and list(args[1]) == shape
+            assert str(args[5]).removeprefix("torch.") == dtype_name
+            storage = self.ipc_memory[args[7]]
+            weights.append((name, storage.as_strided(args[1], args[2], args[3])))
+        self.model.load_weights(weights)
+
+    async def finish_weight_update(self) -> None:
+        self.calls.append(("finish_weight_update",))
+
     def shutdown(self) -> None:
         self.calls.append(("shutdown",))
 
@@ -174,6 +225,7 @@ def installed(state: dict[str, torch.Tensor]) -> Iterator[type[FakeEngine]]:
     FakeEngine.state = state
     FakeEngine.last = None
     FakeEngine.boot_seconds = 0.0
+    FakeEngine.ipc_memory = {}
     root = types.ModuleType("vllm")
     root.AsyncEngineArgs = AsyncEngineArgs  # type: ignore[attr-defined]
     root.SamplingParams = SamplingParams  # type: ignore[attr-defined]
@@ -184,6 +236,11 @@ def installed(state: dict[str, torch.Tensor]) -> Iterator[type[FakeEngine]]:
     inputs.tokens_input = tokens_input  # type: ignore[attr-defined]
     async_llm = types.ModuleType("vllm.v1.engine.async_llm")
     async_llm.AsyncLLM = FakeEngine  # type: ignore[attr-defined]
+    config = types.ModuleType("vllm.config")
+    config.WeightTransferConfig = WeightTransferConfig  # type: ignore[attr-defined]
+    transfer = types.ModuleType("vllm.distributed.weight_transfer.base")
+    transfer.WeightTransferInitRequest = WeightTransferInitRequest  # type: ignore[attr-defined]
+    transfer.WeightTransferUpdateRequest = WeightTransferUpdateRequest  # type: ignore[attr-defined]
     modules = {
         "vllm": root,
         "vllm.sampling_params": sampling,
@@ -191,6 +248,10 @@ def installed(state: dict[str, torch.Tensor]) -> Iterator[type[FakeEngine]]:
         "vllm.v1": types.ModuleType("vllm.v1"),
         "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
         "vllm.v1.engine.async_llm": async_llm,
+        "vllm.config": config,
+        "vllm.distributed": types.ModuleType("vllm.distributed"),
+        "vllm.distributed.weight_transfer": types.ModuleType("vllm.distributed.weight_transfer"),
+        "vllm.distributed.weight_transfer.base": transfer,
     }
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)

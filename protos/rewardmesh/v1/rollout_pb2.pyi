@@ -19,10 +19,12 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_GRPC: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_DIST: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
+    WEIGHT_TRANSPORT_CUDA_IPC: _ClassVar[WeightTransport]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
 WEIGHT_TRANSPORT_DIST: WeightTransport
 WEIGHT_TRANSPORT_SHM: WeightTransport
+WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -174,7 +176,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout", "dist_host_share")
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout", "dist_host_share", "cuda_device_uuid")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class GetInfoResponse(_message.Message):
     DIST_CHAIN_FIELD_NUMBER: _ClassVar[int]
     DIST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DIST_HOST_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -201,7 +204,8 @@ class GetInfoResponse(_message.Message):
     dist_chain: bool
     dist_layout: int
     dist_host_share: bool
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ..., dist_host_share: _Optional[bool] = ...) -> None: ...
+    cuda_device_uuid: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ..., dist_host_share: _Optional[bool] = ..., cuda_device_uuid: _Optional[str] = ...) -> None: ...
 
 class WeightSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -239,6 +243,36 @@ class DistRendezvous(_message.Message):
     share_from_prev: bool
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., chain: _Optional[bool] = ..., layout: _Optional[int] = ..., share_with_next: _Optional[bool] = ..., share_from_prev: _Optional[bool] = ...) -> None: ...
 
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("storage_handle", "storage_size_bytes", "storage_offset_bytes", "stride", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., stride: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class CudaIpcSource(_message.Message):
+    __slots__ = ("device_uuid", "handles")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handles: _containers.RepeatedCompositeFieldContainer[CudaIpcHandle]
+    def __init__(self, device_uuid: _Optional[str] = ..., handles: _Optional[_Iterable[_Union[CudaIpcHandle, _Mapping]]] = ...) -> None: ...
+
 class ShmSource(_message.Message):
     __slots__ = ("path", "offsets")
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -248,12 +282,13 @@ class ShmSource(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferWeightsRequest(_message.Message):
-    __slots__ = ("tensors", "policy_version", "total_bytes", "dist", "shm", "validate_only", "timeout")
+    __slots__ = ("tensors", "policy_version", "total_bytes", "dist", "shm", "cuda_ipc", "validate_only", "timeout")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIST_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
@@ -261,9 +296,10 @@ class TransferWeightsRequest(_message.Message):
     total_bytes: int
     dist: DistRendezvous
     shm: ShmSource
+    cuda_ipc: CudaIpcSource
     validate_only: bool
     timeout: _duration_pb2.Duration
-    def __init__(self, tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dist: _Optional[_Union[DistRendezvous, _Mapping]] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., validate_only: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dist: _Optional[_Union[DistRendezvous, _Mapping]] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ..., validate_only: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class TransferWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_bytes", "seconds", "apply_seconds")
