@@ -302,10 +302,13 @@ class WeightSync:
     ) -> dict[str, Any]:
         tensors = [t.detach() for t in state.values()]
         backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
-        instances = [i.instance_id for i in infos]
         # gloo: a chain of point-to-point sends (the trainer sends every byte once; gloo's sends cost far less per
         # call than its broadcasts). NCCL's broadcast is a pipelined ring already: one call per bucket.
         chain = backend == "gloo" and len(infos) == len(targets) and all(i.dist_chain for i in infos)
+        if chain:  # the servers of one host next to each other, so that they share one copy (stable: same order)
+            order = sorted(range(len(targets)), key=lambda i: infos[i].host_id)
+            targets, infos = [targets[i] for i in order], [infos[i] for i in order]
+        instances = [i.instance_id for i in infos]
         # A server that restarted (new instance id) holds none of our groups: that is a membership change too.
         members = tuple(f"{a}#{i}" for (a, _), i in zip(targets, instances, strict=True))
         host = self._rendezvous_host(targets)

@@ -55,6 +55,11 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return out
 
 
+def weights_of(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """New weights in the model's dtype (fp32 here), so that a dist update is adopted."""
+    return {k: v.float() for k, v in perturbed(base, seed).items()}
+
+
 @asynccontextmanager
 async def servers(tiny_models: TinyModelPaths, count: int) -> AsyncIterator[list[Any]]:
     async with AsyncExitStack() as stack:
@@ -671,7 +676,7 @@ async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_
         receiver = ro.servicer.weights
         held: list[set[int]] = []
         for step in range(1, 5):
-            new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}  # the model's dtype (fp32 on CPU)
+            new = weights_of(base, 20 + step)  # the model's dtype (fp32 on CPU)
             assert await client.update_weights(new, transport="dist") == step
             assert same(model_weights(ro), new) and await generated_version(ro.address) == step
             assert receiver._held is not None
@@ -691,7 +696,7 @@ async def test_dist_swaps_storage_instead_of_copying_and_reuses_the_buffers_the_
         # Whole grpc updates are adopted too, and the tensors the model left receive the one after next.
         grpc_held = []
         for step in range(6, 9):
-            new = {k: v.float() for k, v in perturbed(base, 20 + step).items()}
+            new = weights_of(base, 20 + step)
             assert await client.update_weights(new, transport="grpc") == step
             assert same(model_weights(ro), new) and await generated_version(ro.address) == step
             params = dict(ro.backend._lm.named_parameters())
@@ -710,7 +715,7 @@ async def test_buffers_the_model_left_are_reused_whichever_plane_filled_them(tin
         receiver = ro.servicer.weights
         where = []
         for step, transport in enumerate(["dist", "grpc", "grpc", "dist", "grpc"], start=1):
-            new = {k: v.float() for k, v in perturbed(base, 40 + step).items()}
+            new = weights_of(base, 40 + step)
             assert await client.update_weights(new, transport=transport) == step
             assert same(model_weights(ro), new) and await generated_version(ro.address) == step
             assert receiver._held is not None
@@ -849,7 +854,7 @@ async def test_dist_servers_on_one_host_serve_one_copy_and_a_file_still_served_i
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
     base = policy_state(tiny_models)
-    weights = {step: {k: v.float() for k, v in perturbed(base, 60 + step).items()} for step in range(1, 7)}
+    weights = {step: weights_of(base, 60 + step) for step in range(1, 7)}
     async with servers(tiny_models, 3) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
         files = []
@@ -886,7 +891,7 @@ async def test_copies_into_a_model_served_from_a_shared_file_go_to_private_memor
     base = policy_state(tiny_models)
     async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
-        shared = {k: v.float() for k, v in perturbed(base, 71).items()}
+        shared = weights_of(base, 71)
         assert await client.update_weights(shared, transport="dist") == 1
         file = ros[0].servicer.weights._held_file[0]
         snapshot = file.data.clone()
@@ -908,7 +913,8 @@ async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_byt
     tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No room under /dev/shm: the first server says so with an empty path and the bytes follow over TCP. With
-    `share_host` off, or between servers that report different hosts, nothing is shared."""
+    `share_host` off, or between servers that report different hosts, nothing is shared; servers of one host are
+    put next to each other in the chain wherever they stand in the list."""
     from client.weight_planes import SharedWeights
 
     if not weight_sync.host_id():
@@ -921,19 +927,23 @@ async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_byt
     async with servers(tiny_models, 3) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
         monkeypatch.setattr(SharedWeights, "create", staticmethod(full))
-        new = {k: v.float() for k, v in perturbed(base, 81).items()}
+        new = weights_of(base, 81)
         assert await client.update_weights(new, transport="dist") == 1
         assert all(same(model_weights(r), new) and _served_from(r) is None for r in ros)
         monkeypatch.undo()
         client.weight_sync.share_host = False  # turned off by the trainer
-        newer = {k: v.float() for k, v in perturbed(base, 82).items()}
+        newer = weights_of(base, 82)
         assert await client.update_weights(newer, transport="dist") == 2
         assert all(same(model_weights(r), newer) and _served_from(r) is None for r in ros)
         client.weight_sync.share_host = True
-        ros[1].servicer.weights.host_id = "elsewhere"  # the chain: 0 | 1 | 2, no two neighbours on one host
-        newest = {k: v.float() for k, v in perturbed(base, 83).items()}
-        assert await client.update_weights(newest, transport="dist") == 3
-        assert all(same(model_weights(r), newest) and _served_from(r) is None for r in ros)
+        ros[1].servicer.weights.host_id = "elsewhere"  # listed between the other two, which still share
+        newest = weights_of(base, 83)
+        assert await client.update_weights(newest, transport="dist") == 3  # the chain is ordered by host
+        assert all(same(model_weights(r), newest) for r in ros) and _served_from(ros[1]) is None
+        assert _served_from(ros[0]) == _served_from(ros[2]) is not None
+        ros[0].servicer.weights.host_id = "a-third-host"  # three hosts: no two servers share
+        assert await client.update_weights(weights_of(base, 84), transport="dist") == 4
+        assert all(same(model_weights(r), weights_of(base, 84)) and _served_from(r) is None for r in ros)
 
 
 def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
