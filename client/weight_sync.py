@@ -22,7 +22,6 @@ import torch
 from grpc import aio
 
 from client import cuda_ipc
-from client.cuda_ipc import device_uuid
 from client.weight_planes import (
     ShmWriter,
     Store,
@@ -171,7 +170,7 @@ class WeightSync:
         """auto: the fastest data plane every target supports (servers that predate the field: grpc)."""
         offered = [set(i.weight_transports) or {rollout_pb2.WEIGHT_TRANSPORT_GRPC} for i in infos]
         ipc = rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC
-        if device.type == "cuda" and all(ipc in o and i.cuda_device_uuid == device_uuid(device)
+        if device.type == "cuda" and all(ipc in o and i.cuda_device_uuid == cuda_ipc.device_uuid(device)
                                          for o, i in zip(offered, infos, strict=True)):  # fmt: skip
             return "ipc"
         shm = rollout_pb2.WEIGHT_TRANSPORT_SHM

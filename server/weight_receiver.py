@@ -184,7 +184,7 @@ class WeightReceiver:
         version = version or self.backend.policy_version + 1
         started = time.perf_counter()
         adopt = getattr(self.backend, "adopt_weights", None)
-        if self._held_file is not None and not ((owned is not None or file is not None) and self._whole(tensors)):
+        if self._held_file is not None and not ((owned is not None or file is not None) and self._adoptable(tensors)):
             # A copy into the model would write the host's shared file (or fault: a neighbour's is mapped read-only)
             tensors, owned = self._private(tensors, self._held_file[1])
             self._let_go(file)
@@ -212,10 +212,10 @@ class WeightReceiver:
             self._spare_file = None
         return self.backend.policy_version, time.perf_counter() - started
 
-    def _whole(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """Every weight, in the model's dtypes and shapes: what a backend adopts rather than copies in."""
-        specs = self.backend.weight_specs()
-        return tensors.keys() == specs.keys() and all((tuple(t.shape), t.dtype) == specs[n] for n, t in tensors.items())
+    def _adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """The backend would take these tensors themselves rather than copy them in (its own rule)."""
+        adoptable = getattr(self.backend, "adoptable", None)
+        return adoptable is not None and bool(adoptable(tensors))
 
     def _private(
         self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]

@@ -620,7 +620,7 @@ class HFBackend:
         """Between two steps: copy (or adopt) every tensor, then label the tokens that follow with the new version."""
         try:
             with torch.no_grad():
-                adopted = swap.adopt and self._adoptable(swap.tensors)
+                adopted = swap.adopt and self.adoptable(swap.tensors)
                 for name, tensor in swap.tensors.items():
                     if adopted:
                         self._state[name].data = tensor  # O(1): the parameter now lives in the caller's buffer
@@ -632,7 +632,7 @@ class HFBackend:
         else:
             swap.done.set_result(adopted)
 
-    def _adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
+    def adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Only a whole update of the same dtypes and device is adopted: then no parameter keeps pointing into an
         older buffer, so the caller may reuse the buffers it handed over before (double buffering)."""
         if tensors.keys() != self._state.keys():

@@ -600,13 +600,16 @@ class VLLMBackend:
             return str(config.get("quant_method", "yes") if isinstance(config, dict) else config)
         return None
 
-    def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _refuse_quantized(self) -> None:
         quantized = self.quantization()
         if quantized:
             raise WeightsError(
                 f"{self.model} is quantized ({quantized}): in-place weight updates need vLLM's reload path, which "
                 "this backend does not use yet; serve an unquantized checkpoint to update weights"
             )
+
+    def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._refuse_quantized()
         validate_weights(tensors, self._checkpoint_specs())
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -677,8 +680,7 @@ class VLLMBackend:
         device to device), finish, label the version, resume. Unverified: needs a GPU and vLLM."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        if (quantized := self.quantization()) is not None:
-            raise WeightsError(f"{self.model} is quantized ({quantized}): in-place weight updates are not supported")
+        self._refuse_quantized()
         if self._engine is None:
             await self.start()
         engine = self._engine
