@@ -35,10 +35,12 @@ COPY protos/ protos/
 COPY server/ server/
 COPY client/ client/
 COPY reward_engine/ reward_engine/
+COPY common/ common/
 COPY demo/ demo/
+COPY rewardmesh/ rewardmesh/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[vllm,otlp,demo]" "${VLLM_SPEC}" \
-    && python -c "import server.cli, client.trainer, rewardmesh.v1.reward_pb2_grpc" \
+    && python -c "import rewardmesh.server.cli, rewardmesh.client.trainer, rewardmesh.v1.reward_pb2_grpc" \
     && rewardmesh --help > /dev/null
 
 # -------------------------------------------------------------------------------------------- runtime

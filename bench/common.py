@@ -29,7 +29,7 @@ import numpy as np
 from grpc import aio
 from tqdm import tqdm
 
-from client.reward_client import RewardClient
+from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ async def serve_echo(host: str, port: int, port_file: str = "") -> None:
     from grpc_health.v1 import _async as health_aio
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from server.serving import ServerOptions, write_port_file
+    from rewardmesh.server.serving import ServerOptions, write_port_file
 
     options = ServerOptions(host=host, port=port)
     server = aio.server(options=options.channel_args())

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.json"
-        cmd = [sys.executable, "-m", "server.cli", "demo", "--metrics-out", str(metrics),
+        cmd = [sys.executable, "-m", "rewardmesh.server.cli", "demo", "--metrics-out", str(metrics),
                "--plot", str(Path(tmp) / "curve.png"), *args.demo_args]  # fmt: skip
         if args.steps:
             cmd += ["--steps", str(args.steps)]

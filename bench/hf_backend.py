@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import machine_info, markdown_table, progress
-from demo.tiny_models import build_tiny_models
-from server.backends.base import GenerationRequest
-from server.backends.hf import HFBackend
-from server.cli import default_models_dir
+from rewardmesh.demo.tiny_models import build_tiny_models
+from rewardmesh.server.backends.base import GenerationRequest
+from rewardmesh.server.backends.hf import HFBackend
+from rewardmesh.server.cli import default_models_dir
 
 TEXTS = [
     "What is 2 + 2?",

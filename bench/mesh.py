@@ -24,8 +24,8 @@ from bench.common import machine_info, markdown_table
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 if TYPE_CHECKING:
-    from client.trainer import PromptSpec
-    from demo.tiny_models import TinyModelPaths
+    from rewardmesh.client.trainer import PromptSpec
+    from rewardmesh.demo.tiny_models import TinyModelPaths
 
 # ------------------------------------------------------------------------------------------ latency model
 
@@ -142,8 +142,8 @@ def reward_model_pipeline(model: Path) -> dict[str, Any]:
 
 def tiny_policy(models_dir: Path) -> tuple[TinyModelPaths, str, Any]:
     """Quiet the logs, build (or reuse) the tiny models: their paths, the policy directory and its tokenizer."""
-    from demo.tiny_models import build_tiny_models
-    from server.reward_server import load_tokenizer
+    from rewardmesh.demo.tiny_models import build_tiny_models
+    from rewardmesh.server.reward_server import load_tokenizer
 
     quiet_logs()
     models = build_tiny_models(models_dir)

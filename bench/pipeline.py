@@ -46,15 +46,15 @@ from bench.mesh import (
     verdict,
     write_judge,
 )
-from client.batch import RolloutBatch, ScoredSample, assemble_batch, set_group_advantages
-from client.grpo import GRPOLearner
-from client.reward_client import RewardClient
-from client.tensors import ids_tensor
-from client.trainer import PromptSpec, Sampling, TrainerClient
-from demo.mesh import local_mesh
-from demo.rl_demo import addition_prompts
+from rewardmesh.client.batch import RolloutBatch, ScoredSample, assemble_batch, set_group_advantages
+from rewardmesh.client.grpo import GRPOLearner
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.mesh import local_mesh
+from rewardmesh.demo.rl_demo import addition_prompts
+from rewardmesh.server.cli import default_models_dir
 from rewardmesh.v1 import common_pb2, rollout_pb2
-from server.cli import default_models_dir
 
 PIPELINE = "sim_judge"
 MODES = {

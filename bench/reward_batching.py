@@ -54,7 +54,7 @@ from bench.common import (
     markdown_table,
     progress,
 )
-from demo.server_process import ServerProcess
+from rewardmesh.demo.server_process import ServerProcess
 
 # Targets from the batching issue.
 TARGET_BATCHING_VS_OFFLINE = 0.8  # (b)/(a), any machine
@@ -166,7 +166,7 @@ def ensure_model(args: argparse.Namespace) -> Path:
         if not (args.model / "config.json").is_file():
             raise SystemExit(f"--model {args.model}: no config.json there; pass a local reward model directory")
         return Path(args.model)
-    from demo.tiny_models import BUILD_VERSION, build_reward_model, build_tokenizer
+    from rewardmesh.demo.tiny_models import BUILD_VERSION, build_reward_model, build_tokenizer
 
     heads = max(1, args.hidden // 64)
     out = args.cache_dir / f"reward_model-l{args.layers}-h{args.hidden}-a{heads}-s{MODEL_SEED}-v{BUILD_VERSION}"
@@ -198,7 +198,7 @@ def token_ids(n: int, seq_len: int, vocab: int, seed: int) -> np.ndarray:
 
 def to_samples(ids: np.ndarray, prefix: str, prompt_len: int) -> list[Any]:
     """Sample protos (ids only, as a rollout server sends them), built before any timing starts."""
-    from client.tensors import ids_tensor
+    from rewardmesh.common.tensors import ids_tensor
     from rewardmesh.v1 import common_pb2
 
     return [
@@ -287,7 +287,7 @@ def reward_server_config(args: argparse.Namespace, model: Path, concurrency: int
 
 def reward_server_argv(cfg_path: Path) -> list[str]:
     """`rewardmesh serve reward` on a free port of 127.0.0.1, as a subprocess of this interpreter."""
-    cli = [sys.executable, "-m", "server.cli", "serve", "reward"]
+    cli = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "reward"]
     return [*cli, "--host", "127.0.0.1", "--port", "0", "--config", str(cfg_path)]
 
 
@@ -300,7 +300,7 @@ async def run_transport_only(args: argparse.Namespace) -> dict[str, Any]:
     samples_tw = to_samples(ids[: min(1000, len(ids))], "tw", args.seq_len // 2)
     with tempfile.TemporaryDirectory(prefix="rewardmesh-bench-") as tmp:
         workdir = Path(tmp)
-        cli = [sys.executable, "-m", "server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0"]
+        cli = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0"]
         reward_server = ServerProcess("reward-server", cli, workdir)
         echo_server = ServerProcess("echo-server", echo_server_argv(), workdir)
         try:
@@ -319,9 +319,9 @@ async def run_transport_only(args: argparse.Namespace) -> dict[str, Any]:
 async def run_servicer_only(args: argparse.Namespace) -> dict[str, Any]:
     """CPU per sample of RewardServicer.Score itself, gRPC left out: requests parsed from bytes (as gRPC hands
     them over), every response serialized (as gRPC would), thread CPU time, median of --transport-rounds."""
-    from reward_engine.engine import RewardEngine
+    from rewardmesh.reward_engine.engine import RewardEngine
+    from rewardmesh.server.reward_service import RewardServicer
     from rewardmesh.v1 import reward_pb2
-    from server.reward_service import RewardServicer
 
     engine = RewardEngine()
     engine.add_builtin_rules()
@@ -405,8 +405,8 @@ def _cpu_ratio(t: dict[str, Any]) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from client.reward_client import RewardClient
-    from reward_engine.sources.reward_model import ModelSource
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.reward_engine.sources.reward_model import ModelSource
 
     t_start = time.perf_counter()
     if args.torch_threads > 0:  # the same for (a) in this process and for the server it starts
@@ -577,7 +577,7 @@ async def run_transport(
     warmup: Sequence[Any],
 ) -> dict[str, Any]:
     """Alternating rounds: the `noop` pipeline and the echo server, same client code, messages and window."""
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
     from rewardmesh.v1.reward_pb2 import ScoreRequest
 
     conc = args.transport_concurrency
@@ -899,8 +899,8 @@ async def run_isolation_only(args: argparse.Namespace) -> dict[str, Any]:
     vs in warm worker processes (isolation="process", 2 workers), the same samples in batches of 1, 8 and 64,
     modes interleaved round by round, medians. Wall time per sample, and this process's CPU per sample (the
     event loop's share: what the server pays; the workers' CPU runs on other cores)."""
-    from reward_engine.sources.rules import RuleSource
-    from reward_engine.types import RewardInput
+    from rewardmesh.reward_engine.sources.rules import RuleSource
+    from rewardmesh.reward_engine.types import RewardInput
 
     empty = np.zeros(0, dtype=np.int32)
     samples = [

@@ -57,10 +57,10 @@ from bench.mesh import (
     verdict,
     write_judge,
 )
-from client.reward_client import RewardClient
-from demo.mesh import Mesh, local_mesh
-from demo.rl_demo import addition_prompts
-from server.cli import default_models_dir
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.demo.mesh import Mesh, local_mesh
+from rewardmesh.demo.rl_demo import addition_prompts
+from rewardmesh.server.cli import default_models_dir
 
 PIPELINE = "sim_judge"
 RM_PIPELINE = "tiny_rm"

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import cpu_snapshot, cpu_usage, echo_server_argv, machine_info, markdown_table, progress
-from demo.server_process import ServerProcess
+from rewardmesh.demo.server_process import ServerProcess
 
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
 ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
@@ -81,7 +81,7 @@ class InstantBackend:
         return None
 
     async def generate(self, request: Any) -> Any:
-        from server.backends.base import GenerationOutput
+        from rewardmesh.server.backends.base import GenerationOutput
 
         return GenerationOutput(list(self._ids[: request.max_tokens]), "length", 0, self.policy_version)
 
@@ -94,9 +94,9 @@ class InstantBackend:
 
 async def serve_instant(host: str, port: int, reward_target: str, response_tokens: int, port_file: str = "") -> None:
     """A rollout server process with the instant engine (the tiny tokenizer, built in memory)."""
-    from demo.tiny_models import build_tokenizer
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions
+    from rewardmesh.demo.tiny_models import build_tokenizer
+    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.serving import ServerOptions
 
     backend = InstantBackend(build_tokenizer(), response_tokens)
     targets = [t for t in reward_target.split(",") if t]
@@ -148,7 +148,7 @@ async def timed(path: str, run: Callable[[], Awaitable[tuple[int, int, int]]], p
 
 
 def prompt_specs(count: int, prompt_tokens: int, vocab: int, seed: int) -> list[Any]:
-    from client.trainer import PromptSpec
+    from rewardmesh.client.trainer import PromptSpec
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, vocab - 1, size=(count, prompt_tokens), dtype=np.int32)
@@ -174,8 +174,8 @@ def med(values: Sequence[float]) -> float:
 
 
 async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from client.trainer import Sampling, TrainerClient
-    from demo.tiny_models import build_tokenizer
+    from rewardmesh.client.trainer import Sampling, TrainerClient
+    from rewardmesh.demo.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
     prompts = prompt_specs(args.prompts, args.prompt_tokens, len(tokenizer), args.seed)
@@ -205,7 +205,7 @@ async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         bare_engine = InstantBackend(tokenizer, args.response_tokens)
 
         async def bare() -> tuple[int, int, int]:
-            from server.backends.base import GenerationRequest
+            from rewardmesh.server.backends.base import GenerationRequest
 
             reqs = [GenerationRequest(prompt_ids=list(p.token_ids), max_tokens=args.response_tokens)
                     for p in prompts for _ in range(args.n)]  # fmt: skip
@@ -299,7 +299,7 @@ def _messages_line(msgs: dict[str, int] | None) -> str:
 
 
 def reward_argv() -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0",
+    return [sys.executable, "-m", "rewardmesh.server.cli", "serve", "reward", "--host", "127.0.0.1", "--port", "0",
             "--grace-s", "2"]  # fmt: skip
 
 
@@ -307,8 +307,8 @@ async def run_hf(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from client.trainer import Sampling, TrainerClient
-    from demo.tiny_models import build_tiny_models
+    from rewardmesh.client.trainer import Sampling, TrainerClient
+    from rewardmesh.demo.tiny_models import build_tiny_models
 
     paths = build_tiny_models(args.models)
     policy = str(paths.policy)
@@ -319,7 +319,8 @@ async def run_hf(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     prompts = prompt_specs(args.hf_prompts, args.prompt_tokens, len(tokenizer), args.seed)
     sampling = Sampling(temperature=1.0, max_tokens=args.hf_max_tokens, seed=args.seed)
     reward = ServerProcess("reward-hf", reward_argv(), workdir)
-    rollout_argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+    rollout_argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "rollout", "--host", "127.0.0.1",
+                    "--port", "0",
                     "--backend", "hf", "--model", policy, "--device", "cpu", "--max-batch-size", str(batch),
                     "--grace-s", "2"]  # fmt: skip
     os.environ.update(env_threads)  # the rollout server's torch uses the same thread count as the bare run
@@ -438,7 +439,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found,unused-ignore]
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
 
-    from client.trainer import Sampling, TrainerClient
+    from rewardmesh.client.trainer import Sampling, TrainerClient
 
     model = str(args.vllm_model)
     from transformers import AutoTokenizer
@@ -490,7 +491,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             [
                 sys.executable,
                 "-m",
-                "server.cli",
+                "rewardmesh.server.cli",
                 "serve",
                 "rollout",
                 "--host",

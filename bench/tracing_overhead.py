@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_samples(count: int, tag: str) -> list[Any]:
-    from client.tensors import ids_tensor
+    from rewardmesh.common.tensors import ids_tensor
     from rewardmesh.v1 import common_pb2
 
     prompt = ids_tensor([(7 * i) % 500 + 3 for i in range(64)])
@@ -158,7 +158,7 @@ async def drive(
     (`announce_kept`), as a rollout server passes on the trainer's KeepTraces when a step ends. Plain string
     work: the load generator's own telemetry is not what is measured.
     """
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
 
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(concurrency)
@@ -231,8 +231,8 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from client.flight_recorder import SpanBlock
-    from client.telemetry import OtlpJsonLinesExporter, setup_telemetry
+    from rewardmesh.common.flight_recorder import SpanBlock
+    from rewardmesh.common.telemetry import OtlpJsonLinesExporter, setup_telemetry
 
     class CountingExporter(OtlpJsonLinesExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -274,15 +274,15 @@ async def serve(args: argparse.Namespace) -> None:
         telemetry = telemetry_on(out_dir, counts, args.metric_interval_ms)
         assert telemetry.tracing and telemetry.metrics, "telemetry was already installed in this process"
     else:
-        from client.telemetry import setup_telemetry
+        from rewardmesh.common.telemetry import setup_telemetry
 
         telemetry = setup_telemetry("bench")  # OTEL_* unset: installs nothing
         assert not telemetry.tracing and not telemetry.metrics
     import torch
 
     torch.set_num_threads(args.torch_threads)
-    from server.reward_server import RewardServer, build_engine
-    from server.serving import ServerOptions
+    from rewardmesh.server.reward_server import RewardServer, build_engine
+    from rewardmesh.server.serving import ServerOptions
 
     config = None
     if args.model_dir:  # a realistic reward cost: the 4-layer, 256-wide reward model, dynamically batched
@@ -387,14 +387,14 @@ class ServerProcess:
 
 def head_ratio(args: argparse.Namespace, mode: str) -> float | None:
     """The trainer's head-sampling ratio in this mode (None: telemetry off, no trace context sent)."""
-    from client.telemetry import DEFAULT_HEAD_RATIO
+    from rewardmesh.common.telemetry import DEFAULT_HEAD_RATIO
 
     return {"off": None, "default": DEFAULT_HEAD_RATIO, "ratio": args.sampled_ratio, "all": 1.0}[mode]
 
 
 async def one_run(args: argparse.Namespace, mode: str, out_dir: Path, profile: Path | None = None) -> dict[str, Any]:
     """Start this mode's reward server, warm it up, measure --samples, stop it; the numbers of the run."""
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
 
     server = await asyncio.to_thread(ServerProcess, args, mode, out_dir, profile)
     pipeline = RM_PIPELINE if args.model_dir else PIPELINE

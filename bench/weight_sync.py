@@ -39,9 +39,9 @@ import grpc
 import torch
 from grpc import aio
 
-from client.trainer import TrainerClient
-from client.weight_planes import Store, form_group
-from demo.server_process import ServerProcess
+from rewardmesh.client.trainer import TrainerClient
+from rewardmesh.common.weight_planes import Store, form_group
+from rewardmesh.demo.server_process import ServerProcess
 
 MESSAGE = 4 << 20
 _SINK = "/bench.Sink/Push"
@@ -58,7 +58,7 @@ def build_model(out: Path, params: float) -> Path:
     """A random Llama of about `params` parameters with the tiny tokenizer, saved in bf16."""
     from transformers import LlamaForCausalLM
 
-    from demo.tiny_models import _llama_config, _save, build_tokenizer
+    from rewardmesh.demo.tiny_models import _llama_config, _save, build_tokenizer
 
     tokenizer = build_tokenizer()
     hidden = 1024 if params <= 400e6 else 2048
@@ -77,14 +77,14 @@ def build_model(out: Path, params: float) -> Path:
 async def serve_rollout(model: str, port_file: str, threads: int, device: str, backend_name: str) -> None:
     """A rollout server whose hf backend holds the weights in bf16 (the dtype sent: updates can be adopted), or a
     vLLM engine (a small share of the GPU each: the trainer and the other servers share it)."""
-    from server.backends.base import Backend
-    from server.backends.hf import HFBackend
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions, write_port_file
+    from rewardmesh.server.backends.base import Backend
+    from rewardmesh.server.backends.hf import HFBackend
+    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.serving import ServerOptions, write_port_file
 
     backend: Backend
     if backend_name == "vllm":
-        from server.backends.vllm_backend import VLLMBackend
+        from rewardmesh.server.backends.vllm_backend import VLLMBackend
 
         backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16")
     else:
@@ -97,8 +97,8 @@ async def serve_rollout(model: str, port_file: str, threads: int, device: str, b
 async def serve_sink(port_file: str) -> None:
     """The thinnest grpc.aio client-stream handler: take every message, answer once (with the malloc settings
     a rollout server's grpc updates get, so the baseline is not slowed by page faults the mesh avoids)."""
-    from client.weight_planes import keep_freed_memory
-    from server.serving import write_port_file
+    from rewardmesh.common.weight_planes import keep_freed_memory
+    from rewardmesh.server.serving import write_port_file
 
     keep_freed_memory()
 

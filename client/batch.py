@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.tensors import ids_from, tensor_to_numpy
+from rewardmesh.common.tensors import ids_from, tensor_to_numpy
 from rewardmesh.v1 import common_pb2, rollout_pb2
 
 TIMING_KEYS = ("generate_sequences", "tool_calls", "reward", "reward_queue", "reward_compute", "num_preempted")

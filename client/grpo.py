@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from client.batch import RolloutBatch
+from rewardmesh.client.batch import RolloutBatch
 
 
 @dataclass(frozen=True)

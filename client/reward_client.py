@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from client.channels import open_channel
-from client.targets import Member, Resolve, TargetPool
+from rewardmesh.client.targets import Member, Resolve, TargetPool
+from rewardmesh.common.channels import open_channel
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)

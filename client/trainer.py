@@ -28,7 +28,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from client.batch import (
+from rewardmesh.client.batch import (
     RolloutBatch,
     ScoredSample,
     assemble_batch,
@@ -37,11 +37,11 @@ from client.batch import (
     set_group_advantages,
     slowest_sample,
 )
-from client.channels import open_channel
-from client.targets import Member, Resolve, TargetPool
-from client.telemetry import group_context, recorder, trace_config, tracer
-from client.tensors import ids_tensor
-from client.weight_sync import SyncResult, WeightSync, WeightSyncError
+from rewardmesh.client.targets import Member, Resolve, TargetPool
+from rewardmesh.client.weight_sync import SyncResult, WeightSync, WeightSyncError
+from rewardmesh.common.channels import open_channel
+from rewardmesh.common.telemetry import group_context, recorder, trace_config, tracer
+from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from grpc import aio
 
-from client import cuda_ipc
-from client.weight_planes import (
+from rewardmesh.common import cuda_ipc
+from rewardmesh.common.weight_planes import (
     ShmWriter,
     Store,
     dist_available,
@@ -32,7 +32,7 @@ from client.weight_planes import (
     local_address_towards,
     send_buckets,
 )
-from client.weights import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION, iter_update_requests, layout, manifest
+from rewardmesh.common.weights import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION, iter_update_requests, layout, manifest
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class WeightSync:
     """Keeps what outlives one update: the TCP store, the process group of the current servers, the shm file.
 
     share_host: dist servers next to each other in the chain on one host serve one copy of the weights, which the
-    first receives into /dev/shm (see client.weight_planes.SharedWeights); False: each receives its own bytes."""
+    first receives into /dev/shm (see common.weight_planes.SharedWeights); False: each receives its own bytes."""
 
     def __init__(
         self,

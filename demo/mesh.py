@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.reward_server import RewardServer, build_engine
-from server.serving import ServerOptions
+from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.serving import ServerOptions
 
 if TYPE_CHECKING:
-    from server.backends.base import Backend
-    from server.rollout_server import RolloutServer
+    from rewardmesh.server.backends.base import Backend
+    from rewardmesh.server.rollout_server import RolloutServer
 
 LOCAL = "127.0.0.1"
 
@@ -48,7 +48,7 @@ async def rollout_server(
     stop_grace_s: float = 0.5,
 ) -> AsyncIterator[RolloutServer]:
     """A rollout server over `backend`, streaming its samples to `reward_targets` (none: unscored)."""
-    from server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout_server import RolloutServer
 
     server = RolloutServer(backend, reward_targets, ServerOptions(host=LOCAL, port=0, grace_s=grace_s))
     await server.start()
@@ -84,7 +84,7 @@ async def local_mesh(
 
     One torch thread per decode loop by default: two threads each on a loaded 2-core machine slow every step.
     """
-    from server.backends.hf import HFBackend
+    from rewardmesh.server.backends.hf import HFBackend
 
     async with contextlib.AsyncExitStack() as stack:
         reward = await stack.enter_async_context(reward_server(pipelines, tokenizer, grace_s=2.0, stop_grace_s=1.0))

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from client.reward_client import RewardClient
-from client.tensors import ids_tensor
-from demo.tiny_models import build_tiny_models
-from reward_engine.engine import RewardEngine
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import build_tiny_models
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.server.reward_server import RewardServer, load_tokenizer
+from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import common_pb2, reward_pb2
-from server.reward_server import RewardServer, load_tokenizer
-from server.serving import ServerOptions
 
 NAMES = ["Janet", "Tom", "Aisha", "Mateo", "Li", "Priya", "Olu", "Sven"]
 ITEMS = ["apples", "marbles", "books", "coins", "stamps", "shells"]

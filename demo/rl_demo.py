@@ -21,12 +21,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.batch import RolloutBatch
-from client.grpo import GRPOLearner, PolicyLossConfig
-from client.trainer import PromptSpec, Sampling, TrainerClient
-from demo.mesh import local_mesh
-from demo.tiny_models import build_tiny_models
-from server.reward_server import load_tokenizer
+from rewardmesh.client.batch import RolloutBatch
+from rewardmesh.client.grpo import GRPOLearner, PolicyLossConfig
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.demo.mesh import local_mesh
+from rewardmesh.demo.tiny_models import build_tiny_models
+from rewardmesh.server.reward_server import load_tokenizer
 
 COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed", "slow_gen", "slow_rw", "stale")
 

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
-from reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from reward_engine.batcher import BatcherConfig, BatchInfo
-from reward_engine.errors import UnknownReward
-from reward_engine.pipeline import RewardPipeline, WeightedSource
-from reward_engine.types import RewardSource
+from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo
+from rewardmesh.reward_engine.errors import UnknownReward
+from rewardmesh.reward_engine.pipeline import RewardPipeline, WeightedSource
+from rewardmesh.reward_engine.types import RewardSource
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,19 @@ SOURCE_TYPES = ("rule", "function", "model", "judge")
 def _source_class(kind: str) -> type:
     """Import lazily: a rule-only server never loads torch or aiohttp."""
     if kind == "rule":
-        from reward_engine.sources.rules import RuleSource
+        from rewardmesh.reward_engine.sources.rules import RuleSource
 
         return RuleSource
     if kind == "function":
-        from reward_engine.sources.custom import FunctionSource
+        from rewardmesh.reward_engine.sources.custom import FunctionSource
 
         return FunctionSource
     if kind == "model":
-        from reward_engine.sources.reward_model import ModelSource
+        from rewardmesh.reward_engine.sources.reward_model import ModelSource
 
         return ModelSource
     if kind == "judge":
-        from reward_engine.sources.judge import JudgeSource
+        from rewardmesh.reward_engine.sources.judge import JudgeSource
 
         return JudgeSource
     raise ValueError(f"unknown source type '{kind}' (known: {', '.join(SOURCE_TYPES)})")
@@ -115,7 +115,7 @@ class RewardEngine:
     def add_builtin_rules(self, **rule_options: Any) -> None:
         """One pipeline per built-in rule, named after the rule; ``rule_options`` (timeout_s, memory_mb,
         workers) set the isolation budget of those that run in worker processes, started on first use."""
-        from reward_engine.sources.rules import RULES, RuleSource
+        from rewardmesh.reward_engine.sources.rules import RULES, RuleSource
 
         for rule in sorted(RULES):
             if rule not in self.pipelines:

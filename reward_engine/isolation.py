@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from reward_engine.errors import (
+from rewardmesh.reward_engine.errors import (
     DeadlineExceeded,
     InvalidInput,
     QueueFull,
@@ -50,7 +50,7 @@ from reward_engine.errors import (
     Unavailable,
     UnknownReward,
 )
-from reward_engine.sources.verl_compat import describe_exception
+from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ _worker_fns: dict[str, Callable[..., Any]] = {}
 def _resolve(target: str) -> Callable[..., Any]:
     fn = _worker_fns.get(target)
     if fn is None:
-        from reward_engine.sources.custom import load_function, parse_spec
+        from rewardmesh.reward_engine.sources.custom import load_function, parse_spec
 
         digest = hashlib.sha1(target.encode()).hexdigest()[:10]
         fn = load_function(parse_spec(target), module_name=f"_rewardmesh_fn_{digest}_worker")
@@ -139,7 +139,7 @@ def run_call(fn: Callable[..., Any], call: Call) -> Any:
         if inspect.isawaitable(value):  # an async function forced into a thread or process
             value = asyncio.run(_await(value))
         if call.verl:
-            from reward_engine.sources.verl_compat import to_output
+            from rewardmesh.reward_engine.sources.verl_compat import to_output
 
             value = to_output(value, call.what)
         return value

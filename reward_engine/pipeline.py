@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, Scored, Sink, Ticket
-from reward_engine.types import BatchResult, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, Scored, Sink, Ticket
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput, RewardSource
 
 
 @dataclass

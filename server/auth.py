@@ -4,7 +4,7 @@ With a token configured (server option ``auth_token_file``, or ``REWARDMESH_AUTH
 carry ``authorization: Bearer <token>`` metadata or it is answered UNAUTHENTICATED before any handler runs.
 grpc.health.v1 stays open, so Kubernetes' probes need no secret. It works beside mutual TLS (which
 authenticates the peer's certificate) and is checked per call, not per message, so a long-lived stream
-pays for it once. Clients send the token from the same variables (client/channels.py).
+pays for it once. Clients send the token from the same variables (common/channels.py).
 """
 
 from __future__ import annotations

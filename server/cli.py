@@ -12,11 +12,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from client.telemetry import setup_telemetry
-from server.config import load_yaml, resolve
+from rewardmesh.common.telemetry import setup_telemetry
+from rewardmesh.server.config import load_yaml, resolve
 
 if TYPE_CHECKING:
-    from server.serving import ServerOptions
+    from rewardmesh.server.serving import ServerOptions
 
 
 def default_models_dir() -> Path:
@@ -204,13 +204,13 @@ def _serve(args: argparse.Namespace) -> int:
     section = file_cfg.get("server") or {}
     run: Callable[[], Coroutine[Any, Any, None]]
     if args.service == "reward":
-        from server.reward_server import RewardServerConfig, serve_reward
+        from rewardmesh.server.reward_server import RewardServerConfig, serve_reward
 
         reward_cfg = resolve(RewardServerConfig, args, section)
         cfg: ServerOptions = reward_cfg
         run = functools.partial(serve_reward, reward_cfg, file_cfg.get("pipelines"))
     else:
-        from server.rollout_server import RolloutServerConfig, serve_rollout
+        from rewardmesh.server.rollout_server import RolloutServerConfig, serve_rollout
 
         rollout_cfg = resolve(RolloutServerConfig, args, section)
         cfg = rollout_cfg
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "tiny-models":
-        from demo.tiny_models import build_tiny_models
+        from rewardmesh.demo.tiny_models import build_tiny_models
 
         _setup_logging("INFO")
         paths = build_tiny_models(args.out, seed=args.seed)
@@ -241,14 +241,14 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'rewardmesh[demo]' (`make demo` installs it)", file=sys.stderr)  # fmt: skip
         return 2
     if args.command == "demo":
-        from demo.rl_demo import run_demo
+        from rewardmesh.demo.rl_demo import run_demo
 
         _setup_logging("WARNING")
         if args.trace_out:
             from opentelemetry.sdk.trace.export import SimpleSpanProcessor
             from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-            from client.telemetry import OtlpJsonLinesExporter
+            from rewardmesh.common.telemetry import OtlpJsonLinesExporter
 
             args.trace_memory = InMemorySpanExporter()
             telemetry = setup_telemetry("demo", span_exporters=[OtlpJsonLinesExporter(args.trace_out)],
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             telemetry.shutdown()
     if args.command == "reward-demo":
-        from demo.reward_demo import run_reward_demo
+        from rewardmesh.demo.reward_demo import run_reward_demo
 
         _setup_logging("WARNING")
         return asyncio.run(run_reward_demo(args))

@@ -23,12 +23,12 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from client.channels import read_token
-from reward_engine.engine import RewardEngine
-from reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
-from reward_engine.types import RewardInput
-from server.limits import DEFAULT_LIMITS, Limits, check, depth
-from server.status import SAMPLE_ERRORS, status_of
+from rewardmesh.common.channels import read_token
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
+from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, depth
+from rewardmesh.server.status import SAMPLE_ERRORS, status_of
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from reward_engine.errors import InvalidInput
+from rewardmesh.reward_engine.errors import InvalidInput
 
 
 class LimitExceeded(InvalidInput):

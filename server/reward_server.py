@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.server.reward_service import RewardServicer
+from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
-from server.reward_service import RewardServicer
-from server.serving import GrpcServer, MeshServer, ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class RewardServer(MeshServer):
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         bound = getattr(self.options, "max_stream_unanswered", RewardServerConfig.max_stream_unanswered)
         self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=bound, limits=self.options)
-        self.gateway: Any = None  # server.http_gateway.HttpGateway when --http-port is set
+        self.gateway: Any = None  # rewardmesh.server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
             [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer, SERVICE_NAME)],
@@ -98,7 +98,7 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
     server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer))
     await server.start()
     if cfg.http_port:
-        from server.http_gateway import HttpGateway, load_token, server_ssl_context
+        from rewardmesh.server.http_gateway import HttpGateway, load_token, server_ssl_context
 
         server.gateway = HttpGateway(
             server.engine,

@@ -13,16 +13,16 @@ import numpy as np
 from google.protobuf import json_format
 from grpc import aio
 
-from client.tensors import duration_seconds, ids_checked, ids_from
-from reward_engine.batcher import Scored, Sink, Ticket
-from reward_engine.engine import RewardEngine
-from reward_engine.errors import Cancelled, InvalidInput, Unavailable
-from reward_engine.types import RewardInput, WireInput
+from rewardmesh.common.tensors import duration_seconds, ids_checked, ids_from
+from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.errors import Cancelled, InvalidInput, Unavailable
+from rewardmesh.reward_engine.types import RewardInput, WireInput
+from rewardmesh.server.decoding import decoder
+from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
+from rewardmesh.server.reward_telemetry import RewardTelemetry
+from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from server.decoding import decoder
-from server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
-from server.reward_telemetry import RewardTelemetry
-from server.status import SAMPLE_ERRORS, status_proto
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ sample's queue time and outcome (`BatchInfo`), and that batch is the record.
 
 Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms and
 `rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected per batch as float arrays and
-handed to the SDK in one call per instrument at each metric collection (`client.batched_metrics`): exact
+handed to the SDK in one call per instrument at each metric collection (`rewardmesh.common.batched_metrics`): exact
 counts and bucket shape at a fraction of the per-sample cost. Latency is arrival to result (queue + compute).
 
 Spans: each sample's reward.queue / reward.compute and its batch's reward.batch (linked to the samples it
@@ -28,8 +28,8 @@ import numpy as np
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.util.types import AttributeValue
 
-from client.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
-from client.flight_recorder import (
+from rewardmesh.common.batched_metrics import SECONDS_BUCKETS, SIZE_BUCKETS, HistogramBatch
+from rewardmesh.common.flight_recorder import (
     FlightRecorder,
     LinkTo,
     Ring,
@@ -39,9 +39,9 @@ from client.flight_recorder import (
     new_trace_id,
     parse_traceparent,
 )
-from client.telemetry import meter, metrics_enabled, recorder, trace_config
-from reward_engine.batcher import BatchInfo
-from reward_engine.engine import RewardEngine
+from rewardmesh.common.telemetry import meter, metrics_enabled, recorder, trace_config
+from rewardmesh.reward_engine.batcher import BatchInfo
+from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.v1 import reward_pb2
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.reward_client import RewardClient
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.server.backends.base import Backend
+from rewardmesh.server.rollout_service import RolloutServicer
+from rewardmesh.server.rollout_worker import RolloutWorker
+from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
+from rewardmesh.server.weight_receiver import add_rollout_service
 from rewardmesh.v1 import rollout_pb2
-from server.backends.base import Backend
-from server.rollout_service import RolloutServicer
-from server.rollout_worker import RolloutWorker
-from server.serving import GrpcServer, MeshServer, ServerOptions
-from server.weight_receiver import add_rollout_service
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
             "num_threads": None if cfg.num_threads < 0 else cfg.num_threads,
         }
     if cfg.backend == "vllm":
-        from server.backends.vllm_backend import parse_engine_args
+        from rewardmesh.server.backends.vllm_backend import parse_engine_args
 
         return {
             "dtype": cfg.dtype,
@@ -132,7 +132,7 @@ class RolloutServer(MeshServer):
 
 async def serve_rollout(cfg: RolloutServerConfig) -> None:
     """Entry point of `rewardmesh serve rollout`: runs until SIGTERM/SIGINT, then drains."""
-    from server.backends import make_backend
+    from rewardmesh.server.backends import make_backend
 
     if not cfg.model:
         raise ValueError("--model is required: a local model directory (try `rewardmesh tiny-models`)")

@@ -14,18 +14,18 @@ from typing import Any
 
 from grpc import aio
 
-from client.tensors import duration_seconds, ids_from, ids_tensor
-from client.weights import LAYOUT_VERSION
-from reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.common.tensors import duration_seconds, ids_from, ids_tensor
+from rewardmesh.common.weights import LAYOUT_VERSION
+from rewardmesh.reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.server.agent_loop import AgentSettings
+from rewardmesh.server.backends.base import GenerationRequest
+from rewardmesh.server.decoding import decoder
+from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check
+from rewardmesh.server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
+from rewardmesh.server.status import status_proto
+from rewardmesh.server.tools import TOOLS
+from rewardmesh.server.weight_receiver import WeightReceiver
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
-from server.agent_loop import AgentSettings
-from server.backends.base import GenerationRequest
-from server.decoding import decoder
-from server.limits import DEFAULT_LIMITS, Limits, check
-from server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
-from server.status import status_proto
-from server.tools import TOOLS
-from server.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanContext, get_current_span
 from opentelemetry.util.types import AttributeValue
 
-from client.flight_recorder import FlightRecorder, SpanBlock, new_span_id, new_trace_id, traceparent
-from client.telemetry import STEP_KEY, recorder, trace_config
+from rewardmesh.common.flight_recorder import FlightRecorder, SpanBlock, new_span_id, new_trace_id, traceparent
+from rewardmesh.common.telemetry import STEP_KEY, recorder, trace_config
 from rewardmesh.v1 import reward_pb2, rollout_pb2
 
 

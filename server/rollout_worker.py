@@ -16,14 +16,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 from opentelemetry.util.types import AttributeValue
 
-from client.reward_client import RewardClient
-from client.tensors import ids_tensor, numpy_to_tensor
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.tensors import ids_tensor, numpy_to_tensor
+from rewardmesh.server.agent_loop import AgentSettings, Rollout, run_agent_loop
+from rewardmesh.server.backends.base import Backend, GenerationRequest
+from rewardmesh.server.decoding import decoder
+from rewardmesh.server.rollout_telemetry import NoTrace, RolloutTelemetry, SampleTrace
+from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
-from server.agent_loop import AgentSettings, Rollout, run_agent_loop
-from server.backends.base import Backend, GenerationRequest
-from server.decoding import decoder
-from server.rollout_telemetry import NoTrace, RolloutTelemetry, SampleTrace
-from server.status import SAMPLE_ERRORS, status_proto
 
 log = logging.getLogger(__name__)
 

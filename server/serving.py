@@ -17,11 +17,11 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from client.channels import auth_token
-from client.telemetry import server_interceptors
-from server.auth import BearerTokenInterceptor
-from server.limits import Limits
-from server.status import ExceptionToStatusInterceptor
+from rewardmesh.common.channels import auth_token
+from rewardmesh.common.telemetry import server_interceptors
+from rewardmesh.server.auth import BearerTokenInterceptor
+from rewardmesh.server.limits import Limits
+from rewardmesh.server.status import ExceptionToStatusInterceptor
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Peak extra memory during an update: the staged weights (dist: the received bucke
 are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped). On CPU the
 dist buffers the model gave back are kept for the next update of the same layout, so the steady state is the
 model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers. dist servers
-of one host that share a copy (client.weight_planes.SharedWeights): the first holds two files (the one the model
+of one host that share a copy (common.weight_planes.SharedWeights): the first holds two files (the one the model
 serves from, a spare), the others map its file and hold none of their own.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 import grpc
 import torch
 
-from client.cuda_ipc import check_source, device_uuid, open_tensors
-from client.tensors import duration_seconds
-from client.weight_planes import (
+from rewardmesh.common.cuda_ipc import check_source, device_uuid, open_tensors
+from rewardmesh.common.tensors import duration_seconds
+from rewardmesh.common.weight_planes import (
     ForwardFailed,
     HostShare,
     SharedWeights,
@@ -43,10 +43,17 @@ from client.weight_planes import (
     map_shm,
     receive_buckets,
 )
-from client.weights import LAYOUT_VERSION, WeightAssembler, byte_view, check_manifest, layout, parse_update_request
-from reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.common.weights import (
+    LAYOUT_VERSION,
+    WeightAssembler,
+    byte_view,
+    check_manifest,
+    layout,
+    parse_update_request,
+)
+from rewardmesh.reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
-from server.backends.base import Backend
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from demo.tiny_models import TinyModelPaths, build_tiny_models
+from rewardmesh.demo.tiny_models import TinyModelPaths, build_tiny_models
 
 # tests/integrations/ drives verl, TRL and OpenRLHF, installed only in their own environment: `make test-integrations`.
 collect_ignore = [] if os.environ.get("REWARDMESH_INTEGRATIONS") else ["integrations"]

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-from demo.tiny_models import TinyModelPaths
-from server.agent_loop import AgentSettings, run_agent_loop
-from server.backends.base import GenerationRequest
-from server.reward_server import load_tokenizer
-from server.tools import calculator, parse_tool_calls, run_tool_call
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.agent_loop import AgentSettings, run_agent_loop
+from rewardmesh.server.backends.base import GenerationRequest
+from rewardmesh.server.reward_server import load_tokenizer
+from rewardmesh.server.tools import calculator, parse_tool_calls, run_tool_call
 from tests.support.scripted_backend import ScriptedBackend
 
 

@@ -13,13 +13,13 @@ import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.channels import auth_token, open_channel
-from client.tensors import ids_tensor
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.common.channels import auth_token, open_channel
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import RewardServer, build_engine, load_tokenizer
+from rewardmesh.server.rollout_server import RolloutServer
+from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from server.reward_server import RewardServer, build_engine, load_tokenizer
-from server.rollout_server import RolloutServer
-from server.serving import ServerOptions
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import sample
 
@@ -113,7 +113,7 @@ async def test_rollout_server_and_its_reward_client_use_the_token(
 async def test_token_beside_mutual_tls_rides_as_call_credentials(
     tmp_path: Path, token_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
     from tests.support.pki import make_pki
 
     pki = make_pki(tmp_path)

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher
-from reward_engine.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
-from reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher
+from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 
 def inp(sid: str, tokens: int = 4) -> RewardInput:

@@ -17,15 +17,15 @@ import pytest
 import torch
 from grpc import aio
 
-from client.batch import ScoredSample
-from client.trainer import PromptSpec, Sampling, TrainerClient
-from demo.server_process import ServerProcess
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.client.batch import ScoredSample
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
 from tests.support.servers import FNS, sample
 from tests.support.waiting import eventually
 
-CLI = [sys.executable, "-m", "server.cli"]
+CLI = [sys.executable, "-m", "rewardmesh.server.cli"]
 
 
 def _free_port() -> int:

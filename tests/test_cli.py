@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from demo.server_process import ServerProcess
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import FNS, sample
 from tests.support.waiting import wait_until
 
-CLI = [sys.executable, "-m", "server.cli"]
+CLI = [sys.executable, "-m", "rewardmesh.server.cli"]
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def test_demo_without_the_demo_extra_says_which_extra(
 ) -> None:
     import importlib.util
 
-    from server import cli
+    from rewardmesh.server import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a))

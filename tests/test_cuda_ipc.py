@@ -12,13 +12,13 @@ import pytest
 import torch
 from grpc import aio
 
-from client import cuda_ipc
-from client.trainer import TrainerClient
-from client.weights import Entry, manifest
-from demo.tiny_models import TinyModelPaths
-from reward_engine.errors import InvalidInput
+from rewardmesh.client.trainer import TrainerClient
+from rewardmesh.common import cuda_ipc
+from rewardmesh.common.weights import Entry, manifest
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import rollout_pb2
-from server.backends.hf import HFBackend
 from tests.support.servers import rollout_server, rollout_stub
 from tests.test_weight_sync import model_weights, perturbed, policy_state, same
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
-from reward_engine.sources.custom import FunctionSource
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
+from rewardmesh.reward_engine.sources.custom import FunctionSource
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 from tests.support.waiting import eventually
 
 FILE = "tests/support/reward_fns.py"

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from demo.rl_demo import TASKS, summary
-from demo.tiny_models import TinyModelPaths
-from reward_engine.sources.rules import RULES
-from server.cli import build_parser
-from server.reward_server import load_tokenizer
+from rewardmesh.demo.rl_demo import TASKS, summary
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.reward_engine.sources.rules import RULES
+from rewardmesh.server.cli import build_parser
+from rewardmesh.server.reward_server import load_tokenizer
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reward_engine import devices
-from reward_engine.sources import reward_model
-from server.backends import hf
+from rewardmesh.reward_engine import devices
+from rewardmesh.reward_engine.sources import reward_model
+from rewardmesh.server.backends import hf
 
 
 @pytest.mark.parametrize("bf16", [True, False])

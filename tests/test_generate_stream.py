@@ -9,11 +9,11 @@ from typing import Any
 import grpc
 import pytest
 
-from client.tensors import ids_tensor
-from client.trainer import PromptSpec, TrainerClient
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.client.trainer import PromptSpec, TrainerClient
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
-from server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server, rollout_stub
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from demo.tiny_models import TinyModelPaths
-from server.backends import make_backend
-from server.backends.base import GenerationOutput, GenerationRequest, WeightsError
-from server.backends.hf import HFBackend, _SlotCache, sample, trim_at_stop
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.backends import make_backend
+from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest, WeightsError
+from rewardmesh.server.backends.hf import HFBackend, _SlotCache, sample, trim_at_stop
 
 PROMPTS = [
     "What is 2 + 2?",

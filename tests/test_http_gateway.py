@@ -13,10 +13,10 @@ import aiohttp
 import grpc
 import pytest
 
-from server.config import resolve
-from server.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
-from server.limits import Limits
-from server.reward_server import RewardServerConfig
+from rewardmesh.server.config import resolve
+from rewardmesh.server.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
+from rewardmesh.server.limits import Limits
+from rewardmesh.server.reward_server import RewardServerConfig
 from tests.support.fake_openai import closed_port
 from tests.support.pki import make_pki
 from tests.support.servers import FNS, fn_pipeline, http_gateway, reward_server
@@ -137,7 +137,7 @@ async def test_tls_gateway_serves_https_with_the_servers_certificate(tmp_path: P
 
 
 def test_gateway_options_come_from_flags_env_and_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.cli import build_parser
+    from rewardmesh.server.cli import build_parser
 
     args = build_parser().parse_args(["serve", "reward", "--http-port", "8000"])
     monkeypatch.setenv("REWARDMESH_HTTP_PIPELINE", "gsm8k")
@@ -207,13 +207,13 @@ def test_serve_reward_http_port_serves_the_gateway_with_its_token(tmp_path: Path
     import urllib.error
     import urllib.request
 
-    from demo.server_process import ServerProcess
+    from rewardmesh.demo.server_process import ServerProcess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
     (tmp_path / "token").write_text("t0ken\n")
-    argv = [sys.executable, "-m", "server.cli", "serve", "reward", "--port", "0", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "reward", "--port", "0", "--host", "127.0.0.1",
             "--http-port", str(http_port), "--http-pipeline", "gsm8k",
             "--http-token-file", str(tmp_path / "token")]  # fmt: skip
     server = ServerProcess("reward", argv, tmp_path)

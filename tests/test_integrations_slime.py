@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from client.integrations.scoring import RewardMeshError
-from client.integrations.slime import custom_rm
+from rewardmesh.client.integrations.scoring import RewardMeshError
+from rewardmesh.client.integrations.slime import custom_rm
 from tests.support.servers import fn_pipeline, reward_server
 
 

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from client.integrations.trl import RewardMeshReward
+from rewardmesh.client.integrations.trl import RewardMeshReward
 from tests.support.servers import fn_pipeline, reward_server
 
 

@@ -16,11 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from demo.server_process import ServerProcess
-from reward_engine.errors import DeadlineExceeded, SourceFailed
-from reward_engine.isolation import Call, IsolatedPool
-from reward_engine.sources.rules import RuleSource
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.reward_engine.errors import DeadlineExceeded, SourceFailed
+from rewardmesh.reward_engine.isolation import Call, IsolatedPool
+from rewardmesh.reward_engine.sources.rules import RuleSource
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import sample
 from tests.support.waiting import wait_until

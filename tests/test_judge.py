@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reward_engine.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
-from reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
+from rewardmesh.reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
 
 

@@ -29,15 +29,15 @@ from typing import Any
 import pytest
 import yaml
 
-from demo.tiny_models import TinyModelPaths
-from server import cli as rewardmesh_cli
-from server.cli import build_parser
-from server.config import ENV_PREFIX, resolve
-from server.reward_server import SERVICE_NAME as REWARD_SERVICE
-from server.reward_server import RewardServerConfig, build_engine
-from server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
-from server.rollout_server import RolloutServerConfig
-from server.serving import ServerOptions
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server import cli as rewardmesh_cli
+from rewardmesh.server.cli import build_parser
+from rewardmesh.server.config import ENV_PREFIX, resolve
+from rewardmesh.server.reward_server import SERVICE_NAME as REWARD_SERVICE
+from rewardmesh.server.reward_server import RewardServerConfig, build_engine
+from rewardmesh.server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
+from rewardmesh.server.rollout_server import RolloutServerConfig
+from rewardmesh.server.serving import ServerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -421,7 +421,7 @@ def test_every_pod_exports_telemetry_to_the_collector(rendered: tuple[str, list[
         m = re.fullmatch(r"http://([^:/]+):(\d+)", endpoint)
         assert m, f"{c.name}: OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r}"
         assert m.group(1) == f"otel-collector.{c.namespace}.svc.cluster.local" and int(m.group(2)) in ports
-        for signal in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):  # client/telemetry.py defaults to none
+        for signal in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):  # common/telemetry.py defaults to none
             assert "otlp" in env.get(signal, "").split(","), f"{c.name}: {signal} does not include otlp"
 
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from grpc import aio
 
-from client.tensors import ids_tensor
-from client.weights import iter_update_requests
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.common.weights import iter_update_requests
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.config import load_yaml, resolve
+from rewardmesh.server.reward_server import RewardServer, RewardServerConfig, build_engine, load_tokenizer
+from rewardmesh.server.rollout_server import RolloutServer
+from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
-from server.config import load_yaml, resolve
-from server.reward_server import RewardServer, RewardServerConfig, build_engine, load_tokenizer
-from server.rollout_server import RolloutServer
-from server.serving import ServerOptions
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_stub, sample
 

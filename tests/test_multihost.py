@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import pytest
 
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.demo.tiny_models import TinyModelPaths
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # a /24 that exists only inside this test's namespaces
@@ -297,7 +297,7 @@ def test_reward_host_dies_mid_step_and_the_other_takes_over(
                     timeout_s: 30
             """)
     )
-    cli = [sys.executable, "-m", "server.cli"]
+    cli = [sys.executable, "-m", "rewardmesh.server.cli"]
     reward_env = {"RM_TEST_MARKS": str(marks), "RM_TEST_SLEEP_S": str(REWARD_SLEEP_S)}
     servers = {
         host: hosts.start(

@@ -7,7 +7,7 @@ from collections import Counter
 
 import grpc
 
-from client.reward_client import RewardClient
+from rewardmesh.client.reward_client import RewardClient
 from tests.support.servers import fn_pipeline, reward_server, sample
 from tests.support.waiting import eventually
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from demo.tiny_models import TinyModelPaths
-from reward_engine.errors import InvalidInput, SourceFailed, Unavailable
-from reward_engine.sources.reward_model import ModelSource, length_buckets
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.reward_engine.errors import InvalidInput, SourceFailed, Unavailable
+from rewardmesh.reward_engine.sources.reward_model import ModelSource, length_buckets
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 
 TOL = 1e-4
 PAIRS = [

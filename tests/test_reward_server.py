@@ -14,14 +14,14 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client.tensors import ids_tensor
-from demo.tiny_models import TinyModelPaths
-from reward_engine.errors import InvalidInput
-from reward_engine.sources.reward_model import ModelSource
-from reward_engine.types import RewardInput
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.reward_engine.sources.reward_model import ModelSource
+from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.server.reward_server import load_tokenizer
+from rewardmesh.server.reward_service import to_reward_input
 from rewardmesh.v1 import common_pb2, reward_pb2
-from server.reward_server import load_tokenizer
-from server.reward_service import to_reward_input
 from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
 from tests.support.waiting import eventually
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from grpc import aio
 
-from client.tensors import ids_from, ids_tensor, tensor_to_numpy
-from client.weights import iter_update_requests
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.common.tensors import ids_from, ids_tensor, tensor_to_numpy
+from rewardmesh.common.weights import iter_update_requests
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import common_pb2, rollout_pb2
-from server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
 from tests.support.waiting import eventually
@@ -244,7 +244,7 @@ async def test_a_refused_update_still_names_the_tensor_while_the_client_is_sendi
 
 
 def test_partial_chunks_are_rejected() -> None:
-    from client.weights import WeightAssembler
+    from rewardmesh.common.weights import WeightAssembler
 
     asm = WeightAssembler({"w": ((4,), torch.float32)})
     msgs = [rollout_pb2.UpdateWeightsRequest.FromString(b) for b in iter_update_requests({"w": torch.ones(4)}, 0, 4)]

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reward_engine.errors import InvalidInput, SourceFailed, UnknownReward
-from reward_engine.sources.rules import (
+from rewardmesh.reward_engine.errors import InvalidInput, SourceFailed, UnknownReward
+from rewardmesh.reward_engine.sources.rules import (
     INLINE_SAFE,
     RULES,
     RuleSource,
@@ -19,8 +19,8 @@ from reward_engine.sources.rules import (
     register_rule,
     rule_for_data_source,
 )
-from reward_engine.sources.verl_compat import to_output
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.sources.verl_compat import to_output
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 
 
 def sample(response: str, ground_truth: str = "", data_source: str = "openai/gsm8k", sid: str = "s") -> RewardInput:

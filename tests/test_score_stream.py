@@ -8,10 +8,10 @@ from typing import Any
 
 import grpc
 
-from client.tensors import ids_tensor
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import common_pb2, reward_pb2
-from server.reward_server import load_tokenizer
 from tests.support.servers import EOF, fn_pipeline, reward_server, reward_stub, sample
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
@@ -173,7 +173,7 @@ async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound()
 
 
 async def test_client_coalesces_a_burst_and_gets_every_result_once() -> None:
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server() as server, RewardClient(server.address) as client:
         futures = [client.submit(sample(f"b{i}"), "noop") for i in range(300)]  # queued together: few messages
@@ -185,7 +185,7 @@ async def test_client_coalesces_a_burst_and_gets_every_result_once() -> None:
 
 async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_the_server() -> None:
     # Issue 17 item 1, client side: every wait has an end-to-end deadline.
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
         # 1.5 s: quick's margin on a loaded machine, and before the source's own 2 s timeout.
@@ -201,7 +201,7 @@ async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_t
 
 async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retry_is_scored() -> None:
     # Issue 17 item 3: a cancelled Generate cancels its pending rewards; the same id may be sent again.
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, RewardClient(server.address) as client:
         first = client.submit(sample("again", delay=30), "sleepy")
@@ -220,7 +220,7 @@ async def test_a_scored_sample_leaves_no_reference_cycle() -> None:
     garbage collector ran, 3 objects per sample and about 5% of a cheap rule's CPU in collections."""
     import gc
 
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server() as rs, RewardClient([rs.address]) as client:
         await asyncio.gather(*(client.submit(sample(f"warm{i}"), "gsm8k") for i in range(50)))

@@ -6,9 +6,9 @@ import asyncio
 import signal
 from pathlib import Path
 
-from demo.mesh import LOCAL
-from server.reward_server import RewardServer, build_engine
-from server.serving import GrpcServer, ServerOptions
+from rewardmesh.demo.mesh import LOCAL
+from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.serving import GrpcServer, ServerOptions
 
 
 async def test_stop_releases_once_even_when_called_concurrently(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from client.reward_client import RewardClient
-from client.targets import Member, TargetPool, expand_targets
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.client.targets import Member, TargetPool, expand_targets
 from tests.support.servers import fn_pipeline, reward_server, sample
 
 
@@ -89,7 +89,7 @@ async def test_pick_least_loaded_backs_off_with_jitter_and_logs_once(caplog: pyt
     a, b = pool.members
     a.work = 3
     assert pool.pick() is b and pool.pick(avoid=b) is a
-    caplog.set_level(logging.DEBUG, logger="client.targets")
+    caplog.set_level(logging.DEBUG, logger="rewardmesh.client.targets")
     downs = []
     for _ in range(6):
         pool.mark_failed(b, "connection refused")

@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from client.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
-from client.trainer import PromptSpec, Sampling, TrainerClient
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.common.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
-from server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
 
@@ -46,7 +46,7 @@ def tool_script(text: str, turn: int) -> tuple[str, float]:
 def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[str, Any]]]:
     """An OTLP JSON lines exporter beside the in-memory one for one test, fed kept spans as a deployment's exporter
     is: blocks straight from the flight recorder. Returns a reader: the spans written so far, by span id."""
-    from client.telemetry import SerializedExporter
+    from rewardmesh.common.telemetry import SerializedExporter
 
     assert telemetry.recorder is not None
     path = tmp_path / "kept.jsonl"
@@ -68,7 +68,7 @@ def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[
 def assert_written_as_span_objects(written: dict[str, Any], names: tuple[str, ...]) -> int:
     """Every kept span the in-memory exporter got (span objects built from the recorder's blocks) was written by
     the JSON exporter from the blocks themselves, with exactly the same content; returns how many."""
-    from client.telemetry import span_to_otlp
+    from rewardmesh.common.telemetry import span_to_otlp
 
     kept = [s for s in SPANS.get_finished_spans() if s.name in names]
     assert {f"{s.context.span_id:016x}" for s in kept} == set(written)
@@ -194,7 +194,7 @@ async def test_failures_are_counted_by_kind(telemetry: Telemetry) -> None:
 
 
 def test_otlp_json_lines_exporter(tmp_path: Path, telemetry: Telemetry) -> None:
-    from client.telemetry import tracer
+    from rewardmesh.common.telemetry import tracer
 
     path = tmp_path / "spans.jsonl"
     exporter = OtlpJsonLinesExporter(path)
@@ -217,7 +217,7 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
     """The exporter's direct JSON writer says exactly what span_to_otlp says (links, events, odd strings)."""
     from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-    from client.telemetry import span_json, span_to_otlp, tracer
+    from rewardmesh.common.telemetry import span_json, span_to_otlp, tracer
 
     SPANS.clear()
     target = SpanContext(7, 9, True, TraceFlags(1))
@@ -237,8 +237,8 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
 def test_a_block_is_written_as_its_span_objects_are() -> None:
     """block_json (the JSON exporter's text for a block of spans, written column by column) says what span_to_otlp
     says of the block's span objects: shared and per-span attributes of every type, errors, links, roots."""
-    from client.flight_recorder import SpanBlock
-    from client.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.flight_recorder import SpanBlock
+    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
 
     res = resource("test")
     t1, t2 = f"{123:032x}", f"{2**127 + 5:032x}"
@@ -264,8 +264,8 @@ def test_a_block_is_written_as_its_span_objects_are() -> None:
 def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
     """A drain's blocks of one span each (a rollout server's kept trees) are merged by name, kind and attribute
     keys into column blocks that are the same spans, and written as they are."""
-    from client.flight_recorder import FlightRecorder, merge_singles
-    from client.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.flight_recorder import FlightRecorder, merge_singles
+    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
 
     rec = FlightRecorder(resource("test"))
     singles = [
@@ -343,8 +343,8 @@ def test_histograms_fed_per_batch_match_per_value_recording() -> None:
     one by one (latency = queue + compute per sample), flushed on the way as a busy server does."""
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from client import batched_metrics
-    from client.batched_metrics import SECONDS_BUCKETS, HistogramBatch
+    from rewardmesh.common import batched_metrics
+    from rewardmesh.common.batched_metrics import SECONDS_BUCKETS, HistogramBatch
 
     batched_metrics.mark_views_installed()
     readers = InMemoryMetricReader(), InMemoryMetricReader()
@@ -392,8 +392,8 @@ async def test_keep_traces_exports_a_kept_tree_once(telemetry: Telemetry) -> Non
     traceparents carried, their batch span links them, and naming them again exports nothing twice."""
     import asyncio
 
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
     parents = {f"k{i}": (new_trace_id(), new_span_id()) for i in range(3)}
@@ -425,8 +425,8 @@ async def test_a_head_sampled_sample_named_again_by_a_keep_decision_is_exported_
     among its step's slowest) exports nothing more, while a batch-mate it names is exported."""
     import asyncio
 
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
     parents = {sid: (new_trace_id(), new_span_id()) for sid in ("head", "other")}
@@ -454,7 +454,7 @@ async def test_item_trace_contexts_are_read_unless_the_sender_says_none_carries_
     """An older sender leaves ScoreRequest.items_untraced unset: each item's traceparent is read and a
     head-sampled one's reward spans are exported under it. A sender that sets it is taken at its word (the
     flag spares the server a map read per sample); RewardClient sets it only on messages with no context."""
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from rewardmesh.v1 import reward_pb2
     from tests.support.servers import reward_stub, sample
 
@@ -487,8 +487,8 @@ async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> 
     the KeepTraces call instead."""
     import asyncio
 
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
     parents = {f"a{i}": (new_trace_id(), new_span_id()) for i in range(3)}
@@ -527,8 +527,8 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
     the keep decision brings its traceparent, then its error span hangs under the sender's reward span, once."""
     import asyncio
 
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
     trace_id, parent_id = new_trace_id(), new_span_id()
@@ -559,8 +559,8 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
     batch's span id but never built the span); a batch-mate kept later has its own spans."""
     import asyncio
 
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from client.reward_client import RewardClient
+    from rewardmesh.client.reward_client import RewardClient
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
     fns = "tests.support.server_reward_fns:fails_some"
@@ -593,9 +593,9 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
 def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
     """Clients may reuse sample ids (every step names its samples s0..sN): the batches remembered for a later
     KeepTraces are bounded by samples seen, not distinct ids, and an id finds its latest batch."""
-    from reward_engine.batcher import BatchInfo
-    from reward_engine.types import RewardOutput
-    from server.reward_telemetry import _Batch, _Recent
+    from rewardmesh.reward_engine.batcher import BatchInfo
+    from rewardmesh.reward_engine.types import RewardOutput
+    from rewardmesh.server.reward_telemetry import _Batch, _Recent
 
     recent = _Recent(capacity=10)
     for number in range(1, 101):
@@ -613,9 +613,9 @@ def test_recent_batches_find_members_of_any_batch_in_the_ring() -> None:
     reads as not scored."""
     import math
 
-    from reward_engine.batcher import BatchInfo
-    from reward_engine.types import RewardOutput
-    from server.reward_telemetry import _Batch, _Recent
+    from rewardmesh.reward_engine.batcher import BatchInfo
+    from rewardmesh.reward_engine.types import RewardOutput
+    from rewardmesh.server.reward_telemetry import _Batch, _Recent
 
     recent = _Recent(capacity=32)
     for number in range(1, 21):
@@ -636,10 +636,10 @@ def test_recent_batches_find_members_of_any_batch_in_the_ring() -> None:
 
 def test_batch_finds_its_head_sampled_members() -> None:
     """Head-sampled members (odd trace flags) are found with every member traced and with some untraced."""
-    from client.flight_recorder import new_span_id, new_trace_id, traceparent
-    from reward_engine.batcher import BatchInfo
-    from reward_engine.types import RewardOutput
-    from server.reward_telemetry import _Batch
+    from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
+    from rewardmesh.reward_engine.batcher import BatchInfo
+    from rewardmesh.reward_engine.types import RewardOutput
+    from rewardmesh.server.reward_telemetry import _Batch
 
     def batch(contexts: list[str | None]) -> _Batch:
         n = len(contexts)
@@ -656,9 +656,9 @@ def test_batch_finds_its_head_sampled_members() -> None:
 
 def test_batch_places_members_by_id_in_its_joined_ids() -> None:
     """Ids that contain one another, a repeated id (the last wins) and an id holding the separator."""
-    from reward_engine.batcher import BatchInfo
-    from reward_engine.types import RewardOutput
-    from server.reward_telemetry import _Batch
+    from rewardmesh.reward_engine.batcher import BatchInfo
+    from rewardmesh.reward_engine.types import RewardOutput
+    from rewardmesh.server.reward_telemetry import _Batch
 
     def batch(ids: list[str]) -> _Batch:
         n = len(ids)
@@ -680,7 +680,7 @@ def test_batch_places_members_by_id_in_its_joined_ids() -> None:
 
 
 def test_ring_keeps_at_least_capacity_records() -> None:
-    from client.flight_recorder import Ring
+    from rewardmesh.common.flight_recorder import Ring
 
     ring = Ring(4)
     for i in range(10):
@@ -697,9 +697,9 @@ def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.M
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from client import flight_recorder
-    from client.flight_recorder import FlightRecorder, SpanBlock, new_span_id
-    from client.telemetry import resource
+    from rewardmesh.common import flight_recorder
+    from rewardmesh.common.flight_recorder import FlightRecorder, SpanBlock, new_span_id
+    from rewardmesh.common.telemetry import resource
 
     monkeypatch.setattr(flight_recorder, "MAX_QUEUED_SPANS", 10)
     entered, release = threading.Event(), threading.Event()

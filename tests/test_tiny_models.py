@@ -17,7 +17,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from demo.tiny_models import (
+from rewardmesh.demo.tiny_models import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     IM_END,

@@ -11,10 +11,10 @@ import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.reward_client import RewardClient
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
-from server.reward_server import RewardServer, build_engine
-from server.serving import ServerOptions
 from tests.support.pki import make_pki
 from tests.support.servers import sample
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from client.batch import ScoredSample, assemble_batch, compute_metrics, grpo_advantages
-from client.trainer import PromptSpec, Sampling, TrainerClient, reward_overlap
-from demo.tiny_models import TinyModelPaths
-from server.reward_server import load_tokenizer
+from rewardmesh.client.batch import ScoredSample, assemble_batch, compute_metrics, grpo_advantages
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient, reward_overlap
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
 from tests.support.waiting import eventually
@@ -216,8 +216,8 @@ async def test_weight_sync_reaches_every_server(tok: Any) -> None:
 
 @pytest.mark.timeout(240)
 async def test_short_demo_run_trains_and_plots(tiny_models: TinyModelPaths, tmp_path: Path) -> None:
-    from demo.rl_demo import run_demo
-    from server.cli import build_parser
+    from rewardmesh.demo.rl_demo import run_demo
+    from rewardmesh.server.cli import build_parser
 
     flags = ["--steps", "3", "--prompts-per-step", "8", "--n", "4", "--models", str(tiny_models.root),
              "--max-batch-size", "32", "--plot", str(tmp_path / "curve.png"),
@@ -239,7 +239,7 @@ async def test_a_call_that_fails_after_its_last_sample_is_not_sent_again(tok: An
     failed, found by the chaos test); now the group is complete and nothing is sent again."""
     from grpc import aio
 
-    from client.tensors import ids_tensor
+    from rewardmesh.common.tensors import ids_tensor
     from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
     calls: list[rollout_pb2.GenerateRequest] = []

@@ -25,13 +25,12 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client.tensors import ids_tensor
-from demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
-from server.backends import make_backend
-from server.backends.base import GenerationFailed, GenerationRequest, WeightsError
-from server.backends.hf import trim_at_stop
-from server.backends.vllm_backend import (
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
+from rewardmesh.server.backends import make_backend
+from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError
+from rewardmesh.server.backends.hf import trim_at_stop
+from rewardmesh.server.backends.vllm_backend import (
     RewardMeshWorkerExtension,
     VLLMBackend,
     checkpoint_specs,
@@ -39,11 +38,12 @@ from server.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
-from server.cli import build_parser
-from server.config import resolve
-from server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
-from server.rollout_server import RolloutServer, RolloutServerConfig, backend_options
-from server.serving import ServerOptions
+from rewardmesh.server.cli import build_parser
+from rewardmesh.server.config import resolve
+from rewardmesh.server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
+from rewardmesh.server.rollout_server import RolloutServer, RolloutServerConfig, backend_options
+from rewardmesh.server.serving import ServerOptions
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.support.fake_vllm import FakeEngine, echo, installed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,9 @@ def perturbed(state: dict[str, torch.Tensor], scale: float = 0.5) -> dict[str, t
 
 @pytest.mark.slow
 def test_module_imports_without_vllm() -> None:
-    code = "import sys, server.backends.vllm_backend; assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
+    code = (
+        "import sys, rewardmesh.server.backends.vllm_backend; assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -267,7 +269,7 @@ async def test_generation_maps_logprobs_versions_preemptions_and_errors(
 async def test_weight_update_follows_the_async_rl_sequence(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
@@ -292,7 +294,7 @@ async def test_weight_update_follows_the_async_rl_sequence(
 async def test_a_failed_commit_keeps_the_old_version_and_resumes(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
@@ -626,8 +628,8 @@ async def test_cuda_ipc_updates_go_through_vllms_weight_transfer_engine(
     """The engine is built with vLLM's "ipc" weight transfer; an update is init (once), pause, start, update
     (handles as torch's rebuild arguments, pickled by the server itself), finish, label, resume; a load that
     fails part-way leaves the server refusing work, and resumes generation all the same."""
-    from client.cuda_ipc import check_source
-    from client.weights import Entry
+    from rewardmesh.common.cuda_ipc import check_source
+    from rewardmesh.common.weights import Entry
 
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()

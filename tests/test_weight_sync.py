@@ -19,11 +19,11 @@ import torch
 from grpc import aio
 from transformers import AutoModelForCausalLM
 
-from client import weight_sync
-from client.tensors import ids_tensor
-from client.trainer import PromptSpec, Sampling, TrainerClient
-from client.weight_sync import WeightSyncError
-from client.weights import (
+from rewardmesh.client import weight_sync
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
+from rewardmesh.client.weight_sync import WeightSyncError
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.common.weights import (
     LAYOUT_VERSION,
     WeightAssembler,
     WeightsError,
@@ -32,10 +32,10 @@ from client.weights import (
     layout,
     manifest,
 )
-from demo.server_process import ServerProcess
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import common_pb2, rollout_pb2
-from server.backends.hf import HFBackend
 from tests.support.servers import rollout_server, rollout_stub
 
 TRANSPORTS = ["grpc", "dist", "shm"]
@@ -121,7 +121,7 @@ def test_update_requests_are_parsed_without_copying_chunks_and_read_as_protobuf_
     (negative offset, unpacked shape, unknown fields: left to protobuf; garbage: protobuf's error)."""
     from google.protobuf.message import DecodeError
 
-    from client.weights import ChunkView, parse_update_request
+    from rewardmesh.common.weights import ChunkView, parse_update_request
 
     def fields(v: Any) -> tuple[Any, ...]:
         c = v.chunk
@@ -162,7 +162,7 @@ def test_manifest_checks_name_shape_dtype_and_total() -> None:
 
 _CHURN = """
 import resource, sys
-from client.weight_planes import keep_freed_memory
+from rewardmesh.common.weight_planes import keep_freed_memory
 if sys.argv[1] == "keep" and not keep_freed_memory():
     sys.exit(3)
 def churn():  # a few 4 MiB messages in flight, then all freed (one grpc update's pattern)
@@ -196,7 +196,7 @@ def test_freed_message_buffers_are_recycled_not_faulted_in_again() -> None:
 async def test_a_grpc_update_recycles_message_buffers_on_both_sides(
     tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from server import weight_receiver
+    from rewardmesh.server import weight_receiver
 
     calls: list[str] = []
 
@@ -356,7 +356,7 @@ async def test_grpc_stream_broken_midway_applies_nothing(tiny_models: TinyModelP
 async def test_fanout_keeps_a_fast_reader_within_its_window_of_the_slowest() -> None:
     """The trainer holds a bounded number of messages, not everything a lagging server has not read yet; a
     reader that leaves no longer holds the others back; a failing source fails every reader."""
-    from client.weight_sync import Fanout
+    from rewardmesh.client.weight_sync import Fanout
 
     made: list[int] = []
 
@@ -437,7 +437,7 @@ async def test_a_server_killed_mid_grpc_update_fails_only_itself_and_the_other_a
 
 def victim_process(tiny_models: TinyModelPaths, tmp_path: Path) -> ServerProcess:
     """An hf rollout server in a process of its own, so that it can really die mid-transfer."""
-    argv = [sys.executable, "-m", "server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+    argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
             "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cpu"]  # fmt: skip
     return ServerProcess("victim", argv, tmp_path)
 
@@ -524,8 +524,8 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
     """Two servers; after step 2 one is restarted on its address (base weights, version 0), after step 4 a third
     joins behind the dns name, after the last update a fourth. Every batch keeps within the staleness bound, and
     every server gets the current weights."""
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions
+    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.serving import ServerOptions
 
     base = policy_state(tiny_models)
     bound = 1
@@ -585,8 +585,8 @@ async def test_a_server_still_booting_is_left_out_of_an_update_and_joins_with_th
     """A restarted pod answers on its port before its model has loaded, and would refuse weights then: GetInfo
     says UNAVAILABLE while it boots, so an update goes to the others, and the join hook brings the booted one to
     the current version before it gets work (found by the chaos test: the update used to fail on it)."""
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions
+    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.serving import ServerOptions
 
     gate = asyncio.Event()
 
@@ -622,8 +622,8 @@ async def test_update_waits_for_a_server_to_come_back_when_none_answers_and_fail
 ) -> None:
     """Every server down at once (here: the only one, restarting): update_weights asks again as the backoff ends
     and sends to the server once it is back; with nobody back within timeout_s it fails naming the server."""
-    from server.rollout_server import RolloutServer
-    from server.serving import ServerOptions
+    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.serving import ServerOptions
 
     base = policy_state(tiny_models)
     async with AsyncExitStack() as stack:
@@ -766,9 +766,9 @@ async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version
 @contextmanager
 def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """A process that makes a weights file under /dev/shm (`make` binds it to `f`) and sleeps until killed."""
-    from client.weight_planes import SHM_DIR
+    from rewardmesh.common.weight_planes import SHM_DIR
 
-    code = f"import time, torch\nfrom client.weight_planes import SharedWeights, ShmWriter\n{make}\n"
+    code = f"import time, torch\nfrom rewardmesh.common.weight_planes import SharedWeights, ShmWriter\n{make}\n"
     code += "print(f.path, flush=True); time.sleep(120)\n"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -782,7 +782,7 @@ def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
 
 
 def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
-    from client.weight_planes import ShmWriter, sweep_stale_shm
+    from rewardmesh.common.weight_planes import ShmWriter, sweep_stale_shm
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
@@ -805,8 +805,8 @@ def test_the_shm_file_stays_mapped_between_updates_and_a_new_size_gets_a_new_fil
     page in again); what a server maps is the latest write; another size goes to a fresh file."""
     import resource
 
-    from client.weight_planes import ShmWriter, map_shm
-    from client.weights import Entry
+    from rewardmesh.common.weight_planes import ShmWriter, map_shm
+    from rewardmesh.common.weights import Entry
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
@@ -915,7 +915,7 @@ async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_byt
     """No room under /dev/shm: the first server says so with an empty path and the bytes follow over TCP. With
     `share_host` off, or between servers that report different hosts, nothing is shared; servers of one host are
     put next to each other in the chain wherever they stand in the list."""
-    from client.weight_planes import SharedWeights
+    from rewardmesh.common.weight_planes import SharedWeights
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
@@ -947,8 +947,8 @@ async def test_no_room_for_a_shared_file_sharing_off_or_other_hosts_send_the_byt
 
 
 def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
-    from client.weight_planes import SharedWeights, sweep_stale_shm
-    from reward_engine.errors import InvalidInput
+    from rewardmesh.common.weight_planes import SharedWeights, sweep_stale_shm
+    from rewardmesh.reward_engine.errors import InvalidInput
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")

@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from client.reward_client import RewardClient
-from client.tensors import ids_tensor
+from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2
 
 log = logging.getLogger(__name__)

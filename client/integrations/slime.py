@@ -1,4 +1,4 @@
-"""slime: `--custom-rm-path client.integrations.slime.custom_rm` scores on the Score stream directly.
+"""slime: `--custom-rm-path rewardmesh.client.integrations.slime.custom_rm` scores on the Score stream directly.
 
 slime calls `await custom_rm(args, sample)` per sample, or with the list of a group's samples under
 `--group-rm`. The target and pipeline come from `args.rewardmesh_target` / `args.rewardmesh_pipeline` when
@@ -12,7 +12,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from client.integrations.scoring import PIPELINE_ENV, TARGET_ENV, MeshScorer, RewardMeshError, error_text, make_sample
+from rewardmesh.client.integrations.scoring import (
+    PIPELINE_ENV,
+    TARGET_ENV,
+    MeshScorer,
+    RewardMeshError,
+    error_text,
+    make_sample,
+)
 
 _scorers: dict[tuple[str, str, float], MeshScorer] = {}
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from client.integrations.scoring import MeshScorer, error_text, extra_info_from, make_sample
+from rewardmesh.client.integrations.scoring import MeshScorer, error_text, extra_info_from, make_sample
 
 log = logging.getLogger(__name__)
 GROUND_TRUTH_COLUMNS = ["ground_truth", "solution", "answer", "label"]

@@ -31,7 +31,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from client.integrations.scoring import (
+from rewardmesh.client.integrations.scoring import (
     PIPELINE_ENV,
     TARGET_ENV,
     MeshScorer,

@@ -1,6 +1,6 @@
 """User reward functions with verl's signature, loaded from a module or a .py file and run under a timeout.
 
-Sync functions run in isolated worker processes by default (reward_engine.isolation): reward code is
+Sync functions run in isolated worker processes by default (rewardmesh.reward_engine.isolation): reward code is
 usually CPU-bound Python, which would hold the GIL (and stall the gRPC event loop) in a thread pool,
 and a thread cannot be stopped when a call hangs.
 """
@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from reward_engine.errors import DeadlineExceeded, RewardError, SourceFailed, Unavailable
-from reward_engine.isolation import Call, IsolatedPool, run_call
-from reward_engine.sources.verl_compat import describe_exception, to_output, verl_kwargs
-from reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import DeadlineExceeded, RewardError, SourceFailed, Unavailable
+from rewardmesh.reward_engine.isolation import Call, IsolatedPool, run_call
+from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output, verl_kwargs
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 EXECUTORS = ("auto", "process", "thread", "inline")
 
@@ -148,7 +148,7 @@ class FunctionSource:
       max_workers: worker processes or threads; calls beyond it wait for a free one.
         Async functions on the event loop are not limited by it: all samples of a batch run at once.
 
-    "process" is the isolation every untrusted parser in the engine shares (reward_engine.isolation):
+    "process" is the isolation every untrusted parser in the engine shares (rewardmesh.reward_engine.isolation):
     warm spawned workers that import the function by its spec (so the server's main module must be
     import-safe, as with any spawn pool), several calls per round trip, a call over its budget kills
     and replaces its worker and fails alone, a worker that dies fails only the call it was running.

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from reward_engine.errors import (
+from rewardmesh.reward_engine.errors import (
     DeadlineExceeded,
     DependencyFailed,
     InvalidInput,
@@ -26,9 +26,9 @@ from reward_engine.errors import (
     SourceFailed,
     Unavailable,
 )
-from reward_engine.isolation import Call, IsolatedPool
-from reward_engine.sources.verl_compat import describe_exception
-from reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.isolation import Call, IsolatedPool
+from rewardmesh.reward_engine.sources.verl_compat import describe_exception
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 DEFAULT_PROMPT_TEMPLATE = """\
 You are a strict grader. Rate how well the response below answers the prompt, on a scale from 0 \
@@ -169,7 +169,7 @@ def release_breaker(endpoint: str, breaker: CircuitBreaker) -> None:
 _PARSE_CLIP_CHARS = 8192
 
 
-_PARSER = "reward_engine.sources.judge:parse_reply"
+_PARSER = "rewardmesh.reward_engine.sources.judge:parse_reply"
 
 
 def parse_reply(reply: str, pattern: str, scale: float) -> RewardOutput:

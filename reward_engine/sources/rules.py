@@ -15,17 +15,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from reward_engine.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
-from reward_engine.isolation import Call, IsolatedPool, spec_of
-from reward_engine.sources.verl_compat import describe_exception, to_output
-from reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
+from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
+from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
 RULES: dict[str, RuleFn] = {}
 # Rules whose parsing is bounded and linear-time (clipped input, simple regexes, no evaluation): they run
 # inline on the event loop, where a worker round trip would cost more than the rule. Every other rule
-# runs isolated in worker processes under a time and memory budget (see reward_engine.isolation).
+# runs isolated in worker processes under a time and memory budget (see rewardmesh.reward_engine.isolation).
 INLINE_SAFE: set[str] = set()
 # Warm-up hooks ("module:function()") a worker runs as it starts, for rules with a costly first import.
 PRELOAD: dict[str, tuple[str, ...]] = {}
@@ -163,7 +163,7 @@ def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
         return _math_fns
 
 
-_MATH_WARMUP = "reward_engine.sources.rules:_math_verify()"
+_MATH_WARMUP = "rewardmesh.reward_engine.sources.rules:_math_verify()"
 
 
 def math_score(solution_str: str, ground_truth: str) -> dict[str, float]:

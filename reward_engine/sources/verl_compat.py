@@ -13,8 +13,8 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from reward_engine.errors import SourceFailed
-from reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.errors import SourceFailed
+from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 
 # verl's signature: (data_source, solution_str, ground_truth, extra_info) -> float | dict
 VerlScoreFn = Callable[..., Any]

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from client.weights import WeightsError  # the one weight validator's error
+from rewardmesh.common.weights import WeightsError  # the one weight validator's error
 
 __all__ = ["Backend", "GenerationFailed", "GenerationOutput", "GenerationRequest", "WeightsError"]
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from client.weights import validate_weights
-from reward_engine.devices import resolve_device, resolve_dtype
-from reward_engine.errors import InvalidInput, Unavailable
-from server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.common.weights import validate_weights
+from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
+from rewardmesh.reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
 
 logger = logging.getLogger(__name__)
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from client.cuda_ipc import device_uuid, rebuild_args
-from client.weights import Entry, WeightsError, validate_weights
-from reward_engine.errors import Unavailable
-from server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
-from server.backends.hf import trim_at_stop, validate_request
+from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
+from rewardmesh.common.weights import Entry, WeightsError, validate_weights
+from rewardmesh.reward_engine.errors import Unavailable
+from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.hf import trim_at_stop, validate_request
 
 logger = logging.getLogger(__name__)
 

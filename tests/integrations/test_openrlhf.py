@@ -16,7 +16,7 @@ pytest.importorskip("openrlhf")
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 from transformers import AutoTokenizer
 
-from demo.tiny_models import TinyModelPaths
+from rewardmesh.demo.tiny_models import TinyModelPaths
 from tests.integrations.support import closed_port, server_thread
 from tests.support.servers import fn_pipeline
 

@@ -15,8 +15,8 @@ trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from client.integrations.trl import RewardMeshReward  # noqa: E402
-from demo.tiny_models import TinyModelPaths  # noqa: E402
+from rewardmesh.client.integrations.trl import RewardMeshReward  # noqa: E402
+from rewardmesh.demo.tiny_models import TinyModelPaths  # noqa: E402
 from tests.integrations.support import closed_port, server_thread  # noqa: E402
 from tests.support.servers import fn_pipeline  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_reward_server_down_logs_the_error_and_training_does_not_hang(
     tiny_models: TinyModelPaths, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reward = Recorded(f"127.0.0.1:{closed_port()}", "gsm8k", timeout_s=20)
-    with caplog.at_level(logging.WARNING, logger="client.integrations.trl"):
+    with caplog.at_level(logging.WARNING, logger="rewardmesh.client.integrations.trl"):
         trainer = train(tiny_models.policy, tmp_path, reward, [json.dumps({})] * 4)
     assert trainer.state.global_step == 2
     assert all(r is None for _, _, rewards in reward.calls for r in rewards)

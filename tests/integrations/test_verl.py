@@ -20,9 +20,9 @@ from verl import DataProto  # noqa: E402
 from verl.experimental.reward_loop.reward_loop import RewardLoopWorker  # noqa: E402
 from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls  # noqa: E402
 
-from client.integrations.scoring import RewardMeshError  # noqa: E402
-from client.integrations.verl import FIXED_KEYS, RewardMeshRewardManager  # noqa: E402
-from demo.tiny_models import TinyModelPaths  # noqa: E402
+from rewardmesh.client.integrations.scoring import RewardMeshError  # noqa: E402
+from rewardmesh.client.integrations.verl import FIXED_KEYS, RewardMeshRewardManager  # noqa: E402
+from rewardmesh.demo.tiny_models import TinyModelPaths  # noqa: E402
 from tests.integrations.support import closed_port, server_thread  # noqa: E402
 from tests.support.servers import fn_pipeline  # noqa: E402
 

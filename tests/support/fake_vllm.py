@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from server.backends.vllm_backend import RewardMeshWorkerExtension
+from rewardmesh.server.backends.vllm_backend import RewardMeshWorkerExtension
 
 
 @dataclass

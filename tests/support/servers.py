@@ -9,11 +9,11 @@ from typing import Any
 
 from grpc import aio
 
-from client.tensors import ids_tensor
-from demo.mesh import reward_server, rollout_server
+from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.demo.mesh import reward_server, rollout_server
+from rewardmesh.server.http_gateway import HttpGateway
+from rewardmesh.server.reward_server import RewardServer
 from rewardmesh.v1 import common_pb2, reward_pb2_grpc
-from server.http_gateway import HttpGateway
-from server.reward_server import RewardServer
 
 __all__ = [
     "EOF",

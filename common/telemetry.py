@@ -7,7 +7,7 @@ endpoint, `rewardmesh[prometheus]`). Resource attributes: service name (OTEL_SER
 rewardmesh-<role>), role, host, pod.
 
 Per-sample spans are not built in the hot path: each process keeps its samples' timelines in a flight
-recorder (`client.flight_recorder`) and exports a sample's spans only when the sample is kept: head-sampled
+recorder (`rewardmesh.common.flight_recorder`) and exports a sample's spans only when the sample is kept: head-sampled
 (a random fraction of prompt groups, decided by the trainer and carried in the trace flags:
 OTEL_TRACES_SAMPLER=traceidratio / parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG, always_on = every
 sample, always_off = none; unset: DEFAULT_HEAD_RATIO), failed, or among its step's slowest
@@ -39,8 +39,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
-from client import batched_metrics
-from client.flight_recorder import FAST_SPANS, FlightRecorder, SpanBlock
+from rewardmesh.common import batched_metrics
+from rewardmesh.common.flight_recorder import FAST_SPANS, FlightRecorder, SpanBlock
 
 log = logging.getLogger(__name__)
 

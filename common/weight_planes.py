@@ -5,7 +5,7 @@
 - shm: one file under /dev/shm, written once by the trainer, mapped by every rollout server on the host.
 - dist servers on one host share one copy: the first receives into a file under /dev/shm (`SharedWeights`),
   the others in the chain map it and serve from it (`HostShare`).
-- grpc (the chunks themselves are in client/weights.py): `keep_freed_memory`, so its buffers are recycled.
+- grpc (the chunks themselves are in common/weights.py): `keep_freed_memory`, so its buffers are recycled.
 
 Every blocking call here (forming a group, a broadcast) runs in a worker thread, never on an event loop.
 """
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from client.weights import Bucket, Entry, aligned, byte_view, views
-from reward_engine.errors import InvalidInput
+from rewardmesh.common.weights import Bucket, Entry, aligned, byte_view, views
+from rewardmesh.reward_engine.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

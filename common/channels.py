@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from client.telemetry import client_interceptors
+from rewardmesh.common.telemetry import client_interceptors
 
 
 def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
