@@ -68,7 +68,7 @@ clean:
 k8s-check: $(STAMP)
 	$(BIN)/python k8s/check.py
 
-# --- Trainer integrations (issue 14): verl, TRL and OpenRLHF, pinned in tests/integrations/requirements.lock, in an
+# --- Trainer integrations: verl, TRL and OpenRLHF, pinned in tests/integrations/requirements.lock, in an
 # environment of their own (.venv-integrations; its packages are cached per lock under INTEG_CACHE, so only the
 # first run on a machine installs them). `make test` never needs them.
 INTEG_VENV := .venv-integrations

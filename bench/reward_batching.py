@@ -56,11 +56,11 @@ from bench.common import (
 )
 from rewardmesh.demo.server_process import ServerProcess
 
-# Targets from the batching issue.
+# Targets the benchmark checks.
 TARGET_BATCHING_VS_OFFLINE = 0.8  # (b)/(a), any machine
-TARGET_BATCHING_VS_OFFLINE_GPU = 0.85  # (b)/(a) with --device cuda (issue 16)
+TARGET_BATCHING_VS_OFFLINE_GPU = 0.85  # (b)/(a) with --device cuda
 TARGET_BATCHING_VS_SERIAL = 5.0  # (b)/(c), on a GPU
-TARGET_TRANSPORT_VS_ECHO = 0.75  # rewardmesh noop / bare echo (issue 16)
+TARGET_TRANSPORT_VS_ECHO = 0.75  # rewardmesh noop / bare echo
 TARGET_NOOP_RATE = 4000.0  # rewardmesh noop samples/s, on the 2-core CPU reference machine
 TARGET_FULL_BATCH_MS = 20.0  # the model must be big enough for batching to matter
 
@@ -941,7 +941,7 @@ def render_isolation(report: dict[str, Any]) -> str:
         f"Machine: {report['machine']}",
         "",
         f"Isolation cost, gsm8k rule, {report['samples']} samples per round, median of {report['rounds']} "
-        "interleaved rounds (shared machine: other jobs ran on the cores)",
+        "interleaved rounds",
         "",
         "| samples per batch | inline wall (us/sample) | process wall | inline CPU (us/sample) | process CPU "
         "(event-loop process) | wall ratio |",

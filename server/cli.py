@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--steps", type=int, default=150, help="training steps (default %(default)s)")
     demo.add_argument("--task", choices=("count", "addition"), default="count",
-                      help="what the policy learns (default %(default)s; see the README)")  # fmt: skip
+                      help="what the policy learns (default %(default)s; see docs/benchmarks.md)")  # fmt: skip
     demo.add_argument("--prompts-per-step", dest="prompts_per_step", type=int, default=32)
     demo.add_argument("--n", type=int, default=16, help="samples per prompt, a GRPO group (default %(default)s)")
     demo.add_argument("--lr", type=float, default=5e-3, help="learning rate (default %(default)s)")

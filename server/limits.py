@@ -3,7 +3,7 @@
 A request over a limit is refused at once with INVALID_ARGUMENT naming the field, its value and the
 option that sets the limit, before the server allocates anything for it. Every limit is a server option
 (``ServerOptions`` inherits these fields), so it is read like the others: flag-less, from
-``REWARDMESH_<NAME>`` or the YAML file's ``server:`` section. The README's limits table lists them.
+``REWARDMESH_<NAME>`` or the YAML file's ``server:`` section. docs/reliability.md's limits table lists them.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_count_prompts_continue_the_count(tiny_models: TinyModelPaths) -> None:
 
 
 def test_demo_defaults_are_the_tuned_recipe() -> None:
-    """The README's curve is measured with these; a change here must re-measure it (bench.demo_learning)."""
+    """docs/benchmarks.md's curve is measured with these; a change here must re-measure it (bench.demo_learning)."""
     args = build_parser().parse_args(["demo"])
     assert (args.task, args.n, args.steps, args.lr, args.min_lr_ratio) == ("count", 16, 150, 5e-3, 0.2)
     assert (args.entropy_coeff, args.norm_adv_by_std) == (0.02, False)

@@ -65,7 +65,7 @@ async def test_a_call_runs_at_most_its_bound_of_samples_at_once(tok: Any) -> Non
 
 
 async def test_a_generate_call_past_its_deadline_fails_its_samples_not_the_step(tok: Any) -> None:
-    # Issue 17 item 1: every wait on the client side has a deadline.
+    # Every wait on the client side has a deadline.
     async with rollout_server(ScriptedBackend(tok, forever)) as ro:
         async with TrainerClient([ro.address], generate_timeout_s=0.5) as client:
             got = [s async for s in client.rollout([PromptSpec(token_ids=tok.encode("2 + 2 ="))], n=3)]

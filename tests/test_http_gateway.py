@@ -180,7 +180,7 @@ async def test_a_judge_outage_is_502_failed_precondition_per_sample_never_a_retr
 
 
 async def test_the_servers_size_limits_hold_on_the_gateway_too() -> None:
-    """Issue 17 item 7 on the second front door: counts and sizes over the limits are refused naming the option."""
+    """The limits hold on the second front door: counts and sizes over the limits are refused naming the option."""
     limits = Limits(max_samples_per_request=3, max_text_chars=100, max_extra_info_depth=2)
     async with reward_server() as server, http_gateway(server, default_pipeline="gsm8k", limits=limits) as gw:
         status, reply, _ = await post(f"{gw.url}/get_reward", {"query": ["#### 4"] * 4, "labels": ["4"] * 4})

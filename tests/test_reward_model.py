@@ -354,7 +354,7 @@ def test_bad_configuration_is_a_clear_error(tiny_models: TinyModelPaths, tmp_pat
             ModelSource("rm", str(tiny_models.reward_model), device="cuda")
 
 
-# ------------------------------------------------------------------------------------------- serving (issue 16)
+# ------------------------------------------------------------------------------------------------------ serving
 
 
 def test_length_buckets_split_only_where_padding_is_cut() -> None:

@@ -39,7 +39,7 @@ async def results_of(call: Any, n: int) -> tuple[list[reward_pb2.RewardResult], 
 
 
 async def test_negative_token_id_is_answered_invalid_not_a_hung_step(tiny_models: TinyModelPaths) -> None:
-    # Issue 17 item 1: the tokenizer's decode raised OverflowError, the result was dropped and the step hung.
+    # A negative id made the tokenizer's decode raise OverflowError: the result must not be dropped, the step not hang.
     tok = load_tokenizer(str(tiny_models.policy))
     async with reward_server(tokenizer=tok) as server, reward_stub(server.address) as stub:
         call = stub.Score()
@@ -102,7 +102,7 @@ async def test_cancel_on_the_stream_answers_cancelled_and_the_id_can_be_sent_aga
 
 
 async def test_a_retry_on_another_stream_is_never_refused_and_scored_once() -> None:
-    # Issue 17 item 3: failover re-sends a sample id whose first attempt is still in flight on this server.
+    # Failover re-sends a sample id whose first attempt is still in flight on this server.
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
         first, second = stub.Score(), stub.Score()
         await first.write(req(sample("s1", delay=30), "sleepy"))
@@ -146,7 +146,7 @@ async def test_one_result_per_message_for_clients_that_did_not_ask_for_more() ->
 
 
 async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound() -> None:
-    # Issue 17 item 4: the server read everything a non-reading client wrote and held every result.
+    # The server must not read everything a non-reading client writes and hold every result.
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
         server.servicer.max_stream_unanswered = 8
         call = stub.Score()
@@ -184,7 +184,7 @@ async def test_client_coalesces_a_burst_and_gets_every_result_once() -> None:
 
 
 async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_the_server() -> None:
-    # Issue 17 item 1, client side: every wait has an end-to-end deadline.
+    # Client side: every wait has an end-to-end deadline.
     from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
@@ -200,7 +200,7 @@ async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_t
 
 
 async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retry_is_scored() -> None:
-    # Issue 17 item 3: a cancelled Generate cancels its pending rewards; the same id may be sent again.
+    # A cancelled Generate cancels its pending rewards; the same id may be sent again.
     from rewardmesh.client.reward_client import RewardClient
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, RewardClient(server.address) as client:

@@ -1,6 +1,6 @@
 """VLLMBackend: the parts that need no vLLM run everywhere; the engine tests need vLLM and a CUDA GPU.
 
-The GPU tests run on a copy of the tiny policy with 64-wide attention heads (the session policy's 16-wide
+The GPU tests run on a copy of the tiny policy with 64-wide attention heads (the shared tiny policy's 16-wide
 heads are below what vLLM's attention kernels accept).
 """
 

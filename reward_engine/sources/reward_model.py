@@ -16,7 +16,7 @@ Sequences longer than ``max_length`` (capped by the model's ``max_position_embed
 ``max_length`` tokens: the score is read at the final token, so the end of the response must survive and the
 start of the prompt is what gets dropped.
 
-Serving (issue 16): a batch is grouped by length into at most ``length_buckets`` forward passes when that cuts
+Serving: a batch is grouped by length into at most ``length_buckets`` forward passes when that cuts
 the padded tokens by a fifth or more; each pass is staged (padded, and on CUDA pinned and copied
 non-blocking on a copy stream) before the model lock is taken, so with the pipeline's two batches in flight
 (the ``model`` kind's default) the next batch is assembled while this one computes. ``torch_compile: true``
