@@ -50,6 +50,7 @@ from rewardmesh.reward_engine.errors import (
     Unavailable,
     UnknownReward,
 )
+from rewardmesh.reward_engine.loading import load_function, parse_spec
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ _worker_fns: dict[str, Callable[..., Any]] = {}
 def _resolve(target: str) -> Callable[..., Any]:
     fn = _worker_fns.get(target)
     if fn is None:
-        from rewardmesh.reward_engine.sources.custom import load_function, parse_spec
-
         digest = hashlib.sha1(target.encode()).hexdigest()[:10]
         fn = load_function(parse_spec(target), module_name=f"_rewardmesh_fn_{digest}_worker")
         _worker_fns[target] = fn
