@@ -1,1 +1,1 @@
-"""What trainers and servers both use: tensors on the wire, weight manifests and planes, channels, telemetry."""
+"""What trainers and servers both use: errors, tensors on the wire, weight manifests and planes, channels, telemetry."""

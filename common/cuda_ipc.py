@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.weights import Entry
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.v1 import rollout_pb2
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.v1 import common_pb2
 
 if TYPE_CHECKING:

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.weights import Bucket, Entry, aligned, byte_view, views
-from rewardmesh.reward_engine.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

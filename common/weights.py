@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.tensors import dtype_name
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.v1 import common_pb2, rollout_pb2
 
 # name -> (shape, dtype) of every tensor a rollout server's model accepts

@@ -1,42 +1,28 @@
-"""Engine failures, each meaning one thing; the server maps them to gRPC status codes in one place."""
+"""The reward engine's errors. They live in the common layer (rewardmesh.common.errors), which the wire helpers
+share; this module names them for the engine's own code."""
 
+from rewardmesh.common.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DependencyFailed,
+    InvalidInput,
+    QueueFull,
+    ResourceExhausted,
+    RewardError,
+    SourceFailed,
+    Unavailable,
+    UnknownReward,
+)
 
-class RewardError(Exception):
-    """Base of every error the engine reports about one sample or request."""
-
-
-class InvalidInput(RewardError, ValueError):
-    """The caller sent something malformed; the message names the field (a ValueError too, for plain callers)."""
-
-
-class UnknownReward(RewardError):
-    """No pipeline, rule or tool of that name."""
-
-
-class QueueFull(RewardError):
-    """The batcher's queue is at max_queue_size; retry later or elsewhere."""
-
-
-class DeadlineExceeded(RewardError):
-    """The sample's deadline passed before compute, or a source call timed out."""
-
-
-class SourceFailed(RewardError):
-    """A reward source raised; the sample gets no score."""
-
-
-class Unavailable(RewardError):
-    """The engine is shutting down or a remote dependency cannot be reached."""
-
-
-class Cancelled(RewardError):
-    """The caller cancelled the sample, or a retry of it on another stream superseded it."""
-
-
-class ResourceExhausted(RewardError):
-    """A sample went over a budget (memory while scoring it) or a size limit the server enforces."""
-
-
-class DependencyFailed(RewardError):
-    """A dependency the sample needs (a judge endpoint) is failing; another reward server would fail it
-    the same way, so clients must not re-route it (UNAVAILABLE means only "try another server")."""
+__all__ = [
+    "Cancelled",
+    "DeadlineExceeded",
+    "DependencyFailed",
+    "InvalidInput",
+    "QueueFull",
+    "ResourceExhausted",
+    "RewardError",
+    "SourceFailed",
+    "Unavailable",
+    "UnknownReward",
+]
