@@ -14,7 +14,10 @@ from transformers import AutoModelForCausalLM
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends import make_backend
 from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest, WeightsError
-from rewardmesh.server.backends.hf import HFBackend, _SlotCache, sample, trim_at_stop
+from rewardmesh.server.backends.hf import HFBackend
+from rewardmesh.server.backends.hf_kv_cache import SlotCache
+from rewardmesh.server.backends.requests import trim_at_stop
+from rewardmesh.server.backends.sampling import sample
 
 PROMPTS = [
     "What is 2 + 2?",
@@ -513,7 +516,7 @@ async def test_make_backend(tiny_models: TinyModelPaths) -> None:
 def test_slot_cache_keeps_every_rows_columns_through_moves_and_growth() -> None:
     """Rows written, removed (the last row fills the hole) and carried through shifts and reallocations
     keep exactly their own history, in order, ending at the write column."""
-    cache = _SlotCache(1)
+    cache = SlotCache(1)
     history: list[list[float]] = []  # per slot, the values written for that row, in order
     starts: list[int] = []
     counter = 0.0

@@ -29,7 +29,7 @@ from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
 from rewardmesh.server.backends import make_backend
 from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError
-from rewardmesh.server.backends.hf import trim_at_stop
+from rewardmesh.server.backends.requests import trim_at_stop
 from rewardmesh.server.backends.vllm_backend import (
     RewardMeshWorkerExtension,
     VLLMBackend,

@@ -41,7 +41,7 @@ from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.weights import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
 from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
-from rewardmesh.server.backends.hf import trim_at_stop, validate_request
+from rewardmesh.server.backends.requests import trim_at_stop, validate_request
 
 logger = logging.getLogger(__name__)
 
