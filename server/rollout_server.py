@@ -66,7 +66,7 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
             "num_threads": None if cfg.num_threads < 0 else cfg.num_threads,
         }
     if cfg.backend == "vllm":
-        from rewardmesh.server.backends.vllm_backend import parse_engine_args
+        from rewardmesh.server.backends.vllm_engine import parse_engine_args
 
         return {
             "dtype": cfg.dtype,

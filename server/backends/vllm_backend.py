@@ -5,8 +5,9 @@ Supported vLLM releases: 0.26 to 0.33 (each pins one torch: 0.26.0 torch 2.11.0,
 or ``TokensPrompt`` for prompts, ``logprobs_mode``, ``pause_generation``/``resume_generation`` and
 ``update_weight_version`` for the weight swap, ``CompletionOutput.weight_versions`` for per-token versions.
 
-vLLM is imported only inside functions, so this module (and the worker extension below, which vLLM imports
-by name in its worker processes) loads on machines without vLLM.
+vLLM is imported only inside functions, so this module (and the worker extension, which vLLM imports by name in
+its worker processes) loads on machines without vLLM. Its parts: engine options (vllm_engine), requests and outputs
+(vllm_outputs), weight chunks, checkpoint specs and the worker extension (vllm_weights).
 
 Weight updates travel through ``collective_rpc`` to methods that :class:`RewardMeshWorkerExtension` mixes
 into vLLM's worker class (``worker_extension_cls``). Tensors go as safetensors bytes, which every vLLM
@@ -23,16 +24,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import dataclasses
-import difflib
-import json
 import logging
-import math
 import os
 import pickle
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -40,240 +36,34 @@ import torch
 from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.weights import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
-from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
-from rewardmesh.server.backends.requests import trim_at_stop, validate_request
+from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.requests import validate_request
+from rewardmesh.server.backends.vllm_engine import check_engine_args, engine_arg_names, parse_engine_args
+from rewardmesh.server.backends.vllm_outputs import sampling_params, to_output, token_prompt
+from rewardmesh.server.backends.vllm_weights import (
+    CHUNK_BYTES,
+    WORKER_EXTENSION,
+    RewardMeshWorkerExtension,
+    checkpoint_specs,
+    iter_chunks,
+    join_parts,
+    model_dir,
+    pack_chunks,
+    weight_transfer_requests,
+)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "RewardMeshWorkerExtension",
+    "VLLMBackend",
+    "checkpoint_specs",
+    "iter_chunks",
+    "join_parts",
+    "pack_chunks",
+    "parse_engine_args",
+]
 
 logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = f"{__name__}.RewardMeshWorkerExtension"
-CHUNK_BYTES = 512 * 1024 * 1024  # one RPC message; keeps peak host memory bounded for large models
-
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-PART_SEP = "#"  # "name#i/n#d0xd1...": piece i of n of a tensor split to fit a chunk; never in a parameter name
-
-
-class RewardMeshWorkerExtension:
-    """Mixed into vLLM's GPU worker; each method runs inside a worker process, next to the model.
-
-    vLLM requires the methods not to clash with the worker's own, hence the prefix.
-    """
-
-    model_runner: Any  # provided by the vLLM worker this class is mixed into
-
-    def rewardmesh_stage_weights(self, blob: bytes) -> int:
-        """Decode one chunk and hold it until commit, so a half-sent update is never applied."""
-        from safetensors.torch import load
-
-        staged: dict[str, torch.Tensor] = self.__dict__.setdefault("_rewardmesh_staged", {})
-        staged.update(load(bytes(blob)))
-        return len(staged)
-
-    def rewardmesh_commit_weights(self, expected: list[str] | None = None) -> int:
-        """Join split tensors, check the staged set is exactly ``expected``, then load it in one call.
-
-        Everything is checked before the first tensor is loaded, so a missing chunk or piece applies nothing.
-        The call runs between engine steps (or while the engine is paused), so decoding sees old or new.
-        """
-        staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
-        tensors = join_parts(staged)
-        if expected is not None and set(tensors) != set(expected):
-            missing = sorted(set(expected) - set(tensors))[:5]
-            extra = sorted(set(tensors) - set(expected))[:5]
-            raise ValueError(f"staged weights incomplete: missing {missing}, unexpected {extra}; nothing applied")
-        if tensors:
-            # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
-            getter = getattr(self, "get_model", None)
-            model = getter() if callable(getter) else self.model_runner.model
-            model.load_weights(list(tensors.items()))
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        return len(tensors)
-
-    def rewardmesh_discard_weights(self) -> int:
-        staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
-        return len(staged)
-
-
-def join_parts(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors from staged chunks: pieces named ``name#i/n#shape`` are concatenated and reshaped."""
-    whole: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[int, torch.Tensor]] = {}
-    meta: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for key, tensor in staged.items():
-        if PART_SEP not in key:
-            whole[key] = tensor
-            continue
-        name, index, dims = key.split(PART_SEP)
-        i, n = (int(x) for x in index.split("/"))
-        parts.setdefault(name, {})[i] = tensor
-        meta[name] = (n, tuple(int(d) for d in dims.split("x")) if dims else ())
-    for name, pieces in parts.items():
-        n, shape = meta[name]
-        if sorted(pieces) != list(range(n)):
-            raise ValueError(f"tensor {name!r}: {len(pieces)} of {n} pieces arrived; nothing applied")
-        whole[name] = torch.cat([pieces[i] for i in range(n)]).reshape(shape)
-    return whole
-
-
-# ---------------------------------------------------------------------------------------- checkpoint specs
-
-
-def _model_dir(model: str) -> Path | None:
-    """The local directory holding the checkpoint: the path itself, or the Hugging Face cache's snapshot."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True, allow_patterns=["*.json", "*.safetensors"]))
-    except Exception:  # not cached (yet): vLLM downloads it at start
-        return None
-
-
-def checkpoint_specs(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Tensor names, shapes and dtypes from the safetensors headers (no tensor data is read).
-
-    These are the checkpoint (Hugging Face) names that vLLM's ``load_weights`` accepts; vLLM's own parameter
-    names differ (fused qkv / gate_up projections), so this, not ``named_parameters``, is what a trainer's
-    state dict must match. Tied embeddings also accept ``lm_head.weight``, as a transformers state dict has it.
-    """
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                part = f.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
-                specs[name] = (tuple(int(d) for d in part.get_shape()), dtype)
-    config = _read_json(model_dir / "config.json") or {}
-    embed = specs.get("model.embed_tokens.weight")
-    if config.get("tie_word_embeddings") and embed is not None and "lm_head.weight" not in specs:
-        specs["lm_head.weight"] = embed
-    return specs
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def iter_chunks(
-    tensors: dict[str, torch.Tensor], *, skip: set[str] | None = None, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[bytes]:
-    """safetensors-encode CPU copies of ``tensors``, one chunk of about ``chunk_bytes`` at a time.
-
-    Only the chunk being built is held on the host; a tensor larger than ``chunk_bytes`` is split into
-    flat pieces (``name#i/n#shape``) that :func:`join_parts` puts back together in the worker.
-    """
-    from safetensors.torch import save
-
-    skip = skip or set()
-    current: dict[str, torch.Tensor] = {}
-    size = 0
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        if name in skip:
-            continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > chunk_bytes:
-            if current:
-                yield save(current)
-                current, size, seen = {}, 0, set()
-            flat = tensor.detach().reshape(-1)
-            per = max(1, chunk_bytes // tensor.element_size())
-            n = math.ceil(flat.numel() / per)
-            shape = "x".join(str(d) for d in tensor.shape)
-            for i in range(n):
-                piece = flat[i * per : (i + 1) * per].to("cpu").clone()
-                yield save({f"{name}{PART_SEP}{i}/{n}{PART_SEP}{shape}": piece})
-            continue
-        t = tensor.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:  # tied tensors share storage, which safetensors refuses to write twice
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        current[name] = t
-        size += nbytes
-        if size >= chunk_bytes:
-            yield save(current)
-            current, size, seen = {}, 0, set()
-    if current:
-        yield save(current)
-
-
-def pack_chunks(
-    tensors: dict[str, torch.Tensor], *, skip: set[str] | None = None, chunk_bytes: int = CHUNK_BYTES
-) -> list[bytes]:
-    """Every chunk of :func:`iter_chunks` at once (tests; the backend streams them)."""
-    return list(iter_chunks(tensors, skip=skip, chunk_bytes=chunk_bytes))
-
-
-# -------------------------------------------------------------------------------------------- engine args
-
-
-def parse_engine_args(items: list[str] | dict[str, Any] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` strings (flags, environment) or a mapping (YAML) -> engine keyword arguments.
-
-    Values are read as YAML scalars, so ``0.5`` is a float, ``true`` a bool and ``{"a": 1}`` a dict;
-    ``-`` in keys becomes ``_`` so vLLM's CLI spelling works too.
-    """
-    import yaml
-
-    if not items:
-        return {}
-    if isinstance(items, dict):
-        return {str(k).replace("-", "_"): v for k, v in items.items()}
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"engine arg {item!r}: expected KEY=VALUE")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            parsed = value
-        out[key.strip().replace("-", "_")] = parsed
-    return out
-
-
-def check_engine_args(kwargs: dict[str, Any], known: set[str]) -> None:
-    """Raise ValueError naming every key the engine's argument dataclass does not have (with a suggestion)."""
-    unknown = sorted(k for k in kwargs if k not in known)
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(f"unknown vLLM engine argument(s): {', '.join(hints)}; see vllm.AsyncEngineArgs")
-
-
-def engine_arg_names() -> set[str]:
-    """The fields of the installed vLLM's AsyncEngineArgs."""
-    from vllm import AsyncEngineArgs
-
-    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-
 
 # ------------------------------------------------------------------------------------------------- backend
 
@@ -443,33 +233,11 @@ class VLLMBackend:
         return sum(1 for f in self._inflight.values() if not f.done())
 
     def sampling_params(self, request: GenerationRequest) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=1,
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k if request.top_k > 0 else -1,  # -1: off, in every vLLM version
-            seed=request.seed,
-            stop=list(request.stop) or None,
-            stop_token_ids=list(request.stop_token_ids) or None,
-            detokenize=bool(request.stop),  # stop strings are matched on text; otherwise skip the work
-            logprobs=0 if request.logprobs else None,  # 0: only the sampled token's
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return sampling_params(request)
 
     @staticmethod
     def prompt(prompt_ids: list[int]) -> Any:
-        """A token prompt: ``vllm.inputs.tokens_input()`` where vLLM has it (TokensPrompt is deprecated)."""
-        try:
-            from vllm.inputs import tokens_input
-        except ImportError:
-            from vllm import TokensPrompt
-
-            return TokensPrompt(prompt_token_ids=prompt_ids)
-        return tokens_input(prompt_ids)
+        return token_prompt(prompt_ids)
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
         if self._closed:
@@ -520,43 +288,7 @@ class VLLMBackend:
     def _to_output(
         self, request: GenerationRequest, final: Any, version: int, same_weights: bool = False
     ) -> GenerationOutput:
-        """vLLM's final RequestOutput -> GenerationOutput; finish_reason "error" raises GenerationFailed.
-
-        ``same_weights``: no weight update began while the request ran, so every token is ``version``'s
-        even where vLLM reports no per-token versions.
-        """
-        completion = final.outputs[0]
-        reason = completion.finish_reason or "abort"
-        if reason == "error":
-            raise GenerationFailed(
-                f"vLLM failed this request (finish_reason 'error', stop_reason {completion.stop_reason!r})"
-            )
-        if reason not in ("stop", "length", "abort"):
-            reason = "stop"  # e.g. "repetition": the engine ended the sequence on purpose
-        token_ids = [int(t) for t in completion.token_ids]
-        logprobs = _token_logprobs(completion, token_ids) if request.logprobs else None
-        versions = _token_versions(completion, len(token_ids))
-        if versions is None and same_weights:
-            versions = [version] * len(token_ids)
-        if request.stop and isinstance(completion.stop_reason, str):
-            # vLLM cuts the stop string from the text but not always from token_ids; drop whole tokens the
-            # same way HFBackend does, so both backends return the same ids.
-            kept = trim_at_stop(self.tokenizer, token_ids, request.stop)
-            if kept is not None:
-                token_ids = kept
-        n = len(token_ids)
-        metrics = getattr(final, "metrics", None)
-        preempted = getattr(metrics, "num_preemptions", None)
-        if not isinstance(preempted, int):
-            preempted = getattr(final, "num_preempted", None)  # older releases' spelling, where present
-        return GenerationOutput(
-            token_ids=token_ids,
-            finish_reason=reason,
-            num_preempted=int(preempted) if isinstance(preempted, int) else -1,
-            policy_version=min(versions[:n], default=version) if versions else version,
-            logprobs=logprobs[:n] if logprobs is not None else None,
-            token_versions=versions[:n] if versions is not None else None,
-        )
+        return to_output(self.tokenizer, request, final, version, same_weights)
 
     async def _abort(self, request_id: str) -> None:
         engine = self._engine
@@ -573,10 +305,10 @@ class VLLMBackend:
 
     def _checkpoint_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self._specs is None:
-            model_dir = _model_dir(self.model)
-            if model_dir is None:
+            path = model_dir(self.model)
+            if path is None:
                 raise RuntimeError(f"{self.model}: checkpoint not found locally; await start() first")
-            self._specs = checkpoint_specs(model_dir)
+            self._specs = checkpoint_specs(path)
         return self._specs
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -754,40 +486,3 @@ class VLLMBackend:
             return
         if ok is False:
             logger.warning("vllm backend: prefix cache not reset (requests in flight); stale prefixes may be reused")
-
-
-def weight_transfer_requests() -> tuple[Any, Any]:
-    """vLLM's request types for its weight-transfer engine (init, update)."""
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-    return WeightTransferInitRequest, WeightTransferUpdateRequest
-
-
-def _token_logprobs(completion: Any, token_ids: list[int]) -> list[float] | None:
-    """The sampled token's log-prob at each position, from vLLM's per-position {token id: Logprob} maps."""
-    positions = getattr(completion, "logprobs", None)
-    if positions is None or len(positions) < len(token_ids):
-        return None
-    out: list[float] = []
-    for i, token in enumerate(token_ids):
-        entry = positions[i].get(token) if positions[i] is not None else None
-        if entry is None:
-            return None
-        out.append(float(getattr(entry, "logprob", entry)))
-    return out
-
-
-def _token_versions(completion: Any, n: int) -> list[int] | None:
-    """Per-token versions from vLLM 0.33's ``weight_versions`` spans (labels this backend set: int strings)."""
-    spans = getattr(completion, "weight_versions", None)
-    if not spans:
-        return None
-    versions: list[int] = [-1] * n
-    for span in spans:
-        try:
-            label = int(span.version)
-        except (TypeError, ValueError):
-            return None  # labelled by someone else: unknown
-        for i in range(max(0, span.start), min(n, span.end)):
-            versions[i] = label
-    return None if -1 in versions else versions

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rewardmesh.server.backends.vllm_backend import RewardMeshWorkerExtension
+from rewardmesh.server.backends.vllm_weights import RewardMeshWorkerExtension
 
 
 @dataclass

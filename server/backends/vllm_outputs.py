@@ -1,0 +1,112 @@
+"""vLLM generation requests and outputs: SamplingParams and token prompts from a GenerationRequest, and vLLM's
+final RequestOutput back to a GenerationOutput (log-probs, per-token versions, preemptions, stop strings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.requests import trim_at_stop
+
+
+def sampling_params(request: GenerationRequest) -> Any:
+    """vLLM's SamplingParams for one sample (n=1): the final output only, text detokenized only for stop strings."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k if request.top_k > 0 else -1,  # -1: off, in every vLLM version
+        seed=request.seed,
+        stop=list(request.stop) or None,
+        stop_token_ids=list(request.stop_token_ids) or None,
+        detokenize=bool(request.stop),  # stop strings are matched on text; otherwise skip the work
+        logprobs=0 if request.logprobs else None,  # 0: only the sampled token's
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def token_prompt(prompt_ids: list[int]) -> Any:
+    """A token prompt: ``vllm.inputs.tokens_input()`` where vLLM has it (TokensPrompt is deprecated)."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:
+        from vllm import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=prompt_ids)
+    return tokens_input(prompt_ids)
+
+
+def to_output(
+    tokenizer: Any, request: GenerationRequest, final: Any, version: int, same_weights: bool = False
+) -> GenerationOutput:
+    """vLLM's final RequestOutput -> GenerationOutput; finish_reason "error" raises GenerationFailed.
+
+    ``same_weights``: no weight update began while the request ran, so every token is ``version``'s
+    even where vLLM reports no per-token versions.
+    """
+    completion = final.outputs[0]
+    reason = completion.finish_reason or "abort"
+    if reason == "error":
+        raise GenerationFailed(
+            f"vLLM failed this request (finish_reason 'error', stop_reason {completion.stop_reason!r})"
+        )
+    if reason not in ("stop", "length", "abort"):
+        reason = "stop"  # e.g. "repetition": the engine ended the sequence on purpose
+    token_ids = [int(t) for t in completion.token_ids]
+    logprobs = _token_logprobs(completion, token_ids) if request.logprobs else None
+    versions = _token_versions(completion, len(token_ids))
+    if versions is None and same_weights:
+        versions = [version] * len(token_ids)
+    if request.stop and isinstance(completion.stop_reason, str):
+        # vLLM cuts the stop string from the text but not always from token_ids; drop whole tokens the
+        # same way HFBackend does, so both backends return the same ids.
+        kept = trim_at_stop(tokenizer, token_ids, request.stop)
+        if kept is not None:
+            token_ids = kept
+    n = len(token_ids)
+    metrics = getattr(final, "metrics", None)
+    preempted = getattr(metrics, "num_preemptions", None)
+    if not isinstance(preempted, int):
+        preempted = getattr(final, "num_preempted", None)  # older releases' spelling, where present
+    return GenerationOutput(
+        token_ids=token_ids,
+        finish_reason=reason,
+        num_preempted=int(preempted) if isinstance(preempted, int) else -1,
+        policy_version=min(versions[:n], default=version) if versions else version,
+        logprobs=logprobs[:n] if logprobs is not None else None,
+        token_versions=versions[:n] if versions is not None else None,
+    )
+
+
+def _token_logprobs(completion: Any, token_ids: list[int]) -> list[float] | None:
+    """The sampled token's log-prob at each position, from vLLM's per-position {token id: Logprob} maps."""
+    positions = getattr(completion, "logprobs", None)
+    if positions is None or len(positions) < len(token_ids):
+        return None
+    out: list[float] = []
+    for i, token in enumerate(token_ids):
+        entry = positions[i].get(token) if positions[i] is not None else None
+        if entry is None:
+            return None
+        out.append(float(getattr(entry, "logprob", entry)))
+    return out
+
+
+def _token_versions(completion: Any, n: int) -> list[int] | None:
+    """Per-token versions from vLLM 0.33's ``weight_versions`` spans (labels this backend set: int strings)."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return None
+    versions: list[int] = [-1] * n
+    for span in spans:
+        try:
+            label = int(span.version)
+        except (TypeError, ValueError):
+            return None  # labelled by someone else: unknown
+        for i in range(max(0, span.start), min(n, span.end)):
+            versions[i] = label
+    return None if -1 in versions else versions
