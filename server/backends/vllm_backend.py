@@ -36,7 +36,7 @@ import torch
 from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.weights import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
 from rewardmesh.server.backends.requests import validate_request
 from rewardmesh.server.backends.vllm_engine import check_engine_args, engine_arg_names, parse_engine_args
 from rewardmesh.server.backends.vllm_outputs import sampling_params, to_output, token_prompt
@@ -68,10 +68,11 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------------- backend
 
 
-class VLLMBackend:
+class VLLMBackend(Backend):
     """vLLM AsyncLLM (V1) behind the Backend protocol (see base.py)."""
 
     name = "vllm"
+    loads_cuda_ipc = True  # through vLLM's weight-transfer engine (update_weights_ipc)
 
     def __init__(
         self,
