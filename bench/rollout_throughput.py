@@ -44,6 +44,7 @@ import numpy as np
 
 from bench.common import cpu_snapshot, cpu_usage, echo_server_argv, machine_info, markdown_table, progress
 from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.server.backends.base import Backend
 
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
 ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
@@ -53,7 +54,7 @@ TARGET_MESH_VS_BARE = 0.9  # GPU target of the throughput issue
 # ------------------------------------------------------------------------------------------ instant engine
 
 
-class InstantBackend:
+class InstantBackend(Backend):
     """A generation engine that costs nothing: every request is answered at once with `response_tokens`
     fixed token ids (finish reason "length"), so only the mesh's own work is left to measure."""
 

@@ -137,9 +137,7 @@ async def serve_rollout(cfg: RolloutServerConfig) -> None:
     if not cfg.model:
         raise ValueError("--model is required: a local model directory (try `rewardmesh tiny-models`)")
     backend = make_backend(cfg.backend, cfg.model, **backend_options(cfg))
-    check = getattr(backend, "check_engine_args", None)
-    if check is not None:
-        check()  # an unknown engine argument fails here, naming it, before minutes of booting
+    backend.check_engine_args()  # an unknown engine argument fails here, naming it, before minutes of booting
     targets = [t for t in cfg.reward_target.split(",") if t]
     server = RolloutServer(backend, targets, cfg, default_max_tokens=cfg.default_max_tokens)
     await server.start(wait_ready=False)

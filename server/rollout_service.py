@@ -147,7 +147,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         """Samples stream out as they finish; what finished together shares a message when the client asks."""
-        if reason := getattr(self.backend, "unusable", None):  # UNAVAILABLE: the trainer asks another server
+        if reason := self.backend.unusable:  # UNAVAILABLE: the trainer asks another server
             raise Unavailable(reason)
         jobs, settings = self._plan(request)
         per_message = max(1, request.max_samples_per_message)

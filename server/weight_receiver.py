@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import torch
 
-from rewardmesh.common.cuda_ipc import check_source, device_uuid, open_tensors
+from rewardmesh.common.cuda_ipc import check_source, open_tensors
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.common.weight_planes import (
     ForwardFailed,
@@ -154,11 +154,7 @@ class WeightReceiver:
 
     def cuda_uuid(self) -> str:
         """The GPU the model runs on ("" if none): a trainer with its tensors there may send CUDA IPC handles."""
-        engine_gpu = getattr(self.backend, "cuda_device_uuid", None)  # vLLM: its engine's, when it takes IPC
-        if isinstance(engine_gpu, str):
-            return engine_gpu
-        device = self._device()
-        return device_uuid(device) if device.type == "cuda" else ""
+        return self.backend.cuda_device_uuid  # vLLM: its engine's, when it takes IPC
 
     def transports(self) -> list[Any]:
         out: list[Any] = []
@@ -168,14 +164,14 @@ class WeightReceiver:
             out.append(rollout_pb2.WEIGHT_TRANSPORT_SHM)
         # dist needs a backend that says where its weights live (hf); vLLM's engine would need its own
         # weight-transfer engine on both sides (not built yet), so a vLLM server takes shm or grpc.
-        if dist_available() and isinstance(getattr(self.backend, "device", None), torch.device):
+        if dist_available() and self.backend.device is not None:
             out.append(rollout_pb2.WEIGHT_TRANSPORT_DIST)
         out.append(rollout_pb2.WEIGHT_TRANSPORT_GRPC)
         return out
 
     def _device(self) -> torch.device:
-        device = getattr(self.backend, "device", None)
-        return device if isinstance(device, torch.device) else torch.device("cpu")
+        device = self.backend.device
+        return device if device is not None else torch.device("cpu")
 
     async def _apply(
         self,
@@ -190,14 +186,13 @@ class WeightReceiver:
         """
         version = version or self.backend.policy_version + 1
         started = time.perf_counter()
-        adopt = getattr(self.backend, "adopt_weights", None)
         if self._held_file is not None and not ((owned is not None or file is not None) and self._adoptable(tensors)):
             # A copy into the model would write the host's shared file (or fault: a neighbour's is mapped read-only)
             tensors, owned = self._private(tensors, self._held_file[1])
             self._let_go(file)
             file = None
-        if (owned is not None or file is not None) and adopt is not None:
-            adopted = bool(await adopt(tensors, version))
+        if owned is not None or file is not None:
+            adopted = await self.backend.adopt_weights(tensors, version)
         else:
             await self.backend.update_weights(tensors, version)
             adopted = False
@@ -221,8 +216,7 @@ class WeightReceiver:
 
     def _adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
         """The backend would take these tensors themselves rather than copy them in (its own rule)."""
-        adoptable = getattr(self.backend, "adoptable", None)
-        return adoptable is not None and bool(adoptable(tensors))
+        return self.backend.adoptable(tensors)
 
     def _private(
         self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]
@@ -324,9 +318,8 @@ class WeightReceiver:
         """The trainer's tensors on our GPU: vLLM loads them through its weight-transfer engine; other backends
         copy them in (device to device: the trainer owns that memory, so nothing is adopted)."""
         started = time.perf_counter()
-        by_engine = getattr(self.backend, "update_weights_ipc", None)
-        if by_engine is not None:
-            await by_engine(entries, source, version or self.backend.policy_version + 1)
+        if self.backend.loads_cuda_ipc:
+            await self.backend.update_weights_ipc(entries, source, version or self.backend.policy_version + 1)
             return self.backend.policy_version, time.perf_counter() - started
         tensors = open_tensors(source, entries, self._device())
         return await self._apply(tensors, version)

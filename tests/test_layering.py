@@ -31,5 +31,5 @@ def test_the_graph_sees_every_folder_through_the_package_links() -> None:
         assert f"rewardmesh.{module}" in graph.modules, module
     # An edge the CLI has by design (the ignored exception of the layers contract) is seen, so edges are read.
     assert graph.direct_import_exists(importer="rewardmesh.server.cli", imported="rewardmesh.demo.rl_demo")
-    assert graph.direct_import_exists(importer="rewardmesh.client.trainer", imported="grpc")
+    assert graph.direct_import_exists(importer="rewardmesh.client.fanout", imported="grpc")
     assert os.path.islink(ROOT / "rewardmesh" / "server")

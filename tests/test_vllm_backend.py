@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
 from rewardmesh.server.backends import make_backend
-from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError
+from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError, WeightsNotApplied
 from rewardmesh.server.backends.requests import trim_at_stop
 from rewardmesh.server.backends.vllm_backend import (
     RewardMeshWorkerExtension,
@@ -159,16 +159,18 @@ def test_large_tensors_are_split_into_chunks_and_joined_in_the_worker() -> None:
     worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=loaded.extend))
     for chunk in chunks[:-2]:
         worker.rewardmesh_stage_weights(chunk)
-    with pytest.raises(ValueError, match=r"'big': 3 of 4 pieces"):
+    assert "'big': 3 of 4 pieces" in worker.rewardmesh_check_weights(list(tensors))  # the refusal, as a result
+    with pytest.raises(WeightsNotApplied, match=r"'big': 3 of 4 pieces"):
         worker.rewardmesh_commit_weights(list(tensors))
     assert loaded == []  # a missing piece applies nothing
     for chunk in chunks:
         worker.rewardmesh_stage_weights(chunk)
-    with pytest.raises(ValueError, match=r"missing \['small.c'\]"):
+    with pytest.raises(WeightsNotApplied, match=r"missing \['small.c'\]"):
         worker.rewardmesh_commit_weights([*tensors, "small.c"])
     assert loaded == []
     for chunk in chunks:
         worker.rewardmesh_stage_weights(chunk)
+    assert worker.rewardmesh_check_weights(list(tensors)) == "" and loaded == []  # checked, joined, not loaded
     assert worker.rewardmesh_commit_weights(list(tensors)) == 3
     got = dict(loaded)
     assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
@@ -280,11 +282,11 @@ async def test_weight_update_follows_the_async_rl_sequence(
     names = [c[0] for c in engine.calls]
     stages = names.count("rewardmesh_stage_weights")
     assert stages > 3  # streamed in many small chunks
-    assert names == ["rewardmesh_stage_weights"] * stages + [
+    assert names == ["rewardmesh_stage_weights"] * stages + ["rewardmesh_check_weights",
         "pause_generation", "rewardmesh_commit_weights", "update_weight_version", "resume_generation"
     ]  # fmt: skip
-    assert engine.calls[stages] == ("pause_generation", "keep", True)
-    assert engine.calls[stages + 2] == ("update_weight_version", "7")
+    assert engine.calls[stages + 1] == ("pause_generation", "keep", True)
+    assert engine.calls[stages + 3] == ("update_weight_version", "7")
     assert backend.policy_version == 7
     assert all(torch.equal(engine.model.state[k], new[k]) for k in new if k != "lm_head.weight")
     out = await backend.generate(GenerationRequest([1, 2], max_tokens=3))
@@ -319,6 +321,37 @@ async def test_a_failed_commit_keeps_the_old_version_and_resumes(
         await backend.update_weights(state_dict(tiny_models.policy), version=3)
     assert [c[0] for c in engine.calls][-1] == "rewardmesh_discard_weights"
     assert "pause_generation" not in [c[0] for c in engine.calls] and backend.policy_version == 0
+    await backend.close()
+
+
+async def test_a_chunk_lost_on_the_way_is_refused_before_loading_and_the_old_weights_serve_on(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    """The workers' check refuses an incomplete staged set (WeightsNotApplied: INVALID_ARGUMENT) before the engine
+    pauses or loads anything; the backend is not marked torn and keeps serving the old version."""
+    backend = VLLMBackend(str(tiny_models.policy))
+    await backend.start()
+    engine = fake_vllm.last
+    assert engine is not None
+    delivered = engine.collective_rpc
+    before = {k: v.clone() for k, v in engine.model.state.items()}
+
+    async def losing_rpc(method: str, args: tuple[Any, ...] = ()) -> Any:
+        if method == "rewardmesh_stage_weights":  # the chunk never reaches the worker
+            engine.calls.append((method,))
+            return [0]
+        return await delivered(method, args)
+
+    engine.collective_rpc = losing_rpc  # type: ignore[method-assign]
+    with pytest.raises(WeightsNotApplied, match="staged weights incomplete"):
+        await backend.update_weights(perturbed(state_dict(tiny_models.policy)), version=2)
+    names = [c[0] for c in engine.calls]
+    assert "rewardmesh_check_weights" in names and names[-1] == "rewardmesh_discard_weights"
+    assert "pause_generation" not in names and "rewardmesh_commit_weights" not in names and engine.model.loads == []
+    assert backend.unusable is None and backend.policy_version == 0
+    assert all(torch.equal(engine.model.state[k], v) for k, v in before.items())
+    out = await backend.generate(GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=3))
+    assert len(out.token_ids) == 3 and out.policy_version == 0
     await backend.close()
 
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from rewardmesh.common.weights import WeightsError  # the one weight validator's error
+from rewardmesh.common.cuda_ipc import device_uuid
+from rewardmesh.common.weights import Entry, WeightsError  # the one weight validator's error
 
-__all__ = ["Backend", "GenerationFailed", "GenerationOutput", "GenerationRequest", "WeightsError"]
+__all__ = [
+    "Backend",
+    "GenerationFailed",
+    "GenerationOutput",
+    "GenerationRequest",
+    "WeightsError",
+    "WeightsNotApplied",
+]
 
 
 @dataclass
@@ -45,12 +54,21 @@ class GenerationFailed(RuntimeError):
     """The engine failed this one request (vLLM's finish_reason "error"): the sample's error, not a completion."""
 
 
-class Backend(Protocol):
+class WeightsNotApplied(WeightsError):
+    """A weight update refused before any tensor was loaded (a staged set that is incomplete or inconsistent): the
+    old weights serve on, whole. Any other failure while loading may have applied part of the update."""
+
+
+class Backend(abc.ABC):
     """A generation engine with many requests in flight.
 
     Cancelling the task awaiting `generate` aborts that request and frees its slot.
     `update_weights` validates everything first (WeightsError naming the tensor, nothing applied),
     then swaps weights atomically between generation steps and sets `policy_version`.
+
+    The weight capabilities below have defaults for an engine that copies every update in through
+    `update_weights`; an engine that can do better overrides them (hf adopts staged tensors, vLLM loads CUDA IPC
+    handles with its own weight-transfer engine).
     """
 
     name: str  # "hf" | "vllm" | ...
@@ -59,15 +77,55 @@ class Backend(Protocol):
     tokenizer: Any  # a transformers tokenizer (chat template, decode, eos)
     policy_version: int
 
+    # Where the weights live in this process: updates over torch.distributed are received onto it. None: not in
+    # this process (an engine's own workers hold them), so that data plane is not offered.
+    device: torch.device | None = None
+    # Why the engine must not serve now (say, weights torn by a load that failed part-way); None while it may.
+    unusable: str | None = None
+    # True: CUDA IPC updates go to `update_weights_ipc` (the engine opens the handles); False: the receiver opens
+    # them on `device` and hands the tensors to `update_weights`.
+    loads_cuda_ipc: bool = False
+
+    @abc.abstractmethod
     async def start(self) -> None: ...
 
+    @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationOutput: ...
 
+    @abc.abstractmethod
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
+    @abc.abstractmethod
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
 
     @property
+    @abc.abstractmethod
     def running(self) -> int: ...
 
+    @abc.abstractmethod
     async def close(self) -> None: ...
+
+    def check_engine_args(self) -> None:
+        """Raise ValueError naming every option the engine does not know, before it boots; by default none."""
+        return None
+
+    @property
+    def cuda_device_uuid(self) -> str:
+        """The GPU whose memory a trainer may share by CUDA IPC handles ("" if none): by default `device`'s."""
+        device = self.device
+        return device_uuid(device) if device is not None and device.type == "cuda" else ""
+
+    def adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether `adopt_weights` would take these tensors themselves rather than copy them; by default never."""
+        return False
+
+    async def adopt_weights(self, tensors: dict[str, torch.Tensor], version: int) -> bool:
+        """Like `update_weights`, but the engine may keep the tensors themselves (the caller hands them over and
+        never writes them again); True when it did. By default they are copied in (False)."""
+        await self.update_weights(tensors, version)
+        return False
+
+    async def update_weights_ipc(self, entries: list[Entry], source: Any, version: int) -> None:
+        """Load a colocated trainer's tensors from CUDA IPC handles (`source`, checked against the manifest
+        `entries`) as `version`; called only where `loads_cuda_ipc` is True."""
+        raise NotImplementedError(f"the {self.name} backend does not load CUDA IPC handles itself")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
 from rewardmesh.server.backends.hf_decode import DynamicBatch, DynamicDecoder
 from rewardmesh.server.backends.hf_kv_cache import cache_layers, joinable
 from rewardmesh.server.backends.hf_rows import Pending, Row
@@ -67,10 +67,11 @@ def default_num_threads() -> int:
 # ------------------------------------------------------------------------------------------------- backend
 
 
-class HFBackend:
+class HFBackend(Backend):
     """transformers causal LM behind the Backend protocol (see base.py)."""
 
     name = "hf"
+    device: torch.device  # always in this process
 
     def __init__(
         self,

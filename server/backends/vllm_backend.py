@@ -36,7 +36,7 @@ import torch
 from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.weights import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
 from rewardmesh.server.backends.requests import validate_request
 from rewardmesh.server.backends.vllm_engine import check_engine_args, engine_arg_names, parse_engine_args
 from rewardmesh.server.backends.vllm_outputs import sampling_params, to_output, token_prompt
@@ -68,10 +68,11 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------------- backend
 
 
-class VLLMBackend:
+class VLLMBackend(Backend):
     """vLLM AsyncLLM (V1) behind the Backend protocol (see base.py)."""
 
     name = "vllm"
+    loads_cuda_ipc = True  # through vLLM's weight-transfer engine (update_weights_ipc)
 
     def __init__(
         self,
@@ -363,6 +364,9 @@ class VLLMBackend:
                 while (blob := await asyncio.to_thread(next, stream, None)) is not None:
                     await engine.collective_rpc("rewardmesh_stage_weights", args=(blob,))
                     chunks += 1
+                refused = [r for r in await engine.collective_rpc("rewardmesh_check_weights", args=(expected,)) if r]
+                if refused:  # a chunk or piece went missing: nothing is loaded
+                    raise WeightsNotApplied(refused[0])
                 self._updates += 1
                 paused = await self._pause(engine)
             except BaseException:  # nothing loaded yet: drop what was staged, the old weights serve on
@@ -444,10 +448,10 @@ class VLLMBackend:
     def _mark_torn(self, names: list[str], version: int, exc: BaseException) -> None:
         """A commit that failed inside ``load_weights`` may have applied some tensors: stop serving.
 
-        The worker's own checks fail before loading anything and say "nothing applied"; any other failure
-        leaves an unknown mix of versions, which must not produce samples labelled with either.
+        The worker's own checks fail before loading anything (WeightsNotApplied); any other failure leaves an
+        unknown mix of versions, which must not produce samples labelled with either.
         """
-        if "nothing applied" in str(exc):
+        if isinstance(exc, WeightsNotApplied):
             return
         self._torn.update(names)
         self.unusable = (

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from rewardmesh.server.backends.base import WeightsNotApplied
+
 WORKER_EXTENSION = f"{__name__}.RewardMeshWorkerExtension"
 CHUNK_BYTES = 512 * 1024 * 1024  # one RPC message; keeps peak host memory bounded for large models
 
@@ -51,18 +53,27 @@ class RewardMeshWorkerExtension:
         staged.update(load(bytes(blob)))
         return len(staged)
 
+    def rewardmesh_check_weights(self, expected: list[str]) -> str:
+        """Join split tensors and check the staged set is exactly ``expected``, loading nothing: "" when it is,
+        else why not. A result rather than an exception, so the backend tells a refusal (the old weights serve on)
+        from a failed load even where vLLM passes a worker's exceptions on as text."""
+        staged: dict[str, torch.Tensor] = self.__dict__.get("_rewardmesh_staged", {})
+        try:
+            tensors = _complete(join_parts(staged), expected)
+        except WeightsNotApplied as exc:
+            return str(exc)
+        self.__dict__["_rewardmesh_staged"] = tensors
+        return ""
+
     def rewardmesh_commit_weights(self, expected: list[str] | None = None) -> int:
         """Join split tensors, check the staged set is exactly ``expected``, then load it in one call.
 
-        Everything is checked before the first tensor is loaded, so a missing chunk or piece applies nothing.
-        The call runs between engine steps (or while the engine is paused), so decoding sees old or new.
+        Everything is checked before the first tensor is loaded, so a missing chunk or piece applies nothing
+        (WeightsNotApplied). The call runs between engine steps (or while the engine is paused), so decoding
+        sees old or new.
         """
         staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
-        tensors = join_parts(staged)
-        if expected is not None and set(tensors) != set(expected):
-            missing = sorted(set(expected) - set(tensors))[:5]
-            extra = sorted(set(tensors) - set(expected))[:5]
-            raise ValueError(f"staged weights incomplete: missing {missing}, unexpected {extra}; nothing applied")
+        tensors = _complete(join_parts(staged), expected)
         if tensors:
             # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
             getter = getattr(self, "get_model", None)
@@ -75,6 +86,16 @@ class RewardMeshWorkerExtension:
     def rewardmesh_discard_weights(self) -> int:
         staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
         return len(staged)
+
+
+def _complete(tensors: dict[str, torch.Tensor], expected: list[str] | None) -> dict[str, torch.Tensor]:
+    """``tensors`` when they are exactly ``expected`` (None: anything goes), else WeightsNotApplied naming the
+    difference."""
+    if expected is not None and set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))[:5]
+        extra = sorted(set(tensors) - set(expected))[:5]
+        raise WeightsNotApplied(f"staged weights incomplete: missing {missing}, unexpected {extra}; nothing applied")
+    return tensors
 
 
 def join_parts(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,7 +114,7 @@ def join_parts(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, pieces in parts.items():
         n, shape = meta[name]
         if sorted(pieces) != list(range(n)):
-            raise ValueError(f"tensor {name!r}: {len(pieces)} of {n} pieces arrived; nothing applied")
+            raise WeightsNotApplied(f"tensor {name!r}: {len(pieces)} of {n} pieces arrived; nothing applied")
         whole[name] = torch.cat([pieces[i] for i in range(n)]).reshape(shape)
     return whole
 

@@ -168,7 +168,7 @@ class FakeEngine:
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> Any:
         self.calls.append((method,))
-        return getattr(self.worker, method)(*args)
+        return [getattr(self.worker, method)(*args)]  # one result per worker, as vLLM's
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(("pause_generation", mode, clear_cache))

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest, WeightsError
+from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsError
 
 # script(prompt text so far, turn index) -> (response text, seconds the "generation" takes)
 Script = Callable[[str, int], tuple[str, float]]
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     name = "scripted"
 
     def __init__(self, tokenizer: Any, script: Script, max_model_len: int = 512) -> None:
