@@ -7,20 +7,12 @@ import asyncio
 from typing import Any
 
 import grpc
-import pytest
 
 from rewardmesh.client.trainer import PromptSpec, TrainerClient
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server, rollout_stub
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 def instant(text: str, turn: int) -> tuple[str, float]:

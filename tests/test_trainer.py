@@ -15,7 +15,6 @@ import torch
 from rewardmesh.client.batch import ScoredSample, assemble_batch, compute_metrics, grpo_advantages
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient, reward_overlap
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
 from tests.support.waiting import eventually
@@ -84,11 +83,6 @@ def test_reward_overlap_splits_hidden_and_exposed() -> None:
     b.arrived = 4.0  # generated at 3.0 (last), scored 3.0..4.0: one second exposed
     m = reward_overlap([a, b], 4.0)
     assert m["timing_s/reward_exposed"] == pytest.approx(1.0) and m["timing_s/reward_hidden"] == pytest.approx(1.0)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 def wait_script(text: str, turn: int) -> tuple[str, float]:
