@@ -22,3 +22,13 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 60
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout_s:g}s: {what}"
         time.sleep(0.02)
+
+
+async def holds_for(condition: Callable[[], object], what: str, seconds: float = 0.2) -> None:
+    """Check that `condition` keeps holding for `seconds` (something that must NOT happen has no moment to wait
+    for, so the test watches a window); fail naming `what` the moment it breaks."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert condition(), f"stopped holding within {seconds:g}s: {what}"
+        await asyncio.sleep(0.01)
+    assert condition(), f"stopped holding within {seconds:g}s: {what}"
