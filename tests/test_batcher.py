@@ -61,7 +61,7 @@ async def test_waits_at_most_max_queue_delay_for_a_fuller_batch() -> None:
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_queue_delay_ms=300))
     t0 = time.monotonic()
     first = asyncio.create_task(b.submit(inp("a")))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the scenario: the second sample arrives a moment after the first
     second = asyncio.create_task(b.submit(inp("b")))
     r1, r2 = await asyncio.gather(first, second)
     elapsed = time.monotonic() - t0
