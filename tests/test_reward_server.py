@@ -248,8 +248,7 @@ async def test_reward_model_pipeline_batches_concurrent_samples(tiny_models: Tin
     assert max(r.batch_size for r in results.values()) > 1  # concurrent samples shared a batch
 
 
-async def test_custom_function_from_file_and_decoding_ids_with_tokenizer(tiny_models: TinyModelPaths) -> None:
-    tok = load_tokenizer(str(tiny_models.policy))
+async def test_custom_function_from_file_and_decoding_ids_with_tokenizer(tok: Any) -> None:
     pipelines = {"exact": {"sources": [{"type": "function", "function": f"{FNS}:exact_match", "executor": "thread"}]}}
     ids_only = common_pb2.Sample(
         sample_id="ids-only",

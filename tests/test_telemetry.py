@@ -18,8 +18,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.common.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
@@ -103,12 +101,11 @@ def head_ratio(telemetry: Telemetry) -> Iterator[Callable[[float], None]]:
 
 async def test_one_trace_per_step_across_three_services(
     telemetry: Telemetry,
-    tiny_models: TinyModelPaths,
+    tok: Any,
     head_ratio: Callable[[float], None],
     written: Callable[[], dict[str, Any]],
 ) -> None:
     head_ratio(1.0)  # every sample traced in full, RPC spans included
-    tok = load_tokenizer(str(tiny_models.policy))
     SPANS.clear()
     pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
                                    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 20}}}  # fmt: skip
@@ -289,11 +286,10 @@ def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
 
 
 async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
-    telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
+    telemetry: Telemetry, tok: Any, head_ratio: Callable[[float], None]
 ) -> None:
     """No group is head-sampled, yet the step's slowest samples (KeepTraces, k=4) have their whole tree."""
     head_ratio(0.0)
-    tok = load_tokenizer(str(tiny_models.policy))
     SPANS.clear()
 
     def scored() -> int:
