@@ -15,6 +15,7 @@ import pytest
 from rewardmesh.reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.custom import FunctionSource
 from rewardmesh.reward_engine.types import RewardOutput
+from tests.support.paths import REPO
 from tests.support.samples import reward_input as sample
 from tests.support.waiting import eventually
 
@@ -34,7 +35,7 @@ async def function_source(**config: Any) -> AsyncIterator[FunctionSource]:
 @pytest.fixture(autouse=True)
 def _run_from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """File specs are relative to the working directory."""
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(REPO)
 
 
 # ------------------------------------------------------------------------------------------ loading

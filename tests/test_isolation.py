@@ -22,9 +22,9 @@ from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources.rules import RuleSource
 from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.support.paths import CLI
 from tests.support.servers import sample
 from tests.support.waiting import eventually, wait_until
-from tests.test_cli import CLI
 
 HOSTILE = r"The answer is \boxed{9^{9^{9}}}"
 

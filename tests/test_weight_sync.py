@@ -36,6 +36,7 @@ from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import common_pb2, rollout_pb2
+from tests.support.paths import REPO
 from tests.support.servers import rollout_server, rollout_stub
 from tests.support.waiting import eventually
 
@@ -184,7 +185,7 @@ def test_freed_message_buffers_are_recycled_not_faulted_in_again() -> None:
 
     if not hasattr(__import__("ctypes").CDLL(None), "mallopt"):
         pytest.skip("not glibc")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     faults = {}
     for mode in ("default", "keep"):
         out = subprocess.run([sys.executable, "-c", _CHURN, mode], cwd=root, capture_output=True, text=True)
