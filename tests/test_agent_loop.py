@@ -4,19 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.agent_loop import AgentSettings, run_agent_loop
 from rewardmesh.server.backends.base import GenerationRequest
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.server.tools import calculator, parse_tool_calls, run_tool_call
 from tests.support.scripted_backend import ScriptedBackend
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 def calc_then_answer(text: str, turn: int) -> tuple[str, float]:

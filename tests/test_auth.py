@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rewardmesh.common.channels import auth_token, open_channel
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import RewardServer, build_engine, load_tokenizer
+from rewardmesh.server.reward_server import RewardServer, build_engine
 from rewardmesh.server.rollout_server import RolloutServer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -83,11 +82,10 @@ def test_token_file_problems_are_clear(tmp_path: Path) -> None:
 
 
 async def test_rollout_server_and_its_reward_client_use_the_token(
-    tiny_models: TinyModelPaths, token_file: str, monkeypatch: pytest.MonkeyPatch
+    tok: Any, token_file: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both servers guarded by one token: the trainer's Generate and the rollout server's Score stream pass."""
     monkeypatch.setenv("REWARDMESH_AUTH_TOKEN_FILE", token_file)
-    tok = load_tokenizer(str(tiny_models.policy))
     backend = ScriptedBackend(tok, lambda text, turn: ("#### 4", 0.0))
     async with guarded_reward(token_file) as rs:
         ro = RolloutServer(backend, [rs.address], ServerOptions(host="127.0.0.1", port=0))  # token from the env

@@ -11,6 +11,7 @@ import pytest
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher
 from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from tests.support.waiting import eventually
 
 
 def inp(sid: str, tokens: int = 4) -> RewardInput:
@@ -60,7 +61,7 @@ async def test_waits_at_most_max_queue_delay_for_a_fuller_batch() -> None:
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_queue_delay_ms=300))
     t0 = time.monotonic()
     first = asyncio.create_task(b.submit(inp("a")))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the scenario: the second sample arrives a moment after the first
     second = asyncio.create_task(b.submit(inp("b")))
     r1, r2 = await asyncio.gather(first, second)
     elapsed = time.monotonic() - t0
@@ -88,10 +89,10 @@ async def test_length_aware_grouping_keeps_oldest_and_groups_similar_lengths() -
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=3, max_queue_delay_ms=0))
     blocker = asyncio.create_task(b.submit(inp("blocker")))
-    await asyncio.sleep(0.01)  # blocker computes; the queue now fills
+    await eventually(lambda: rec.active == 1, "the blocker computes; the queue now fills")
     lengths = {"x10": 10, "y100": 100, "x11": 11, "y101": 101, "x12": 12, "y102": 102}
     tasks = [asyncio.create_task(b.submit(inp(k, v))) for k, v in lengths.items()]
-    await asyncio.sleep(0.01)
+    await eventually(lambda: b.queue_depth == 6, "all six queued behind the blocker")
     rec.gate.set()
     await asyncio.gather(blocker, *tasks)
     assert rec.batches[1] == ["x10", "x11", "x12"]  # oldest (x10) plus its nearest lengths
@@ -104,9 +105,9 @@ async def test_next_batch_forms_while_one_computes() -> None:
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0, max_concurrent_batches=1))
     first = asyncio.create_task(b.submit(inp("first")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: rec.active == 1, "the first batch computes")
     rest = [asyncio.create_task(b.submit(inp(f"r{i}"))) for i in range(5)]
-    await asyncio.sleep(0.01)
+    await eventually(lambda: b.queue_depth == 5, "the rest queued meanwhile")
     assert rec.batches == [["first"]] and rec.peak == 1
     rec.gate.set()
     await asyncio.gather(first, *rest)
@@ -127,9 +128,9 @@ async def test_full_queue_rejects_at_once() -> None:
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=2))
     running = asyncio.create_task(b.submit(inp("running")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: rec.active == 1, "one sample computes")
     queued = [asyncio.create_task(b.submit(inp(f"q{i}"))) for i in range(2)]
-    await asyncio.sleep(0)
+    await eventually(lambda: b.queue_depth == 2, "the queue is full")
     with pytest.raises(QueueFull, match="queue is full"):
         await b.submit(inp("overflow"))
     rec.gate.set()
@@ -143,10 +144,11 @@ async def test_expired_samples_are_dropped_before_compute() -> None:
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
     running = asyncio.create_task(b.submit(inp("running")))
-    await asyncio.sleep(0.01)
-    late = asyncio.create_task(b.submit(inp("late"), deadline=time.monotonic() + 0.02))
+    await eventually(lambda: rec.active == 1, "one sample computes")
+    late_deadline = time.monotonic() + 0.02
+    late = asyncio.create_task(b.submit(inp("late"), deadline=late_deadline))
     ok = asyncio.create_task(b.submit(inp("ok"), deadline=time.monotonic() + 30))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: b.queue_depth == 2 and time.monotonic() > late_deadline, "the late sample expires queued")
     rec.gate.set()
     with pytest.raises(DeadlineExceeded, match="deadline"):
         await late
@@ -160,10 +162,10 @@ async def test_cancelled_samples_are_skipped() -> None:
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
     running = asyncio.create_task(b.submit(inp("running")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: rec.active == 1, "one sample computes")
     gone = asyncio.create_task(b.submit(inp("gone")))
     kept = asyncio.create_task(b.submit(inp("kept")))
-    await asyncio.sleep(0.01)
+    await eventually(lambda: b.queue_depth == 2, "both queued behind it")
     gone.cancel()
     rec.gate.set()
     await asyncio.gather(running, kept)
@@ -231,14 +233,12 @@ async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> N
         events.append((token, outcome if isinstance(outcome, BaseException) else outcome.batch_size))  # type: ignore[attr-defined]
 
     first = b.put(inp("a"), sink, "tok-a")  # computes alone, held at the gate
-    await asyncio.sleep(0)
+    await eventually(lambda: rec.active == 1, "the first sample computes")
     queued = [b.put(inp(sid), sink, f"tok-{sid}") for sid in ("b", "bad1", "c")]
     expired = b.put(inp("late"), sink, "tok-late", deadline=time.monotonic() - 1)
     assert queued[2].cancel() and not queued[2].cancel()  # the first cancel drops it, a second is a no-op
     rec.gate.set()
-    deadline = time.monotonic() + 30
-    while len(events) < 6 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: len(events) >= 6, "every outcome delivered")
     assert first.done and expired.done
     assert events[:2] == [["a"], ("tok-a", 1)]
     late = [e for e in events if isinstance(e, tuple) and e[0] == "tok-late"]

@@ -206,7 +206,7 @@ async def test_abandoned_streams_slow_readers_and_connection_churn_leave_memory_
                 await slow.write(reward_pb2.ScoreRequest(sample=sample(f"slow-{i}"), reward="gsm8k"))
 
         writer = asyncio.create_task(write_all())
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # pacing only: the writer runs into the server's bound meanwhile
         await _bystander(stub)
         slow.cancel()
         writer.cancel()

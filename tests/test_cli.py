@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -13,10 +12,9 @@ import pytest
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.support.paths import CLI
 from tests.support.servers import FNS, sample
 from tests.support.waiting import wait_until
-
-CLI = [sys.executable, "-m", "rewardmesh.server.cli"]
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import rollout_pb2
 from tests.support.servers import rollout_server, rollout_stub
-from tests.test_weight_sync import model_weights, perturbed, policy_state, same
+
+from .test_weight_sync import model_weights, perturbed, policy_state, same  # beside it wherever the two sit
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 

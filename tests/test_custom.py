@@ -10,28 +10,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 import pytest
 
 from rewardmesh.reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.custom import FunctionSource
-from rewardmesh.reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import RewardOutput
+from tests.support.paths import REPO
+from tests.support.samples import reward_input as sample
 from tests.support.waiting import eventually
 
 FILE = "tests/support/reward_fns.py"
 MODULE = "tests.support.reward_fns"
-
-
-def sample(response: str, truth: str = "", sid: str = "s", **extra: Any) -> RewardInput:
-    return RewardInput(
-        sample_id=sid,
-        prompt_ids=np.zeros(2, dtype=np.int32),
-        response_ids=np.zeros(3, dtype=np.int32),
-        response_text=response,
-        ground_truth=truth,
-        data_source="unit",
-        extra_info=dict(extra),
-    )
 
 
 @asynccontextmanager
@@ -46,7 +35,7 @@ async def function_source(**config: Any) -> AsyncIterator[FunctionSource]:
 @pytest.fixture(autouse=True)
 def _run_from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """File specs are relative to the working directory."""
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(REPO)
 
 
 # ------------------------------------------------------------------------------------------ loading

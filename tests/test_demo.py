@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from rewardmesh.demo.rl_demo import TASKS, summary
-from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.sources.rules import RULES
 from rewardmesh.server.cli import build_parser
-from rewardmesh.server.reward_server import load_tokenizer
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
-def test_every_task_answer_is_one_policy_token_the_rule_scores(tiny_models: TinyModelPaths, task: str) -> None:
+def test_every_task_answer_is_one_policy_token_the_rule_scores(tok: Any, task: str) -> None:
     """The demo samples one token (max_tokens=1): an answer needing two could never score."""
-    tok = load_tokenizer(str(tiny_models.policy))
     prompts = TASKS[task](tok, 200, random.Random(0))
     assert len(prompts) == 200 and {p.data_source for p in prompts} == {task}
     for p in prompts:
@@ -27,8 +25,7 @@ def test_every_task_answer_is_one_policy_token_the_rule_scores(tiny_models: Tiny
             assert isinstance(out, dict) and out["acc"] == 1.0 and out["score"] == 1.0
 
 
-def test_count_prompts_continue_the_count(tiny_models: TinyModelPaths) -> None:
-    tok = load_tokenizer(str(tiny_models.policy))
+def test_count_prompts_continue_the_count(tok: Any) -> None:
     for p in TASKS["count"](tok, 50, random.Random(1)):
         numbers = [int(x) for x in tok.decode(p.token_ids).split()]
         assert len(numbers) == 3 and numbers[1] == numbers[0] + 1 and numbers[2] == numbers[1] + 1

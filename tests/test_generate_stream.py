@@ -3,24 +3,16 @@ and the trainer's end-to-end deadline on a Generate call."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
-import pytest
 
 from rewardmesh.client.trainer import PromptSpec, TrainerClient
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server, rollout_stub
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
+from tests.support.waiting import eventually, holds_for
 
 
 def instant(text: str, turn: int) -> tuple[str, float]:
@@ -54,14 +46,11 @@ async def test_a_call_runs_at_most_its_bound_of_samples_at_once(tok: Any) -> Non
     async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
         ro.servicer.max_call_unsent = 3
         call = stub.Generate(request(tok, 50))
-        while len(backend.requests) < 3:
-            await asyncio.sleep(0.01)
-        for _ in range(20):
-            await asyncio.sleep(0.01)
-        assert len(backend.requests) == 3  # the other 47 wait until the client has taken some
+        await eventually(lambda: len(backend.requests) >= 3, "three samples generating")
+        # The other 47 wait until the client has taken some.
+        await holds_for(lambda: len(backend.requests) == 3, "no more than the bound of samples at once")
         call.cancel()
-        while backend.running:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: not backend.running, "the cancelled call's samples stop")
 
 
 async def test_a_generate_call_past_its_deadline_fails_its_samples_not_the_step(tok: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.server.backends.hf_kv_cache import SlotCache
 from rewardmesh.server.backends.requests import trim_at_stop
 from rewardmesh.server.backends.sampling import sample
+from tests.support.waiting import eventually, holds_for
 
 PROMPTS = [
     "What is 2 + 2?",
@@ -46,13 +47,6 @@ def greedy(backend: HFBackend, text: str, max_tokens: int = 12, **kw: Any) -> Ge
 
 def sampled(backend: HFBackend, text: str, seed: int | None, max_tokens: int = 30, **kw: Any) -> GenerationRequest:
     return GenerationRequest(prompt_ids=ids(backend, text), max_tokens=max_tokens, temperature=1.0, seed=seed, **kw)
-
-
-async def wait_for(cond: Callable[[], bool], timeout: float = 60.0) -> None:  # generous: the machine may be loaded
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.002)
 
 
 async def a_sample_without_eos(backend: HFBackend, text: str, min_len: int = 20) -> tuple[GenerationRequest, list[int]]:
@@ -238,7 +232,7 @@ async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBacken
 async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBackend) -> None:
     alone = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
     first = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=300)))
-    await wait_for(lambda: backend.steps >= 10)
+    await eventually(lambda: backend.steps >= 10, "backend.steps >= 10", every_s=0.002)
     second = await backend.generate(greedy(backend, PROMPTS[1], max_tokens=5))
     assert not first.done()  # it joined the running batch instead of waiting for it to end
     # Counted by the decode loop itself, arrival -> first token: the steps the worker thread runs while this
@@ -259,7 +253,7 @@ async def test_rows_joining_and_leaving_keep_every_row_exact(backend: HFBackend)
     for r in requests:
         tasks.append(asyncio.create_task(backend.generate(r)))
         steps = backend.steps
-        await wait_for(lambda s=steps: backend.steps >= s + 3)  # type: ignore[misc]
+        await eventually(lambda s=steps: backend.steps >= s + 3, "backend.steps >= s + 3", every_s=0.002)  # type: ignore[misc]
     together = await asyncio.gather(*tasks)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert max(backend.running_sizes) >= 3
@@ -308,15 +302,15 @@ async def test_stop_strings_are_honoured_and_not_returned(backend: HFBackend) ->
 
 async def test_cancelling_aborts_the_row_and_stops_the_batch(backend: HFBackend) -> None:
     task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=400)))
-    await wait_for(lambda: backend.steps >= 3)
+    await eventually(lambda: backend.steps >= 3, "backend.steps >= 3", every_s=0.002)
     assert backend.running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert backend.running == 0
     steps = backend.steps
-    await asyncio.sleep(0.2)
-    assert backend.steps <= steps + 1 < 400  # decoding stopped instead of going on for a row nobody awaits
+    # Decoding stopped instead of going on for a row nobody awaits.
+    await holds_for(lambda: backend.steps <= steps + 1, "no decoding for a cancelled row", 0.2)
 
 
 @pytest.mark.slow
@@ -325,7 +319,7 @@ async def test_cancelling_one_row_leaves_its_neighbours_intact(backend: HFBacken
     expected = await backend.generate(keep_request)
     victim = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[3], max_tokens=400)))
     keeper = asyncio.create_task(backend.generate(keep_request))
-    await wait_for(lambda: backend.num_batches == 2)
+    await eventually(lambda: backend.num_batches == 2, "backend.num_batches == 2", every_s=0.002)
     victim.cancel()
     out = await keeper
     assert out.token_ids == expected.token_ids
@@ -338,13 +332,12 @@ async def test_cancelling_a_queued_request_never_runs_it(tiny_models: TinyModelP
     await b.start()
     try:
         task = asyncio.create_task(b.generate(greedy(b, PROMPTS[0])))
-        await wait_for(lambda: b.running == 1)
+        await eventually(lambda: b.running == 1, "b.running == 1", every_s=0.002)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert b.running == 0
-        await asyncio.sleep(0.4)
-        assert b.num_batches == 0
+        await holds_for(lambda: b.num_batches == 0, "the cancelled request never runs", 0.4)  # past batch_wait_ms
     finally:
         await b.close()
 
@@ -353,9 +346,9 @@ async def test_close_fails_pending_requests(tiny_models: TinyModelPaths) -> None
     b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
     await b.start()
     running = asyncio.create_task(b.generate(greedy(b, PROMPTS[0], max_tokens=400)))
-    await wait_for(lambda: b.num_batches == 1)
+    await eventually(lambda: b.num_batches == 1, "b.num_batches == 1", every_s=0.002)
     queued = asyncio.create_task(b.generate(greedy(b, PROMPTS[1], max_tokens=400)))
-    await wait_for(lambda: b.running == 2)
+    await eventually(lambda: b.running == 2, "b.running == 2", every_s=0.002)
     await b.close()
     for task in (running, queued):
         with pytest.raises(RuntimeError, match="closed"):
@@ -456,7 +449,7 @@ async def test_update_weights_lands_between_steps_and_tokens_say_which(
     baseline = await backend.generate(request)
     steps = backend.steps
     in_flight = asyncio.create_task(backend.generate(request))
-    await wait_for(lambda: backend.steps >= steps + 5)
+    await eventually(lambda: backend.steps >= steps + 5, "backend.steps >= steps + 5", every_s=0.002)
     await backend.update_weights(perturbed_state(tiny_models), version=1)
     assert not in_flight.done()  # the swap did not wait for the running row to end
     mixed = await in_flight
@@ -609,7 +602,7 @@ async def test_a_sliding_window_model_runs_on_the_general_cache(sliding_policy: 
         first = asyncio.create_task(b.generate(greedy(b, PROMPTS[0], max_tokens=40)))
         first.add_done_callback(lambda _: order.append("first"))
         steps = b.steps
-        await wait_for(lambda: b.steps >= steps + 3, timeout=30)
+        await eventually(lambda: b.steps >= steps + 3, "b.steps >= steps + 3", 30, every_s=0.002)
         second = await b.generate(greedy(b, PROMPTS[1], max_tokens=5))
         order.append("second")
         assert len(second.token_ids) == 5 or second.finish_reason == "stop"
@@ -630,7 +623,7 @@ async def test_eager_attention_takes_the_additive_mask_and_matches_sdpa(
         for r in requests:  # each joins a running batch
             tasks.append(asyncio.create_task(b.generate(r)))
             steps = b.steps
-            await wait_for(lambda s=steps: b.steps >= s + 2, timeout=30)  # type: ignore[misc]
+            await eventually(lambda s=steps: b.steps >= s + 2, "b.steps >= s + 2", 30, every_s=0.002)  # type: ignore[misc]
         return list(await asyncio.gather(*tasks))
 
     outputs = []

@@ -22,9 +22,9 @@ from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources.rules import RuleSource
 from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.support.paths import CLI
 from tests.support.servers import sample
-from tests.support.waiting import wait_until
-from tests.test_cli import CLI
+from tests.support.waiting import eventually, wait_until
 
 HOSTILE = r"The answer is \boxed{9^{9^{9}}}"
 
@@ -170,7 +170,7 @@ async def test_closed_pool_kills_a_stuck_worker_at_once() -> None:
     pool = IsolatedPool("t", workers=1, timeout_s=60.0)
     call = asyncio.ensure_future(pool.run([Call("time:sleep", {}, "sleep", args=(60,))]))
     await pool.warmup()
-    await asyncio.sleep(0.2)
+    await eventually(lambda: not pool._queue, "the call taken by the worker's lane")
     (pid,) = pool.pids
     await pool.close()
     (result,) = await asyncio.wait_for(call, 10)

@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 from rewardmesh.reward_engine.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
-from rewardmesh.reward_engine.types import RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
+from tests.support.samples import reward_input
 
-
-def sample(response: str, sid: str = "s", **fields: Any) -> RewardInput:
-    return RewardInput(
-        sample_id=sid,
-        prompt_ids=np.zeros(2, dtype=np.int32),
-        response_ids=np.zeros(3, dtype=np.int32),
-        prompt_text=fields.pop("prompt", "What is 6 x 7?"),
-        response_text=response,
-        ground_truth=fields.pop("ground_truth", "42"),
-        data_source=fields.pop("data_source", "unit"),
-        extra_info=fields,
-    )
+# What the judge is asked about unless a test says otherwise.
+sample = functools.partial(reward_input, prompt="What is 6 x 7?", ground_truth="42")
 
 
 def judged(score: float, raw: float) -> RewardOutput:

@@ -209,11 +209,6 @@ def checker() -> dict[str, Any]:
     return {"check": {"sources": [source]}}
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
-
-
 def prompts(tok: Any, count: int) -> list[PromptSpec]:
     return [PromptSpec(token_ids=tok.encode(f"q{i}"), ground_truth="4") for i in range(count)]
 

@@ -15,9 +15,8 @@ from grpc import aio
 
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.common.weights import iter_update_requests
-from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.config import load_yaml, resolve
-from rewardmesh.server.reward_server import RewardServer, RewardServerConfig, build_engine, load_tokenizer
+from rewardmesh.server.reward_server import RewardServer, RewardServerConfig, build_engine
 from rewardmesh.server.rollout_server import RolloutServer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
@@ -110,11 +109,6 @@ def test_limits_come_from_env_and_yaml_like_every_option(tmp_path: Path, monkeyp
 
 
 # --------------------------------------------------------------------------------------------- rollout
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 @asynccontextmanager

@@ -31,8 +31,8 @@ from typing import IO, Any
 import pytest
 
 from rewardmesh.demo.tiny_models import TinyModelPaths
+from tests.support.paths import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # a /24 that exists only inside this test's namespaces
 REWARD_PORT, ROLLOUT_PORT = 50051, 50061
 PROMPTS, N = 8, 2

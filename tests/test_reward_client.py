@@ -58,9 +58,9 @@ async def test_draining_target_hands_its_new_samples_to_another() -> None:
     ):
         async with RewardClient([a.address, b.address], retry_backoff_s=0.05) as client:
             first = [client.submit(sample(f"a{i}", delay=0.3), "sleepy") for i in range(6)]
-            await asyncio.sleep(0.05)
+            await eventually(lambda: a.servicer.in_flight + b.servicer.in_flight == 6, "the first six in flight")
             drain = asyncio.create_task(a.stop(grace=5))
-            await asyncio.sleep(0.05)
+            await eventually(lambda: a.servicer._draining.is_set(), "a is draining")
             later = [client.submit(sample(f"b{i}", delay=0.0), "sleepy") for i in range(6)]
             results = await asyncio.gather(*first, *later)
             await drain

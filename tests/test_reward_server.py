@@ -203,7 +203,7 @@ async def test_drain_finishes_in_flight_refuses_new_and_reports_not_serving() ->
             await call.write(req(sample(f"inflight{i}", delay=0.4), "sleepy"))
         await eventually(lambda: server.servicer.in_flight == 3, "the server holds the three samples")
         stopping = asyncio.create_task(server.stop(grace=5))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: server.servicer._draining.is_set(), "the server is draining")
         async with aio.insecure_channel(server.address) as ch:
             status = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -248,8 +248,7 @@ async def test_reward_model_pipeline_batches_concurrent_samples(tiny_models: Tin
     assert max(r.batch_size for r in results.values()) > 1  # concurrent samples shared a batch
 
 
-async def test_custom_function_from_file_and_decoding_ids_with_tokenizer(tiny_models: TinyModelPaths) -> None:
-    tok = load_tokenizer(str(tiny_models.policy))
+async def test_custom_function_from_file_and_decoding_ids_with_tokenizer(tok: Any) -> None:
     pipelines = {"exact": {"sources": [{"type": "function", "function": f"{FNS}:exact_match", "executor": "thread"}]}}
     ids_only = common_pb2.Sample(
         sample_id="ids-only",

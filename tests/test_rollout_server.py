@@ -14,17 +14,10 @@ from grpc import aio
 
 from rewardmesh.common.tensors import ids_from, ids_tensor, tensor_to_numpy
 from rewardmesh.common.weights import iter_update_requests
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
 from tests.support.waiting import eventually
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 def timed_script(text: str, turn: int) -> tuple[str, float]:

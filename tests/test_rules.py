@@ -20,18 +20,8 @@ from rewardmesh.reward_engine.sources.rules import (
     rule_for_data_source,
 )
 from rewardmesh.reward_engine.sources.verl_compat import to_output
-from rewardmesh.reward_engine.types import RewardInput, RewardOutput
-
-
-def sample(response: str, ground_truth: str = "", data_source: str = "openai/gsm8k", sid: str = "s") -> RewardInput:
-    return RewardInput(
-        sample_id=sid,
-        prompt_ids=np.zeros(2, dtype=np.int32),
-        response_ids=np.zeros(3, dtype=np.int32),
-        response_text=response,
-        ground_truth=ground_truth,
-        data_source=data_source,
-    )
+from rewardmesh.reward_engine.types import RewardOutput
+from tests.support.samples import reward_input as sample
 
 
 def call(rule: str, response: str, ground_truth: str, data_source: str = "openai/gsm8k") -> Any:

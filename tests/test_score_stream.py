@@ -9,10 +9,9 @@ from typing import Any
 import grpc
 
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import common_pb2, reward_pb2
 from tests.support.servers import EOF, fn_pipeline, reward_server, reward_stub, sample
+from tests.support.waiting import eventually, holds_for
 
 CODE = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -38,9 +37,8 @@ async def results_of(call: Any, n: int) -> tuple[list[reward_pb2.RewardResult], 
     return out, messages
 
 
-async def test_negative_token_id_is_answered_invalid_not_a_hung_step(tiny_models: TinyModelPaths) -> None:
+async def test_negative_token_id_is_answered_invalid_not_a_hung_step(tok: Any) -> None:
     # A negative id made the tokenizer's decode raise OverflowError: the result must not be dropped, the step not hang.
-    tok = load_tokenizer(str(tiny_models.policy))
     async with reward_server(tokenizer=tok) as server, reward_stub(server.address) as stub:
         call = stub.Score()
         await call.write(req(ids_only("negative", [7, -1]), "noop"))
@@ -106,8 +104,7 @@ async def test_a_retry_on_another_stream_is_never_refused_and_scored_once() -> N
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
         first, second = stub.Score(), stub.Score()
         await first.write(req(sample("s1", delay=30), "sleepy"))
-        while server.servicer.in_flight < 1:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: server.servicer.in_flight >= 1, "the first attempt in flight")
         await second.write(req(sample("s1", response="retry", delay=0), "sleepy"))
         (superseded,), _ = await results_of(first, 1)
         (scored,), _ = await results_of(second, 1)
@@ -156,16 +153,14 @@ async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound()
                 await call.write(req(sample(f"f{i}", delay=30), "sleepy"))
 
         writer = asyncio.create_task(flood())
-        while server.servicer.held < 8:
-            await asyncio.sleep(0.01)
-        for _ in range(20):  # give the server every chance to read on; it must not
-            await asyncio.sleep(0.01)
-        assert server.servicer.held == 8 and server.servicer.in_flight == 8
+        await eventually(lambda: server.servicer.held >= 8, "the server holds its bound of samples")
+        await holds_for(  # give the server every chance to read on; it must not
+            lambda: server.servicer.held == 8 and server.servicer.in_flight == 8, "nothing read past the bound"
+        )
         call.cancel()
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
-        while server.servicer.held:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: not server.servicer.held, "the cancelled stream's samples released")
         assert server.servicer.in_flight == 0  # the stream's samples were dropped with it
 
 
@@ -193,8 +188,7 @@ async def test_a_result_that_never_comes_is_deadline_exceeded_and_cancelled_on_t
             slow = client.submit(sample("stuck", delay=30), "sleepy")
             fast = client.submit(sample("quick", delay=0), "sleepy")
             stuck, quick = await asyncio.wait_for(asyncio.gather(slow, fast), 10)
-            while server.servicer.in_flight:  # the client told the server to drop it
-                await asyncio.sleep(0.01)
+            await eventually(lambda: not server.servicer.in_flight, "the client told the server to drop it")
     assert CODE[stuck.error.code] == grpc.StatusCode.DEADLINE_EXCEEDED and "within 1.5s" in stuck.error.message
     assert not quick.HasField("error")
 
@@ -205,11 +199,9 @@ async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retr
 
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, RewardClient(server.address) as client:
         first = client.submit(sample("again", delay=30), "sleepy")
-        while server.servicer.in_flight < 1:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: server.servicer.in_flight >= 1, "the sample in flight on the server")
         first.cancel()
-        while server.servicer.in_flight:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: not server.servicer.in_flight, "the cancel reached the server")
         retry = await asyncio.wait_for(client.submit(sample("again", response="xy", delay=0), "sleepy"), 10)
     assert not retry.HasField("error") and retry.score == 2.0
 

@@ -11,6 +11,7 @@ import gc
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.client.targets import Member, TargetPool, expand_targets
 from tests.support.servers import fn_pipeline, reward_server, sample
+from tests.support.waiting import eventually
 
 
 async def test_expand_resolves_dns_names_and_passes_plain_targets() -> None:
@@ -123,14 +125,14 @@ async def test_join_hook_runs_before_a_new_or_recovered_member_gets_work() -> No
     await pool.refresh_now()
     assert pool.pick() is None  # a is joining: no work until its hook is done
     gate.set()
-    await asyncio.sleep(0.01)
+    await eventually(lambda: joined == ["a:1"], "a's join hook ran")
     (a,) = pool.members
-    assert joined == ["a:1"] and pool.pick() is a
+    assert pool.pick() is a
     pool.mark_failed(a, "restarted")
-    await asyncio.sleep(0.03)
+    await eventually(lambda: time.monotonic() >= a.down_until, "a's backoff ends")
     assert pool.pick() is None and a.joining  # back from a failure: rejoins first
-    await asyncio.sleep(0.01)
-    assert joined == ["a:1", "a:1"] and pool.pick() is a
+    await eventually(lambda: joined == ["a:1", "a:1"], "a's join hook ran again")
+    assert pool.pick() is a
     await pool.close()
 
 
@@ -142,7 +144,7 @@ async def test_reward_client_follows_pods_that_are_replaced_and_added() -> None:
         async with RewardClient(target, resolve=lambda specs: list(pods), resolve_interval_s=0.0,
                                 retry_backoff_s=0.05) as client:  # fmt: skip
             first = [client.submit(sample(f"a{i}", delay=0.4), "sleepy") for i in range(6)]
-            await asyncio.sleep(0.15)
+            await eventually(lambda: a.servicer.in_flight == 6, "the six samples in flight on pod a")
             pods[:] = [b.address]  # a rolling update replaced pod a with pod b
             await a.grpc.server.stop(0)
             results = await asyncio.gather(*first)
@@ -164,7 +166,7 @@ def test_closing_a_client_with_an_open_stream_leaves_nothing_behind() -> None:
             client = RewardClient([server.address])
             done = await client.submit(sample("quick"), "sleepy")
             slow = client.submit(sample("slow", delay=5.0), "sleepy")
-            await asyncio.sleep(0.1)
+            await eventually(lambda: server.servicer.in_flight == 1, "the slow sample in flight")
             await client.close()  # the stream is open and a sample is in flight
             assert not done.HasField("error") and slow.cancelled()
         gc.collect()

@@ -18,11 +18,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.common.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
-from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
+from tests.support.waiting import eventually, holds_for
 
 SPANS = InMemorySpanExporter()
 METRICS = InMemoryMetricReader()
@@ -102,12 +101,11 @@ def head_ratio(telemetry: Telemetry) -> Iterator[Callable[[float], None]]:
 
 async def test_one_trace_per_step_across_three_services(
     telemetry: Telemetry,
-    tiny_models: TinyModelPaths,
+    tok: Any,
     head_ratio: Callable[[float], None],
     written: Callable[[], dict[str, Any]],
 ) -> None:
     head_ratio(1.0)  # every sample traced in full, RPC spans included
-    tok = load_tokenizer(str(tiny_models.policy))
     SPANS.clear()
     pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
                                    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 20}}}  # fmt: skip
@@ -288,11 +286,10 @@ def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
 
 
 async def test_slowest_sample_tree_is_exported_at_head_ratio_zero(
-    telemetry: Telemetry, tiny_models: TinyModelPaths, head_ratio: Callable[[float], None]
+    telemetry: Telemetry, tok: Any, head_ratio: Callable[[float], None]
 ) -> None:
     """No group is head-sampled, yet the step's slowest samples (KeepTraces, k=4) have their whole tree."""
     head_ratio(0.0)
-    tok = load_tokenizer(str(tiny_models.policy))
     SPANS.clear()
 
     def scored() -> int:
@@ -505,10 +502,7 @@ async def test_keep_decisions_ride_on_the_score_stream(telemetry: Telemetry) -> 
         (stream,) = client.streams
         calls_before = rs.servicer.messages_in
         await client.announce_kept(["a0", "a2", "unknown"])
-        for _ in range(200):  # no answer comes back: wait for the spans
-            if len(reward_spans()) == 4:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(reward_spans()) == 4, "the kept samples' spans (no answer comes back)", 10)
         assert rs.servicer.messages_in == calls_before + 1  # one message on the stream, no call of its own
         assert sorted(s.attributes["rewardmesh.sample_id"] for s in reward_spans()) == ["a0", "a0", "a2", "a2"]
         await client.announce_kept(["a0"])  # again: nothing more; a result after it shows it was processed
@@ -525,7 +519,6 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
 ) -> None:
     """Samples not head-sampled travel without a trace context: a failed one waits on the reward server until
     the keep decision brings its traceparent, then its error span hangs under the sender's reward span, once."""
-    import asyncio
 
     from rewardmesh.client.reward_client import RewardClient
     from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
@@ -541,8 +534,7 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
     async with reward_server() as rs, RewardClient([rs.address]) as client:
         result = await client.submit(sample("f0"), "no_such_pipeline")
         assert result.error.code == grpc.StatusCode.NOT_FOUND.value[0]
-        await asyncio.sleep(0.05)
-        assert errors() == []  # no traceparent yet: nothing to hang it under
+        await holds_for(lambda: errors() == [], "no traceparent yet: nothing to hang it under")
         for _ in range(2):  # the second announcement exports nothing more
             await client.announce_kept({"f0": traceparent(trace_id, parent_id, False)})
             assert not (await client.submit(sample("f1"), "gsm8k")).HasField("error")  # the keep was read

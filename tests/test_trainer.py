@@ -15,10 +15,9 @@ import torch
 from rewardmesh.client.batch import ScoredSample, assemble_batch, compute_metrics, grpo_advantages
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient, reward_overlap
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, holds_for
 
 
 def scored(sid: str, group: str, prompt: list[int], response: list[int], score: float, **timing: float) -> ScoredSample:
@@ -84,11 +83,6 @@ def test_reward_overlap_splits_hidden_and_exposed() -> None:
     b.arrived = 4.0  # generated at 3.0 (last), scored 3.0..4.0: one second exposed
     m = reward_overlap([a, b], 4.0)
     assert m["timing_s/reward_exposed"] == pytest.approx(1.0) and m["timing_s/reward_hidden"] == pytest.approx(1.0)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_models: TinyModelPaths) -> Any:
-    return load_tokenizer(str(tiny_models.policy))
 
 
 def wait_script(text: str, turn: int) -> tuple[str, float]:
@@ -166,8 +160,12 @@ async def test_synchronous_mode_waits_for_the_trainer(tok: Any) -> None:
         async with TrainerClient([r1.address], reward="gsm8k") as client:
             handed = 0
             async for batch in client.batches([prompts(tok, 2) for _ in range(3)], n=2, off_policy_steps=0):
-                await asyncio.sleep(0.2)
-                assert len(backend.requests) == (handed + 1) * 4 and client.groups_started == (handed + 1) * 2
+                # Nothing of the next step starts while the trainer holds this batch.
+                groups = (handed + 1) * 2
+                await holds_for(
+                    lambda g=groups: len(backend.requests) == g * 2 and client.groups_started == g,  # type: ignore[misc]
+                    "no rollout ahead of the trainer",
+                )
                 assert {s.policy_version for s in batch.samples} == {handed}  # always on-policy
                 handed += 1
                 await client.update_weights({"w": torch.full((2, 2), float(handed))})

@@ -45,8 +45,7 @@ from rewardmesh.server.rollout_server import RolloutServer, RolloutServerConfig,
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.support.fake_vllm import FakeEngine, echo, installed
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -36,7 +36,9 @@ from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import common_pb2, rollout_pb2
+from tests.support.paths import REPO
 from tests.support.servers import rollout_server, rollout_stub
+from tests.support.waiting import eventually
 
 TRANSPORTS = ["grpc", "dist", "shm"]
 
@@ -183,7 +185,7 @@ def test_freed_message_buffers_are_recycled_not_faulted_in_again() -> None:
 
     if not hasattr(__import__("ctypes").CDLL(None), "mallopt"):
         pytest.skip("not glibc")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     faults = {}
     for mode in ("default", "keep"):
         out = subprocess.run([sys.executable, "-c", _CHURN, mode], cwd=root, capture_output=True, text=True)
@@ -565,12 +567,16 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
         pods.append(d.address)
         # A server that was down at the last update rejoins on the next pick (its backoff over, the join hook
         # brings it up to date): drive picks until all caught up, or give up after a generous deadline.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (
-            min(b.backend.policy_version, c.backend.policy_version) < final - 1 or d.backend.policy_version < final
-        ):
-            client.pool.pick()
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: (
+                min(b.backend.policy_version, c.backend.policy_version) >= final - 1
+                and d.backend.policy_version >= final
+            ),
+            "every server caught up",
+            30,
+            poke=client.pool.pick,
+            every_s=0.05,
+        )
         versions = {r.address: r.backend.policy_version for r in (a, b, c, d)}
     assert step == steps
     for at, sample_versions in batches:
@@ -609,10 +615,8 @@ async def test_a_server_still_booting_is_left_out_of_an_update_and_joins_with_th
         assert a.backend.policy_version == 1 and slow.backend.policy_version == 0
         gate.set()
         await slow.ready()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and slow.backend.policy_version < 1:
-            client.pool.pick()  # its backoff over, a pick starts its join
-            await asyncio.sleep(0.05)
+        # Its backoff over, a pick starts its join.
+        await eventually(lambda: slow.backend.policy_version >= 1, "the late server joined", 30, poke=client.pool.pick)
         assert slow.backend.policy_version == 1 and same(model_weights(slow), state)
         assert client.join_updates == 1
 
@@ -643,9 +647,7 @@ async def test_update_waits_for_a_server_to_come_back_when_none_answers_and_fail
         await a.stop(0.1)
         update = asyncio.ensure_future(client.update_weights(perturbed(base, 2)))
         (member,) = client.pool.members
-        deadline = time.monotonic() + 30
-        while not member.down and not update.done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: member.down or update.done(), "the server found unreachable", 30)
         assert member.down and not update.done()  # found unreachable, and waiting instead of failing
         b = await start(port)
         assert await asyncio.wait_for(update, 60) == 2

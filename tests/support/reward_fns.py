@@ -1,4 +1,4 @@
-"""User reward functions with verl's signature, loaded by tests/test_custom.py as a file and as a module.
+"""User reward functions with verl's signature, loaded by the custom-function tests as a file and as a module.
 
 Kept free of test-only imports: worker processes import this file on their own.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 def _forked_from_tests() -> float:
     """1.0 if this process inherited the test modules, which only a fork (not spawn) would give it."""
-    return float(any(name.startswith("tests.test_") for name in sys.modules))
+    return float(any(name.startswith("tests.") and ".test_" in name for name in sys.modules))
 
 
 def exact(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
