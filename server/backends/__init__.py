@@ -1,4 +1,4 @@
-"""Generation backends: token ids in, token ids out, behind the Protocol in base.py.
+"""Generation backends: token ids in, token ids out, behind the Backend base class in base.py.
 
 Backends are imported lazily so that choosing "hf" never imports vLLM and vice versa.
 """

@@ -1,4 +1,5 @@
-"""The one small interface every generation backend implements: token ids in, token ids out, async."""
+"""The interface every generation backend implements (token ids in, token ids out, async), with defaults for
+the weight capabilities an engine may not have."""
 
 from __future__ import annotations
 
