@@ -36,13 +36,13 @@ REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 def refusal_message(address: str, exc: grpc.RpcError) -> str:
     """What an UNAUTHENTICATED or PERMISSION_DENIED answer means, and what to do about it."""
-    code = exc.code()  # type: ignore[attr-defined]
+    code = exc.code()
     hint = (
         "set REWARDMESH_AUTH_TOKEN (or REWARDMESH_AUTH_TOKEN_FILE) to the server's token"
         if code == grpc.StatusCode.UNAUTHENTICATED
         else "this caller's token is not allowed to make this call"
     )
-    return f"{code.name} from {address}: {exc.details()}; {hint}"  # type: ignore[attr-defined]
+    return f"{code.name} from {address}: {exc.details()}; {hint}"
 
 
 def split_targets(targets: Sequence[str] | str) -> list[str]:

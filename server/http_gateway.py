@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from rewardmesh.client.integrations.scoring import label_fields
 from rewardmesh.common.channels import auth_token, read_token
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
@@ -156,31 +157,6 @@ def _sample_status(outcome: _Outcome) -> int:
     where that is 4xx, else 422); a failed dependency (502) or a deadline (504) keep theirs."""
     status = _HTTP[outcome.code]
     return 422 if status in (500, 503) else status
-
-
-def _label_fields(label: Any, where: str) -> tuple[str, str, dict[str, Any]]:
-    """(ground_truth, data_source, extra_info) from a label: a plain string, or a JSON object carrying them."""
-    if label is None:
-        return "", "", {}
-    if isinstance(label, str):
-        stripped = label.strip()
-        if not stripped.startswith("{"):
-            return label, "", {}
-        try:
-            label = json.loads(stripped)
-        except json.JSONDecodeError:
-            return label, "", {}
-        except RecursionError:
-            raise InvalidInput(f"{where}: JSON nested too deeply") from None
-    if isinstance(label, dict):
-        extra = label.get("extra_info") or {}
-        if not isinstance(extra, dict):
-            raise InvalidInput(f"{where}.extra_info must be an object, got {type(extra).__name__}")
-        truth = label.get("ground_truth", label.get("label", ""))
-        return str(truth if truth is not None else ""), str(label.get("data_source") or ""), extra
-    if isinstance(label, int | float):
-        return str(label), "", {}
-    raise InvalidInput(f"{where} must be a string or an object, got {type(label).__name__}")
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -343,7 +319,7 @@ class HttpGateway:
         """One input, within the server's size limits; `names` are the prompt's and response's JSON fields."""
         import numpy as np
 
-        truth, source, extra = _label_fields(label, f"{where}.label")
+        truth, source, extra = label_fields(label, f"{where}.label")
         lim = self.limits
         texts = (
             (names[0] or "prompt", prompt),
@@ -467,7 +443,7 @@ class HttpGateway:
             label: Any = item.get("label")
             extra = item.get("extra_info") or item.get("metadata")
             if item.get("data_source") or extra:
-                truth, _, _ = _label_fields(label, "label")
+                truth, _, _ = label_fields(label, "label")
                 label = {"ground_truth": truth, "data_source": item.get("data_source", ""), "extra_info": extra or {}}
             return self._input(_prompt_text(item.get("prompt", "")), response, label, "label")
 
