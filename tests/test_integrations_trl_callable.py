@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,11 @@ async def test_scores_every_completion_and_a_failed_sample_raises_naming_it() ->
         )
         assert got == [1.0, 0.0]
         # One sample's checker fails (float("oops")): the call raises, naming that sample and the cause.
-        kwargs = {"prompts": ["p", "q"], "completions": ["four", "4"], "extra_info": [{"delay": 0}, {"delay": "oops"}]}
+        kwargs: dict[str, Any] = {
+            "prompts": ["p", "q"],
+            "completions": ["four", "4"],
+            "extra_info": [{"delay": 0}, {"delay": "oops"}],
+        }
         with pytest.raises(RewardMeshError, match=r"sample 1 \(prompt 'q'\): INTERNAL: .*oops.*error_score"):
             await RewardMeshReward(server.address, "sleepy")(**kwargs)
         assert await RewardMeshReward(server.address, "sleepy", error_score=-1.0)(**kwargs) == [4.0, -1.0]
