@@ -17,7 +17,7 @@ with the text.
 
 Function form (verl's naive manager calls it with the decoded response):
 
-    reward.custom_reward_function.path=pkg://client.integrations.verl
+    reward.custom_reward_function.path=pkg://rewardmesh.client.integrations.verl
     reward.custom_reward_function.name=compute_score
     +reward.custom_reward_function.reward_kwargs.target=HOST:PORT
     +reward.custom_reward_function.reward_kwargs.pipeline=gsm8k
