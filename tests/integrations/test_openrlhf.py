@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -183,3 +184,18 @@ def test_agent_executor_error_score_and_server_down(
     with pytest.raises(RewardMeshError, match="UNAVAILABLE"):  # never a missing reward, error_score or not
         rollout(executor_cls(), tok, [("p", "four", "4")])
     assert time.monotonic() - start < 30
+
+
+def test_agent_executor_with_a_wrong_token_stops_at_once(
+    tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    tok = AutoTokenizer.from_pretrained(str(tiny_models.policy))
+    (tmp_path / "token").write_text("right\n")
+    with server_thread(grpc_token_file=str(tmp_path / "token")) as server:
+        monkeypatch.setenv("REWARDMESH_REWARD_TARGET", server.address)
+        monkeypatch.setenv("REWARDMESH_PIPELINE", "gsm8k")
+        monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", "wrong")
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match=r"UNAUTHENTICATED.*REWARDMESH_AUTH_TOKEN"):
+            rollout(load_agent_executor()(error_score=0.0), tok, [(PROMPT, " #### 4", "4")])
+    assert time.monotonic() - start < 10  # one refused attempt, no retries
