@@ -143,13 +143,7 @@ def _error_response(
 ) -> web.Response:
     headers = {"Retry-After": "1"} if busy else None
     payload = {"error": {"code": code.name, "message": message}, **(body or {})}
-    return web.json_response(
-        payload, status=status or _HTTP[code], headers=headers, reason=_reason(code, message), dumps=_dumps
-    )
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value)  # NaN as NaN: Python's json (both frameworks' clients) reads it back
+    return web.json_response(payload, status=status or _HTTP[code], headers=headers, reason=_reason(code, message))
 
 
 def _sample_status(outcome: _Outcome) -> int:
@@ -423,7 +417,7 @@ class HttpGateway:
             first = failed[0]
             where = f"query[{outcomes.index(first)}]: "
             return _error_response(first.code, where + first.message, status=_sample_status(first), body=body)
-        return web.json_response(body, dumps=_dumps)
+        return web.json_response(body)
 
     async def _slime(self, request: web.Request) -> web.Response:
         """slime's remote_rm: one {prompt, response, label} (or a list of them); the reply is kept as the reward."""
