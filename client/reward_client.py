@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from rewardmesh.client.targets import Member, Resolve, TargetPool
+from rewardmesh.client.targets import REFUSED, Member, Resolve, TargetPool, refusal_message
 from rewardmesh.common.channels import open_channel
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
@@ -175,6 +175,10 @@ class _TargetStream(Member):
                     on_result(self, response.result)
         except aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
+            if exc.code() in REFUSED:  # another try or another target gets the same answer: fail at once
+                self._reset()
+                self.owner._refuse(self, exc)
+                return
         except asyncio.CancelledError:
             self._reset()
             raise
@@ -406,6 +410,18 @@ class RewardClient:
             self._reroute([p], stream, result.error.message)
         elif not p.future.done():
             p.future.set_result(result)
+
+    def _refuse(self, stream: _TargetStream, exc: aio.AioRpcError) -> None:
+        """The server refused the caller (auth): every sample pending there fails with that code, not retried."""
+        message = refusal_message(stream.address, exc)
+        log.error("%s", message)
+        orphans = list(stream.pending.values())
+        stream.pending.clear()
+        for p in orphans:
+            p.stream = None
+            if not p.future.done():
+                error = common_pb2.Status(code=exc.code().value[0], message=message)
+                p.future.set_result(reward_pb2.RewardResult(sample_id=p.sample_id, reward=p.reward, error=error))
 
     def _reroute(self, orphans: list[_Pending], failed: _TargetStream, reason: str) -> None:
         for p in orphans:

@@ -26,7 +26,23 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
+import grpc
+
 log = logging.getLogger(__name__)
+
+# Answers no retry can change (the caller's credentials): never retried, never taken for a target that is down.
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def refusal_message(address: str, exc: grpc.RpcError) -> str:
+    """What an UNAUTHENTICATED or PERMISSION_DENIED answer means, and what to do about it."""
+    code = exc.code()
+    hint = (
+        "set REWARDMESH_AUTH_TOKEN (or REWARDMESH_AUTH_TOKEN_FILE) to the server's token"
+        if code == grpc.StatusCode.UNAUTHENTICATED
+        else "this caller's token is not allowed to make this call"
+    )
+    return f"{code.name} from {address}: {exc.details()}; {hint}"
 
 
 def split_targets(targets: Sequence[str] | str) -> list[str]:

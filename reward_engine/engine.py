@@ -61,13 +61,22 @@ def build_source(where: str, spec: dict[str, Any]) -> tuple[RewardSource, float]
     cls = _source_class(str(kind))
     weight = float(spec.pop("weight", 1.0))
     name = str(spec.pop("name", kind))
+    declared = spec.pop("extra_keys", None)  # the extras this source reports (ListRewards announces them)
     params = inspect.signature(cls).parameters
     unknown = sorted(set(spec) - set(params))
     if unknown:
         known = sorted(p for p in params if p != "name")
         raise ValueError(f"{where}: unknown option(s) {unknown} for type '{kind}' (known: {known})")
     source: RewardSource = cls(name=name, **spec)
+    if declared is not None:
+        source.extra_keys = _key_list(f"{where}.extra_keys", declared)  # type: ignore[attr-defined]
     return source, weight
+
+
+def _key_list(where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"{where}: expected a list of extra names, got {value!r}")
+    return tuple(value)
 
 
 def batcher_config(where: str, kind: str, overrides: dict[str, Any] | None) -> BatcherConfig:
@@ -135,9 +144,11 @@ class RewardEngine:
             where = f"pipelines.{name}"
             if not isinstance(spec, dict) or not spec.get("sources"):
                 raise ValueError(f"{where}: needs a 'sources' list")
-            unknown = sorted(set(spec) - {"sources", "batching", "description"})
+            unknown = sorted(set(spec) - {"sources", "batching", "description", "extra_keys"})
             if unknown:
-                raise ValueError(f"{where}: unknown key(s) {unknown} (known: batching, description, sources)")
+                known = "batching, description, extra_keys, sources"
+                raise ValueError(f"{where}: unknown key(s) {unknown} (known: {known})")
+            declared = spec.get("extra_keys")
             built = [build_source(f"{where}.sources[{i}]", s) for i, s in enumerate(spec["sources"])]
             sources = [WeightedSource(src, w) for src, w in built]
             kind = sources[0].source.kind
@@ -150,6 +161,7 @@ class RewardEngine:
                     batcher_config(where, kind, spec.get("batching")),
                     description=str(spec.get("description", "")),
                     on_batch=self._on_batch,
+                    extra_keys=None if declared is None else _key_list(f"{where}.extra_keys", declared),
                 )
             )
 

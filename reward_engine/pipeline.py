@@ -33,6 +33,7 @@ class RewardPipeline:
         *,
         description: str = "",
         on_batch: Callable[[str, BatchInfo], None] | None = None,
+        extra_keys: tuple[str, ...] | None = None,
     ) -> None:
         if not sources:
             raise ValueError(f"pipeline '{name}' needs at least one source")
@@ -42,8 +43,20 @@ class RewardPipeline:
         self.name = name
         self.description = description
         self.sources = sources
+        self.extra_keys = tuple(sorted(extra_keys if extra_keys is not None else self._declared_extras()))
         hook = (lambda info: on_batch(name, info)) if on_batch else None
         self.batcher = DynamicBatcher(self.compute, batching, name=name, on_batch=hook)
+
+    def _declared_extras(self) -> list[str]:
+        """The extras the sources declare (a source without `extra_keys` declares none), named as compute names
+        them."""
+        if len(self.sources) == 1:
+            return list(getattr(self.sources[0].source, "extra_keys", ()))
+        keys = []
+        for ws in self.sources:
+            name = ws.source.name
+            keys += [f"{name}/score", *(f"{name}/{k}" for k in getattr(ws.source, "extra_keys", ()))]
+        return keys
 
     async def score(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
         return await self.batcher.submit(inp, deadline=deadline, context=context)

@@ -3,9 +3,19 @@
 OpenRLHF (`--reward.remote_url http://HOST:PORT/get_reward`) posts `{"query": [...], "prompts": [...],
 "labels": [...]}` and reads `{"rewards", "scores", "extra_logs"}`; slime (`--rm-type remote_rm --rm-url
 http://HOST:PORT/score/PIPELINE`) posts `{"prompt", "response", "label"}` and keeps the JSON reply as the
-reward (`--reward-key score`). Both retry on any HTTP error, so overload answers 503 with Retry-After.
-A sample's error is reported as gRPC reports it: the status code name and a message naming the field.
-The gateway calls the engine directly (no gRPC hop) and bypasses the servicer: it is a second front door.
+reward (`--reward-key score`). A sample's error is reported as gRPC reports it: the status code name and a
+message naming the field, also in the HTTP reason phrase (what both frameworks log).
+
+Both frameworks retry every failed request, so the status is chosen for clients that retry only what another
+try can fix: busy or draining is 503 with Retry-After; a sample that cannot be scored (bad input, a failing
+reward function) is 4xx, at once. Neither framework can take a null reward, so a failed sample is never one
+in their shapes: the request fails, or, with `?error_score=X` in the URL, the sample scores X and is flagged
+by `rewardmesh_error`. Extras in OpenRLHF's `extra_logs` are the pipeline's announced keys (ListRewards),
+NaN where a sample has none, so every request carries the same keys.
+
+Auth is the gRPC server's policy (a gateway token, else the gRPC token: never open while gRPC is closed),
+from an `Authorization: Bearer` header or, for clients that can send only a URL, from the path
+(`/t/TOKEN/get_reward`). The gateway calls the engine directly (no gRPC hop): it is a second front door.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import ssl
 import time
 from dataclasses import dataclass
@@ -23,7 +34,8 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from rewardmesh.common.channels import read_token
+from rewardmesh.client.integrations.scoring import label_fields
+from rewardmesh.common.channels import auth_token, read_token
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.types import RewardInput
@@ -62,11 +74,24 @@ _HTTP: dict[grpc.StatusCode, int] = {
 # retry would fail it again, so it stays that sample's error.
 _BUSY = (QueueFull, Unavailable)
 _MAX_BODY_BYTES = 64 * 1024 * 1024
+# Every scoring route is also served under this prefix, for clients that can send a URL but no header.
+TOKEN_PREFIX = "/t/{rm_token}"
+ERROR_KEY = "rewardmesh_error"  # 1.0 on a sample scored `error_score` after an error, else 0.0
 
 
 def load_token(path: str = "", env: str = TOKEN_ENV) -> str | None:
     """The shared secret: the file's content (stripped) if a path is given, else the variable `env`, else None."""
     return read_token(path, env, "http_token_file")
+
+
+def gateway_token(http_token_file: str = "", grpc_token_file: str = "") -> str | None:
+    """The gateway's token: its own, else the gRPC server's, so a server closed on gRPC is never open on HTTP."""
+    token = load_token(http_token_file)
+    if token is None:
+        token = auth_token(grpc_token_file)
+        if token is not None:
+            log.info("HTTP gateway: no http_token_file or %s set; it requires the gRPC auth token", TOKEN_ENV)
+    return token
 
 
 def server_ssl_context(cert: str, key: str, ca: str = "") -> ssl.SSLContext | None:
@@ -107,32 +132,25 @@ class _Outcome:
         return None if self.code == grpc.StatusCode.OK else {"code": self.code.name, "message": self.message}
 
 
-def _error_response(code: grpc.StatusCode, message: str, *, busy: bool = False) -> web.Response:
+def _reason(code: grpc.StatusCode, message: str) -> str:
+    """The HTTP reason phrase: what OpenRLHF's and slime's clients log of a failed request (one latin-1 line)."""
+    text = " ".join(f"{code.name}: {message}".split())[:300]
+    return text.encode("latin-1", "replace").decode("latin-1")
+
+
+def _error_response(
+    code: grpc.StatusCode, message: str, *, busy: bool = False, status: int = 0, body: dict[str, Any] | None = None
+) -> web.Response:
     headers = {"Retry-After": "1"} if busy else None
-    return web.json_response({"error": {"code": code.name, "message": message}}, status=_HTTP[code], headers=headers)
+    payload = {"error": {"code": code.name, "message": message}, **(body or {})}
+    return web.json_response(payload, status=status or _HTTP[code], headers=headers, reason=_reason(code, message))
 
 
-def _label_fields(label: Any, where: str) -> tuple[str, str, dict[str, Any]]:
-    """(ground_truth, data_source, extra_info) from a label: a plain string, or a JSON object carrying them."""
-    if label is None:
-        return "", "", {}
-    if isinstance(label, str):
-        stripped = label.strip()
-        if not stripped.startswith("{"):
-            return label, "", {}
-        try:
-            label = json.loads(stripped)
-        except json.JSONDecodeError:
-            return label, "", {}
-    if isinstance(label, dict):
-        extra = label.get("extra_info") or {}
-        if not isinstance(extra, dict):
-            raise InvalidInput(f"{where}.extra_info must be an object, got {type(extra).__name__}")
-        truth = label.get("ground_truth", label.get("label", ""))
-        return str(truth if truth is not None else ""), str(label.get("data_source") or ""), extra
-    if isinstance(label, int | float):
-        return str(label), "", {}
-    raise InvalidInput(f"{where} must be a string or an object, got {type(label).__name__}")
+def _sample_status(outcome: _Outcome) -> int:
+    """A sample that cannot be scored is the caller's to fix or drop, not a retry: 4xx (its own code's status
+    where that is 4xx, else 422); a failed dependency (502) or a deadline (504) keep theirs."""
+    status = _HTTP[outcome.code]
+    return 422 if status in (500, 503) else status
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -183,11 +201,16 @@ class HttpGateway:
         self._ids = itertools.count()
         self._draining = False
         self._in_flight = 0
-        app = web.Application(middlewares=[self._guard], client_max_size=_MAX_BODY_BYTES)
-        app.router.add_post("/get_reward", self._openrlhf)
-        app.router.add_post("/score/{pipeline}", self._slime)
-        app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
+        self.app = web.Application(middlewares=[self._guard], client_max_size=_MAX_BODY_BYTES)
+        self.app.router.add_get("/health", self._health)
+        self.route("POST", "/get_reward", self._openrlhf)
+        self.route("POST", "/score/{pipeline}", self._slime)
+        self._runner: web.AppRunner | None = None
+
+    def route(self, method: str, path: str, handler: Any) -> None:
+        """Serve `handler` at `path`, behind the gateway's auth and drain, and at TOKEN_PREFIX + `path`."""
+        self.app.router.add_route(method, path, handler)
+        self.app.router.add_route(method, TOKEN_PREFIX + path, handler)
 
     @property
     def url(self) -> str:
@@ -196,28 +219,48 @@ class HttpGateway:
         return f"{scheme}://{host}:{self.port}"
 
     async def start(self) -> int:
+        self._runner = web.AppRunner(self.app, access_log=None)  # no access log: a path may carry the token
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.requested_port, ssl_context=self.ssl_context)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info("HTTP gateway (OpenRLHF /get_reward, slime /score/{pipeline}) on %s", self.url)
+        if self.token is None:
+            log.info("HTTP gateway: no token configured; anyone who can reach %s can score", self.url)
+        elif self.ssl_context is None:
+            log.warning("HTTP gateway: a token without TLS travels in clear text; set tls_cert and tls_key")
         return self.port
 
-    async def stop(self, grace: float = 5.0) -> None:
+    def begin_drain(self) -> None:
+        """From now on /health answers 503 and new requests 503 + Retry-After (in step with gRPC NOT_SERVING)."""
         self._draining = True
-        deadline = time.monotonic() + grace
-        while self._in_flight and time.monotonic() < deadline:
+
+    async def drain(self) -> None:
+        """Refuse new work and wait until the requests in flight are answered (the caller bounds the wait)."""
+        self.begin_drain()
+        while self._in_flight:
             await asyncio.sleep(0.01)
-        await self._runner.cleanup()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        try:
+            await asyncio.wait_for(self.drain(), grace)
+        except TimeoutError:
+            log.warning("HTTP gateway: %d requests still in flight after %.1fs; closing", self._in_flight, grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Bearer-token check, drain refusal, and whole-request errors as JSON."""
         if self.token is not None and request.path != "/health":  # probes need no secret, as gRPC health
             auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
+            given = auth[7:] if auth.startswith("Bearer ") else request.match_info.get("rm_token", "")
             if not hmac.compare_digest(given.encode(), self.token.encode()):
-                reason = "invalid bearer token" if given else "missing 'Authorization: Bearer <token>' header"
+                reason = (
+                    "invalid token"
+                    if given
+                    else "missing token: send 'Authorization: Bearer <token>' or put it in the path (/t/<token>/...)"
+                )
                 return _error_response(grpc.StatusCode.UNAUTHENTICATED, reason)
         if self._draining and request.path != "/health":
             message = "reward server is draining; retry on another one"
@@ -237,7 +280,7 @@ class HttpGateway:
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._draining:
-            return _error_response(grpc.StatusCode.UNAVAILABLE, "draining", busy=True)
+            return _error_response(grpc.StatusCode.UNAVAILABLE, "draining", busy=True, body={"status": "NOT_SERVING"})
         if self.token is not None:  # open to probes: the status only, not what the server offers
             return web.json_response({"status": "SERVING"})
         return web.json_response({"status": "SERVING", "pipelines": sorted(self.engine.pipelines)})
@@ -247,6 +290,22 @@ class HttpGateway:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, f"body: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, "body: JSON nested too deeply") from None
+
+    @staticmethod
+    def _error_score(request: web.Request) -> float | None:
+        """`?error_score=X`: a failed sample scores X (flagged by rewardmesh_error) instead of failing the request."""
+        raw = request.query.get("error_score")
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, f"error_score: expected a finite number, got {raw!r}")
+        return value
 
     def _input(
         self, prompt: str, response: str, label: Any, where: str, names: tuple[str, str] = ("", "")
@@ -254,7 +313,7 @@ class HttpGateway:
         """One input, within the server's size limits; `names` are the prompt's and response's JSON fields."""
         import numpy as np
 
-        truth, source, extra = _label_fields(label, f"{where}.label")
+        truth, source, extra = label_fields(label, f"{where}.label")
         lim = self.limits
         texts = (
             (names[0] or "prompt", prompt),
@@ -281,12 +340,15 @@ class HttpGateway:
             extra_info=extra,
         )
 
-    async def _score(self, pipeline_name: str, inputs: list[RewardInput | _Outcome]) -> list[_Outcome]:
-        """Score every input at once on the named pipeline; inputs that failed to parse pass through."""
+    def _pipeline(self, name: str) -> Any:
         try:
-            pipeline = self.engine.get(pipeline_name)
+            return self.engine.get(name)
         except RewardError as exc:
             raise _HttpError(*status_of(exc)) from None
+
+    async def _score(self, pipeline_name: str, inputs: list[RewardInput | _Outcome]) -> list[_Outcome]:
+        """Score every input at once on the named pipeline; inputs that failed to parse pass through."""
+        pipeline = self._pipeline(pipeline_name)
         deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
 
         async def one(inp: RewardInput | _Outcome) -> _Outcome:
@@ -310,9 +372,11 @@ class HttpGateway:
         try:
             result: RewardInput = make(*args)
             return result
-        except (InvalidInput, ValueError) as exc:
-            code, message = status_of(exc)
-            return _Outcome(code=code, message=f"{where}{message}")
+        except RecursionError:
+            return _Outcome(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}label: nested too deeply")
+        except Exception as exc:  # whatever one sample's fields hold fails that sample only
+            message = str(exc) if isinstance(exc, ValueError) else f"cannot read it: {type(exc).__name__}: {exc}"
+            return _Outcome(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}{message}")
 
     async def _openrlhf(self, request: web.Request) -> web.Response:
         """OpenRLHF's remote reward: a batch of prompt+response strings, prompts, and labels."""
@@ -331,6 +395,8 @@ class HttpGateway:
                 got = len(values) if isinstance(values, list) else type(values).__name__
                 raise _HttpError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: expected a list of {n} items, got {got}")
         pipeline = request.query.get("pipeline") or str(body.get("pipeline") or "") or self.default_pipeline
+        error_score = self._error_score(request)
+        keys = self._pipeline(pipeline).extra_keys
 
         def make(i: int) -> RewardInput:
             prompt = prompts[i]
@@ -341,16 +407,17 @@ class HttpGateway:
 
         inputs = [self._parse("", make, i) for i in range(n)]
         outcomes = await self._score(pipeline, inputs)
-        keys = sorted({k for o in outcomes for k in (o.extras or {})})
-        rewards = [o.score for o in outcomes]
-        return web.json_response(
-            {
-                "rewards": rewards,
-                "scores": rewards,
-                "extra_logs": {k: [(o.extras or {}).get(k) for o in outcomes] for k in keys},
-                "errors": [o.error() for o in outcomes],
-            }
-        )
+        failed = [o for o in outcomes if o.code != grpc.StatusCode.OK]
+        rewards = [o.score if o.code == grpc.StatusCode.OK else error_score for o in outcomes]
+        extra_logs = {k: [(o.extras or {}).get(k, math.nan) for o in outcomes] for k in keys}
+        extra_logs[ERROR_KEY] = [0.0 if o.code == grpc.StatusCode.OK else 1.0 for o in outcomes]
+        errors = [o.error() for o in outcomes]
+        body = {"rewards": rewards, "scores": rewards, "extra_logs": extra_logs, "errors": errors}
+        if failed and error_score is None:  # a null reward would crash OpenRLHF: the request fails, saying why
+            first = failed[0]
+            where = f"query[{outcomes.index(first)}]: "
+            return _error_response(first.code, where + first.message, status=_sample_status(first), body=body)
+        return web.json_response(body)
 
     async def _slime(self, request: web.Request) -> web.Response:
         """slime's remote_rm: one {prompt, response, label} (or a list of them); the reply is kept as the reward."""
@@ -370,18 +437,21 @@ class HttpGateway:
             label: Any = item.get("label")
             extra = item.get("extra_info") or item.get("metadata")
             if item.get("data_source") or extra:
-                truth, _, _ = _label_fields(label, "label")
+                truth, _, _ = label_fields(label, "label")
                 label = {"ground_truth": truth, "data_source": item.get("data_source", ""), "extra_info": extra or {}}
             return self._input(_prompt_text(item.get("prompt", "")), response, label, "label")
 
+        error_score = self._error_score(request)
         inputs = [self._parse("" if single else f"[{i}].", make, item) for i, item in enumerate(items)]
         outcomes = await self._score(request.match_info["pipeline"], inputs)
         replies: list[dict[str, Any]] = []
         for o in outcomes:
-            if o.code != grpc.StatusCode.OK:
-                if single:
-                    return _error_response(o.code, o.message, busy=o.busy)
-                replies.append({"score": None, "error": o.error()})
-            else:
+            if o.code == grpc.StatusCode.OK:
                 replies.append({**(o.extras or {}), "score": o.score})
+            elif error_score is not None:
+                replies.append({"score": error_score, ERROR_KEY: 1.0, "error": o.error()})
+            elif single:  # slime keeps any 200 reply as the reward: a failure must not be one
+                return _error_response(o.code, o.message, status=_sample_status(o))
+            else:
+                replies.append({"score": None, "error": o.error()})
         return web.json_response(replies[0] if single else replies)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,8 @@ class RewardServerConfig(ServerOptions):
     http_port: int = 0
     # Pipeline of /get_reward when the request names none (?pipeline=NAME).
     http_pipeline: str = ""
-    # Bearer token the gateway requires: this file's content, else REWARDMESH_HTTP_TOKEN; neither: no auth.
+    # Bearer token the gateway requires: this file's content, else REWARDMESH_HTTP_TOKEN, else the gRPC auth
+    # token (the gateway is never open while gRPC is closed); none of them: no auth.
     http_token_file: str = ""
     # Backpressure: a Score stream with this many samples read but not yet answered is not read further.
     max_stream_unanswered: int = 2048
@@ -70,13 +72,14 @@ class RewardServer(MeshServer):
         self.grpc = GrpcServer(
             self.options,
             [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer, SERVICE_NAME)],
-            on_drain=self.servicer.drain,
+            on_drain=self._drain,
             on_stopped=self._release,
         )
 
-    async def start(self) -> int:
+    async def start(self, *, ready: bool = True) -> int:
+        """Warm up and serve; ``ready=False``: NOT_SERVING and no port file until ``grpc.set_ready()``."""
         await self.engine.warmup()
-        port = await self.grpc.start()
+        port = await self.grpc.start(ready=ready)
         log.info(
             "reward server listening on %s:%d with pipelines: %s",
             self.options.host,
@@ -84,6 +87,13 @@ class RewardServer(MeshServer):
             ", ".join(sorted(self.engine.pipelines)),
         )
         return port
+
+    async def _drain(self) -> None:
+        """Both fronts at once: the gateway stops taking work as gRPC goes NOT_SERVING, and both drain."""
+        if self.gateway is None:
+            await self.servicer.drain()
+        else:
+            await asyncio.gather(self.servicer.drain(), self.gateway.drain())
 
     async def _release(self) -> None:
         if self.gateway is not None:  # HTTP callers of the same engine stop before it closes
@@ -96,20 +106,24 @@ async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None
     rule_options = {"timeout_s": cfg.rule_timeout_s, "memory_mb": cfg.rule_memory_mb, "workers": cfg.rule_workers}
     engine = build_engine(pipelines, builtin_rules=cfg.builtin_rules, rule_options=rule_options)
     server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer))
-    await server.start()
     if cfg.http_port:
-        from rewardmesh.server.http_gateway import HttpGateway, load_token, server_ssl_context
+        from rewardmesh.server.http_gateway import HttpGateway, gateway_token, server_ssl_context
 
         server.gateway = HttpGateway(
             server.engine,
             host=cfg.host,
             port=cfg.http_port,
             default_pipeline=cfg.http_pipeline,
-            token=load_token(cfg.http_token_file),
+            token=gateway_token(cfg.http_token_file, cfg.auth_token_file),
             ssl_context=server_ssl_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca),
             limits=cfg,
         )
+    # SIGTERM drains from here on; the port file (what a parent waits for) comes once both fronts listen.
+    server.grpc.stop_on_signals()
+    await server.start(ready=False)
+    if server.gateway is not None:
         await server.gateway.start()
+    await server.grpc.set_ready()
     await server.serve_until_signalled()
     svc = server.servicer
     log.info(

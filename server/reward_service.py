@@ -491,6 +491,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             response.pipelines.add(
                 name=name,
                 description=p.description,
+                extra_keys=p.extra_keys,
                 sources=[
                     reward_pb2.RewardSource(
                         name=ws.source.name,

@@ -133,3 +133,24 @@ async def test_token_beside_mutual_tls_rides_as_call_credentials(
         assert result.score == 1.0
     finally:
         await server.stop(grace=0.5)
+
+
+async def test_a_wrong_token_is_unauthenticated_at_once_never_retried_as_a_down_target(
+    token_file: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another try gets the same answer: the sample fails with UNAUTHENTICATED and what to do, after one
+    attempt, and the target is not taken for down."""
+    from rewardmesh.client.reward_client import RewardClient
+
+    async with guarded_reward(token_file) as rs:
+        for token in ("wrong", ""):
+            monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", token)
+            async with RewardClient(rs.address, max_attempts=5) as client:
+                result = await client.submit(sample("a"), "gsm8k")
+                assert result.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0], result
+                assert "REWARDMESH_AUTH_TOKEN" in result.error.message
+                assert client.rerouted == 0 and not client.streams[0].down
+                with pytest.raises(aio.AioRpcError) as err:
+                    await client.score_batch([sample("b")], "gsm8k")
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "is down" not in caplog.text

@@ -1,6 +1,6 @@
-"""slime's custom_rm hook against a real reward server. slime is not on PyPI and needs Megatron, so its
-Sample is the dataclass contract read from its source (prompt, tokens, response, response_length, label,
-loss_mask, metadata); the gateway side of slime (remote_rm's JSON) is in test_http_gateway.py."""
+"""slime's custom_rm hook against a real reward server, without slime (tests/integrations/ drives it with slime's
+own code): its Sample is the dataclass contract read from slime's source (prompt, tokens, response,
+response_length, label, loss_mask, metadata, index, remove_sample)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,17 @@ class SlimeSample:
     label: str | None = None
     loss_mask: list[int] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    index: int | None = None
+    remove_sample: bool = False
 
 
-def args(target: str, pipeline: str, reward_key: str | None = None) -> Any:
-    return SimpleNamespace(rewardmesh_target=target, rewardmesh_pipeline=pipeline, reward_key=reward_key)
+def args(target: str, pipeline: str, reward_key: str | None = None, error_score: float | None = None) -> Any:
+    return SimpleNamespace(
+        rewardmesh_target=target,
+        rewardmesh_pipeline=pipeline,
+        reward_key=reward_key,
+        rewardmesh_error_score=error_score,
+    )
 
 
 async def test_single_and_group_forms_score_on_the_stream() -> None:
@@ -43,13 +50,17 @@ async def test_single_and_group_forms_score_on_the_stream() -> None:
         assert keyed["score"] == 1.0 and keyed["acc"] == 1.0
 
 
-async def test_a_failed_sample_raises_with_its_code() -> None:
+async def test_a_failed_sample_raises_naming_it_or_is_masked_when_asked() -> None:
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server:
         good = SlimeSample(response="four", metadata={"delay": 0})
-        bad = SlimeSample(response="four", metadata={"delay": "oops"})
+        bad = SlimeSample(prompt="q", response="four", metadata={"delay": "oops"}, index=7)
         assert await custom_rm(args(server.address, "sleepy"), good) == 4.0
-        with pytest.raises(RewardMeshError, match=r"INTERNAL.*oops"):
+        with pytest.raises(RewardMeshError, match=r"sample 7 \(prompt 'q'\): INTERNAL.*oops"):
             await custom_rm(args(server.address, "sleepy"), [good, bad])
+        assert not bad.remove_sample
+        lenient = args(server.address, "sleepy", error_score=0.0)
+        assert await custom_rm(lenient, [good, bad]) == [4.0, 0.0]
+        assert bad.remove_sample and not good.remove_sample  # slime zeroes its loss mask
 
 
 async def test_reward_server_down_is_a_clear_error_not_a_hang() -> None:

@@ -1,19 +1,21 @@
 """The TRL reward callable against a real reward server, without TRL installed (its trainer is tested in
-tests/integrations/): scores, None for a failed sample, and a clear end when the server is down."""
+tests/integrations/): scores, a failed sample raising (or scored / masked when asked), a server that is down."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
+import time
+from typing import Any
 
 import pytest
 
+from rewardmesh.client.integrations.scoring import RewardMeshError
 from rewardmesh.client.integrations.trl import RewardMeshReward
 from tests.support.servers import fn_pipeline, reward_server
 
 
-async def test_scores_every_completion_and_a_failed_sample_is_none(caplog: pytest.LogCaptureFixture) -> None:
+async def test_scores_every_completion_and_a_failed_sample_raises_naming_it() -> None:
     pipelines = {"sleepy": fn_pipeline("sleepy")}
     async with reward_server(pipelines) as server:
         reward = RewardMeshReward(server.address, "gsm8k")
@@ -27,29 +29,32 @@ async def test_scores_every_completion_and_a_failed_sample_is_none(caplog: pytes
             trainer_state=None,
         )
         assert got == [1.0, 0.0]
-        # One sample's checker fails (float("oops")): that sample is None and the error is logged.
-        slow = RewardMeshReward(server.address, "sleepy")
-        with caplog.at_level(logging.WARNING):
-            got = await slow(
-                prompts=["p", "p"], completions=["four", "4"], extra_info=[{"delay": 0}, {"delay": "oops"}]
-            )
-        assert got == [4.0, None]
-        assert "oops" in caplog.text
-        missing = RewardMeshReward(server.address, "no_such_pipeline")
-        with caplog.at_level(logging.WARNING):
-            got = await missing(prompts=["p"], completions=["#### 4"], ground_truth=["4"])
-        assert got == [None]
-        assert "NOT_FOUND" in caplog.text and "no_such_pipeline" in caplog.text
+        # One sample's checker fails (float("oops")): the call raises, naming that sample and the cause.
+        kwargs: dict[str, Any] = {
+            "prompts": ["p", "q"],
+            "completions": ["four", "4"],
+            "extra_info": [{"delay": 0}, {"delay": "oops"}],
+        }
+        with pytest.raises(RewardMeshError, match=r"sample 1 \(prompt 'q'\): INTERNAL: .*oops.*error_score"):
+            await RewardMeshReward(server.address, "sleepy")(**kwargs)
+        assert await RewardMeshReward(server.address, "sleepy", error_score=-1.0)(**kwargs) == [4.0, -1.0]
+        assert await RewardMeshReward(server.address, "sleepy", mask_errors=True)(**kwargs) == [4.0, None]
+        # A missing pipeline is the service's error: it raises even when failed samples are masked.
+        missing = RewardMeshReward(server.address, "no_such_pipeline", mask_errors=True)
+        with pytest.raises(RewardMeshError, match=r"NOT_FOUND.*no_such_pipeline"):
+            await missing(prompts=["p"], completions=["#### 4"], ground_truth=["4"])
         await reward.scorer.close()
+    with pytest.raises(ValueError, match="not both"):
+        RewardMeshReward("x:1", "gsm8k", error_score=0.0, mask_errors=True)
 
 
-async def test_server_down_gives_none_quickly_not_a_hang(caplog: pytest.LogCaptureFixture) -> None:
+async def test_server_down_raises_within_seconds_even_with_mask_errors() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k")
-    with caplog.at_level(logging.WARNING):
-        got = await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 30)
-    assert got == [None]
-    assert "UNAVAILABLE" in caplog.text
+    reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k", mask_errors=True)
+    start = time.monotonic()
+    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+        await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 30)
+    assert time.monotonic() - start < 30
     await reward.scorer.close()

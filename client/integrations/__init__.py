@@ -1,1 +1,1 @@
-"""Adapters that let verl, TRL and slime score through rewardmesh (OpenRLHF uses the server's HTTP gateway)."""
+"""Adapters that let verl, TRL, OpenRLHF and slime score through rewardmesh (see docs/integrations.md)."""

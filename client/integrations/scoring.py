@@ -35,6 +35,33 @@ class RewardMeshError(RuntimeError):
     """A sample the reward service could not score: the gRPC code and message, never a silent 0."""
 
 
+# Errors of the service, not of a sample (no server reachable, the caller's credentials, a pipeline that does not
+# exist): they raise even where failed samples are scored `error_score` or masked, since every sample would fail.
+SERVICE_ERRORS = frozenset(
+    c.value[0]
+    for c in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNIMPLEMENTED,
+    )
+)
+
+
+def failure(pipeline: str, what: str, result: reward_pb2.RewardResult, hint: str = "") -> RewardMeshError:
+    """The error naming the sample (`what`: the framework's own handle on it) and the cause."""
+    tail = f" ({hint})" if hint and result.error.code not in SERVICE_ERRORS else ""
+    return RewardMeshError(f"rewardmesh pipeline '{pipeline}' could not score {what}: {error_text(result)}{tail}")
+
+
+def describe(index: Any, prompt: Any) -> str:
+    """ "sample 3 (prompt 'What is 2 + ...')": how an error names a sample to a person (index: the framework's)."""
+    text = " ".join(str(prompt or "").split())
+    name = "a sample" if index is None else f"sample {index}"
+    return f"{name} (prompt {(text[:60] + '...') if len(text) > 60 else text!r})"
+
+
 def _jsonable(value: Any) -> Any:
     """numpy scalars and arrays, tuples and other objects made JSON-safe for google.protobuf.Struct."""
     if hasattr(value, "tolist"):
@@ -88,6 +115,7 @@ class MeshScorer:
     )
     _prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:12], init=False, repr=False)
     _ids: itertools.count[int] = field(default_factory=itertools.count, init=False, repr=False)
+    _extra_keys: tuple[str, ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -128,6 +156,20 @@ class MeshScorer:
                 )
         return results
 
+    async def extra_keys(self) -> tuple[str, ...]:
+        """The pipeline's extras as the server announces them (ListRewards), asked once per scorer.
+
+        Every worker of a framework gets the same answer, so columns built from them agree without configuration.
+        """
+        if self._extra_keys is None:
+            try:
+                reply = await asyncio.wait_for(self.client().list_rewards(), self.timeout_s)
+            except grpc.RpcError as exc:
+                raise RewardMeshError(f"rewardmesh: ListRewards failed: {exc.code().name}: {exc.details()}") from None
+            known = {p.name: tuple(p.extra_keys) for p in reply.pipelines}
+            self._extra_keys = known.get(self.pipeline, ())
+        return self._extra_keys
+
     async def close(self) -> None:
         """Close the client of the running loop (others close with their loops)."""
         client = self._clients.pop(asyncio.get_running_loop(), None)
@@ -138,6 +180,32 @@ class MeshScorer:
 def error_text(result: reward_pb2.RewardResult) -> str:
     """'CODE: message' of a failed result."""
     return f"{_CODE_NAMES.get(result.error.code, str(result.error.code))}: {result.error.message}"
+
+
+def label_fields(label: Any, where: str = "label") -> tuple[str, str, dict[str, Any]]:
+    """(ground_truth, data_source, extra_info) from a label: a plain string, or a JSON object carrying them (as
+    OpenRLHF's and slime's datasets hold them). Bad input is a ValueError naming `where`."""
+    if label is None:
+        return "", "", {}
+    if isinstance(label, str):
+        stripped = label.strip()
+        if not stripped.startswith("{"):
+            return label, "", {}
+        try:
+            label = json.loads(stripped)
+        except json.JSONDecodeError:
+            return label, "", {}
+        except RecursionError:
+            raise ValueError(f"{where}: JSON nested too deeply") from None
+    if isinstance(label, dict):
+        extra = label.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"{where}.extra_info must be an object, got {type(extra).__name__}")
+        truth = label.get("ground_truth", label.get("label", ""))
+        return str(truth if truth is not None else ""), str(label.get("data_source") or ""), extra
+    if isinstance(label, int | float):
+        return str(label), "", {}
+    raise ValueError(f"{where} must be a string or an object, got {type(label).__name__}")
 
 
 def extra_info_from(value: Any) -> dict[str, Any]:

@@ -3,23 +3,34 @@
 slime calls `await custom_rm(args, sample)` per sample, or with the list of a group's samples under
 `--group-rm`. The target and pipeline come from `args.rewardmesh_target` / `args.rewardmesh_pipeline` when
 set, else REWARDMESH_REWARD_TARGET / REWARDMESH_PIPELINE (REWARDMESH_TIMEOUT_S: per-sample deadline, 300).
-The reward is the score, or `{"score", <extras>}` when `--reward-key` is set. A sample the service cannot
-score raises RewardMeshError with the gRPC code and message (it is never silently 0).
+The reward is the score, or `{"score", <extras>}` when `--reward-key` is set.
+
+A sample the service cannot score raises RewardMeshError naming the sample (slime's index) and the cause,
+which fails the rollout: the default. Opt-in, `args.rewardmesh_error_score` or REWARDMESH_ERROR_SCORE: the
+sample scores that value and is masked (`sample.remove_sample = True`: slime zeroes its loss mask; its reward
+still takes part in its group's normalization). A server that is down, refuses the token or lacks the
+pipeline raises either way.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from rewardmesh.client.integrations.scoring import (
     PIPELINE_ENV,
+    SERVICE_ERRORS,
     TARGET_ENV,
     MeshScorer,
-    RewardMeshError,
+    describe,
     error_text,
+    failure,
     make_sample,
 )
+
+log = logging.getLogger(__name__)
+ERROR_SCORE_ENV = "REWARDMESH_ERROR_SCORE"
 
 _scorers: dict[tuple[str, str, float], MeshScorer] = {}
 
@@ -61,14 +72,29 @@ def _sample(scorer: MeshScorer, s: Any) -> Any:
     )
 
 
+def _error_score(args: Any) -> float | None:
+    value = getattr(args, "rewardmesh_error_score", None)
+    if value is None:
+        value = os.environ.get(ERROR_SCORE_ENV) or None
+    return None if value is None else float(value)
+
+
 async def custom_rm(args: Any, samples: Any, **_: Any) -> Any:
     """One reward per sample (a list for a list), scored together on the pipeline."""
     scorer = _scorer(args)
+    error_score = _error_score(args)
     batch = samples if isinstance(samples, list) else [samples]
     results = await scorer.score([_sample(scorer, s) for s in batch])
+    keyed = bool(getattr(args, "reward_key", None))
     rewards: list[Any] = []
-    for result in results:
-        if result.HasField("error"):
-            raise RewardMeshError(f"rewardmesh pipeline '{scorer.pipeline}' could not score: {error_text(result)}")
-        rewards.append({**result.extras, "score": result.score} if getattr(args, "reward_key", None) else result.score)
+    for s, result in zip(batch, results, strict=True):
+        if not result.HasField("error"):
+            rewards.append({**result.extras, "score": result.score} if keyed else result.score)
+            continue
+        what = describe(getattr(s, "index", None), _prompt_text(getattr(s, "prompt", "")))
+        if error_score is None or result.error.code in SERVICE_ERRORS:
+            raise failure(scorer.pipeline, what, result, f"set {ERROR_SCORE_ENV} to mask failed samples instead")
+        log.warning("rewardmesh: %s masked, scored %s: %s", what, error_score, error_text(result))
+        s.remove_sample = True  # slime zeroes its loss mask
+        rewards.append({"score": error_score, "rewardmesh_error": 1.0} if keyed else error_score)
     return rewards if isinstance(samples, list) else rewards[0]

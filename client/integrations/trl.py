@@ -2,8 +2,13 @@
 
 TRL awaits async reward callables on its own event-loop thread with `prompts=`, `completions=`,
 `completion_ids=`, every dataset column and `trainer_state=` as keywords, and expects one float or None
-(no reward: TRL turns it into NaN and leaves it out of the mean) per completion. The name TRL logs the
-reward under (`rewards/<name>/mean`) is `__name__`.
+per completion. The name TRL logs the reward under (`rewards/<name>/mean`) is `__name__`.
+
+A failed sample raises RewardMeshError naming the sample and the cause, which ends `trainer.train()`: the
+default. Opt-in: `error_score=X` scores it X, or `mask_errors=True` returns None, which TRL 1.16 turns into
+NaN: a completion every reward function left None gets advantage 0 and stays out of its group's baseline (with
+other reward functions, only this one's term is left out). A server that is down, refuses the token, or lacks
+the pipeline always raises: every sample would fail.
 """
 
 from __future__ import annotations
@@ -12,7 +17,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from rewardmesh.client.integrations.scoring import MeshScorer, error_text, extra_info_from, make_sample
+from rewardmesh.client.integrations.scoring import (
+    SERVICE_ERRORS,
+    MeshScorer,
+    describe,
+    error_text,
+    extra_info_from,
+    failure,
+    make_sample,
+)
 
 log = logging.getLogger(__name__)
 GROUND_TRUTH_COLUMNS = ["ground_truth", "solution", "answer", "label"]
@@ -39,7 +52,8 @@ class RewardMeshReward:
     """An async TRL reward function scoring every completion on a rewardmesh pipeline.
 
     Dataset columns feed the sample: `ground_truth_column` (default: the first of ground_truth, solution,
-    answer, label present), `data_source` and `extra_info`. A sample the server fails is None (logged).
+    answer, label present), `data_source` and `extra_info`. A sample the server fails raises, unless
+    `error_score` or `mask_errors` is set (see the module's docstring).
     """
 
     def __init__(
@@ -50,8 +64,14 @@ class RewardMeshReward:
         timeout_s: float = 300.0,
         ground_truth_column: str | None = None,
         name: str | None = None,
+        error_score: float | None = None,
+        mask_errors: bool = False,
     ) -> None:
+        if error_score is not None and mask_errors:
+            raise ValueError("rewardmesh: set error_score or mask_errors, not both")
         self.scorer = MeshScorer(target, pipeline, timeout_s=timeout_s)
+        self.error_score = error_score
+        self.mask_errors = mask_errors
         self.ground_truth_column = ground_truth_column
         self.__name__ = name or f"rewardmesh_{pipeline}"
 
@@ -87,10 +107,15 @@ class RewardMeshReward:
         ]
         results = await self.scorer.score(samples)
         rewards: list[float | None] = []
-        for result in results:
-            if result.HasField("error"):
-                log.warning("rewardmesh: no reward for a completion (%s): %s", self.__name__, error_text(result))
-                rewards.append(None)
-            else:
+        lenient = self.error_score is not None or self.mask_errors
+        for i, result in enumerate(results):
+            if not result.HasField("error"):
                 rewards.append(result.score)
+                continue
+            what = describe(i, _prompt_text(prompts[i]))
+            if not lenient or result.error.code in SERVICE_ERRORS:
+                hint = "pass error_score= or mask_errors=True to RewardMeshReward to go on without it"
+                raise failure(self.scorer.pipeline, what, result, hint)
+            log.warning("rewardmesh: %s %s: %s", what, "masked" if self.mask_errors else "scored", error_text(result))
+            rewards.append(None if self.mask_errors else self.error_score)
         return rewards

@@ -7,16 +7,17 @@ Reward manager (registered as `rewardmesh` through the `verl.plugins` entry poin
     +reward.rewardmesh.pipeline=gsm8k
 
 Optional: `+reward.rewardmesh.timeout_s=300`, `+reward.rewardmesh.error_score=0.0` (score a failed sample
-this way, flagged by `rewardmesh/error`, instead of failing the step: the default), and
-`+reward.rewardmesh.extra_keys=[acc,pred]` (the pipeline's extras to report). verl builds its extra-info
-columns from the first sample's keys, so every sample returns the same keys: `rewardmesh/queue_s`,
+this way, flagged by `rewardmesh/error`, instead of failing the step: the default; a server that is down,
+refuses the token or lacks the pipeline fails the step either way), and `+reward.rewardmesh.extra_keys=[acc]`
+(report these extras instead of the pipeline's). verl builds its extra-info columns from the first sample's
+keys, in whichever of its reward-loop workers, so every sample returns the same keys: `rewardmesh/queue_s`,
 `rewardmesh/compute_s`, `rewardmesh/batch_size`, `rewardmesh/error` (the gRPC code, 0 when scored) and the
-pipeline's extras (NaN where a sample has none): `extra_keys`, else those of the first scored sample, or
-none with `error_score` set (a sample that fails first cannot know them). Token ids go with the text.
+pipeline's extras as the server announces them in ListRewards (NaN where a sample has none). Token ids go
+with the text.
 
 Function form (verl's naive manager calls it with the decoded response):
 
-    reward.custom_reward_function.path=pkg://client.integrations.verl
+    reward.custom_reward_function.path=pkg://rewardmesh.client.integrations.verl
     reward.custom_reward_function.name=compute_score
     +reward.custom_reward_function.reward_kwargs.target=HOST:PORT
     +reward.custom_reward_function.reward_kwargs.pipeline=gsm8k
@@ -33,11 +34,13 @@ from typing import Any
 
 from rewardmesh.client.integrations.scoring import (
     PIPELINE_ENV,
+    SERVICE_ERRORS,
     TARGET_ENV,
     MeshScorer,
-    RewardMeshError,
+    describe,
     error_text,
     extra_info_from,
+    failure,
     make_sample,
 )
 from rewardmesh.v1 import reward_pb2
@@ -57,8 +60,20 @@ log = logging.getLogger(__name__)
 FIXED_KEYS = ("rewardmesh/queue_s", "rewardmesh/compute_s", "rewardmesh/batch_size", "rewardmesh/error")
 
 
-def extra_info_of(result: reward_pb2.RewardResult, extra_keys: Sequence[str]) -> dict[str, float]:
-    """The fixed keys, then `extra_keys` (NaN where the result has none)."""
+_warned: set[tuple[str, str]] = set()
+
+
+def extra_info_of(result: reward_pb2.RewardResult, extra_keys: Sequence[str], pipeline: str = "") -> dict[str, float]:
+    """The fixed keys, then `extra_keys` (NaN where the result has none); others are left out, said once."""
+    for key in result.extras:
+        if key not in extra_keys and (pipeline, key) not in _warned:
+            _warned.add((pipeline, key))
+            log.warning(
+                "rewardmesh: pipeline '%s' returned extra '%s', which it does not announce: verl needs the same "
+                "keys from every sample, so it is left out (declare it with extra_keys in the pipeline's config)",
+                pipeline,
+                key,
+            )
     failed = result.HasField("error")
     info: dict[str, float] = {
         "rewardmesh/queue_s": float("nan") if failed else result.timing.queue,
@@ -99,12 +114,8 @@ class RewardMeshRewardManager(RewardManagerBase):
         error_score = _option(section, "error_score", None)
         self.error_score: float | None = None if error_score is None else float(error_score)
         configured = _option(section, "extra_keys", None)
-        # The pipeline's extras in every sample's extra info. Unconfigured: learned from the first scored sample
-        # when failures fail the step; none when failed samples are scored, since a sample that failed before any
-        # succeeded (in this worker or another) could not know them, and verl needs the same keys from all.
-        self.extra_keys: list[str] | None = [str(k) for k in configured] if configured is not None else None
-        if self.extra_keys is None and self.error_score is not None:
-            self.extra_keys = []
+        # The extras in every sample's extra info: configured, else what the server announces for the pipeline.
+        self.extra_keys: tuple[str, ...] | None = tuple(str(k) for k in configured) if configured is not None else None
 
     def _sample(self, data: Any) -> Any:
         item = data[-1]  # multi-turn outputs: verl scores the last sequence
@@ -117,7 +128,9 @@ class RewardMeshRewardManager(RewardManagerBase):
         response_mask = item.batch["response_mask"][:valid].tolist() if "response_mask" in item.batch else None
         nt = item.non_tensor_batch
         reward_model = nt.get("reward_model") or {}
+        index = extra_info_from(nt.get("extra_info")).get("index", nt.get("uid", "?"))
         return {
+            "index": index,
             "prompt_ids": prompt_ids,
             "response_ids": response_ids,
             "response_mask": response_mask,
@@ -134,21 +147,24 @@ class RewardMeshRewardManager(RewardManagerBase):
             loop.run_in_executor(None, lambda: decode(fields["prompt_ids"], skip_special_tokens=True)),
             loop.run_in_executor(None, lambda: decode(fields["response_ids"], skip_special_tokens=True)),
         )
+        index = fields.pop("index")
         sample = make_sample(self.scorer.next_id(), prompt_text=prompt_text, response_text=response_text, **fields)
         (result,) = await self.scorer.score([sample])
         if result.HasField("error"):
-            if self.error_score is None:
-                raise RewardMeshError(
-                    f"rewardmesh pipeline '{self.scorer.pipeline}' could not score a sample: {error_text(result)} "
-                    "(set +reward.rewardmesh.error_score=... to score failed samples instead)"
-                )
-            log.warning("rewardmesh: sample scored %s after an error: %s", self.error_score, error_text(result))
+            what = describe(index, prompt_text)
+            if self.error_score is None or result.error.code in SERVICE_ERRORS:
+                hint = "set +reward.rewardmesh.error_score=... to score failed samples instead"
+                raise failure(self.scorer.pipeline, what, result, hint)
+            log.warning("rewardmesh: %s scored %s after an error: %s", what, self.error_score, error_text(result))
             score = self.error_score
         else:
             score = result.score
-            if self.extra_keys is None:
-                self.extra_keys = sorted(result.extras)
-        return {"reward_score": score, "reward_extra_info": extra_info_of(result, self.extra_keys or [])}
+        if self.extra_keys is None:
+            self.extra_keys = await self.scorer.extra_keys()
+        return {
+            "reward_score": score,
+            "reward_extra_info": extra_info_of(result, self.extra_keys, self.scorer.pipeline),
+        }
 
 
 _function_scorers: dict[tuple[str, str, float], MeshScorer] = {}
@@ -167,7 +183,7 @@ async def compute_score(
 ) -> dict[str, Any]:
     """verl's custom reward function signature, scored on a rewardmesh pipeline (text only).
 
-    Returns `{"score", <the pipeline's extras>, the rewardmesh/* keys}`; raises RewardMeshError on a
+    Returns `{"score", the rewardmesh/* keys, the pipeline's announced extras}`; raises RewardMeshError on a
     failed sample (a failed sample is never a silent 0).
     """
     target = target or os.environ.get(TARGET_ENV, "")
@@ -187,5 +203,5 @@ async def compute_score(
     )
     (result,) = await scorer.score([sample])
     if result.HasField("error"):
-        raise RewardMeshError(f"rewardmesh pipeline '{pipeline}' could not score a sample: {error_text(result)}")
-    return {"score": result.score, **extra_info_of(result, sorted(result.extras))}
+        raise failure(pipeline, describe(extra.get("index", "?"), sample.prompt_text or solution_str), result)
+    return {"score": result.score, **extra_info_of(result, await scorer.extra_keys(), pipeline)}

@@ -231,6 +231,7 @@ class JudgeSource:
     """
 
     kind = "judge"
+    extra_keys = ("judge_raw",)
 
     def __init__(
         self,

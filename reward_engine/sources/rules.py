@@ -29,15 +29,22 @@ RULES: dict[str, RuleFn] = {}
 INLINE_SAFE: set[str] = set()
 # Warm-up hooks ("module:function()") a worker runs as it starts, for rules with a costly first import.
 PRELOAD: dict[str, tuple[str, ...]] = {}
+# The extras each rule may report (ListRewards announces them, so every caller builds the same columns).
+EXTRAS: dict[str, tuple[str, ...]] = {}
 
 
 def register_rule(
-    name: str, *, replace: bool = False, isolate: bool = True, preload: tuple[str, ...] = ()
+    name: str,
+    *,
+    replace: bool = False,
+    isolate: bool = True,
+    preload: tuple[str, ...] = (),
+    extras: tuple[str, ...] = (),
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator adding a rule under ``name``; a duplicate name is an error unless ``replace``,
     so two modules cannot silently shadow each other's rule. ``isolate=False`` declares the rule's
     work bounded and linear in a clipped input, so it may run inline; leave it True for anything
-    that parses or evaluates what a policy wrote."""
+    that parses or evaluates what a policy wrote. ``extras``: the names of the extras it may return."""
     if not name or not isinstance(name, str):
         raise ValueError("rule name must be a non-empty string")
 
@@ -49,6 +56,7 @@ def register_rule(
         if not isolate:
             INLINE_SAFE.add(name)
         PRELOAD[name] = preload
+        EXTRAS[name] = extras
         return fn
 
     return decorator
@@ -120,7 +128,7 @@ def gsm8k_score(
     return {"score": float(value), "acc": 1.0 if correct else 0.0, "format": 1.0 if has_format else 0.0}
 
 
-@register_rule("gsm8k", isolate=False)
+@register_rule("gsm8k", isolate=False, extras=("acc", "format"))
 def gsm8k(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -128,7 +136,7 @@ def gsm8k(
     return gsm8k_score(solution_str, ground_truth, method="strict")
 
 
-@register_rule("gsm8k_flexible", isolate=False)
+@register_rule("gsm8k_flexible", isolate=False, extras=("acc", "format"))
 def gsm8k_flexible(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -194,7 +202,7 @@ def math_score(solution_str: str, ground_truth: str) -> dict[str, float]:
     }
 
 
-@register_rule("math", preload=(_MATH_WARMUP,))
+@register_rule("math", preload=(_MATH_WARMUP,), extras=("acc", "parsed"))
 def math_rule(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -207,7 +215,7 @@ def math_rule(
 _BOXED_RE = re.compile(r"\\boxed\s*\{\s*[^\s}]")
 
 
-@register_rule("format", isolate=False)
+@register_rule("format", isolate=False, extras=("boxed", "hash_answer"))
 def format_rule(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -236,7 +244,7 @@ def length(data_source: str, solution_str: str, ground_truth: str, extra_info: d
 _LEADING_NUMBER = re.compile(r"\s*(-?\d+)")  # the number a response opens with (first_number, near_number)
 
 
-@register_rule("first_number", isolate=False)
+@register_rule("first_number", isolate=False, extras=("acc", "format"))
 def first_number(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -252,7 +260,7 @@ def first_number(
     return {"score": 1.0 if correct else 0.1, "acc": float(correct), "format": 1.0}
 
 
-@register_rule("near_number", isolate=False)
+@register_rule("near_number", isolate=False, extras=("acc", "format"))
 def near_number(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -292,7 +300,7 @@ def rule_for_data_source(data_source: str) -> str:
     )
 
 
-@register_rule("auto", preload=(_MATH_WARMUP,))
+@register_rule("auto", preload=(_MATH_WARMUP,), extras=("acc", "format", "parsed"))
 def auto(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> float | dict[str, Any]:
@@ -358,6 +366,7 @@ class RuleSource:
             raise ValueError(f"{where}: 'workers' must be an integer >= 1, got {workers!r}")
         self.name = name
         self.target = rule
+        self.extra_keys = EXTRAS.get(rule, ())
         self._what = f"rule {rule!r}"
         spec = spec_of(self._fn)
         if isolation == "process" and spec is None:

@@ -7,10 +7,13 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rewardmesh.server.http_gateway import gateway_token
+from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.serving import ServerOptions
 from tests.support.servers import http_gateway, reward_server
 
 
@@ -20,10 +23,27 @@ class RunningServer:
     url: str  # HTTP gateway base URL
 
 
+@contextlib.asynccontextmanager
+async def guarded_server(pipelines: dict[str, Any] | None, token_file: str) -> AsyncIterator[RewardServer]:
+    """A reward server requiring the token in `token_file` on gRPC (and so on its gateway)."""
+    options = ServerOptions(host="127.0.0.1", port=0, grace_s=1.0, auth_token_file=token_file)
+    server = RewardServer(build_engine(pipelines), options)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
 @contextlib.contextmanager
-def server_thread(pipelines: dict[str, Any] | None = None, **gateway: Any) -> Iterator[RunningServer]:
-    """Start the reward server and gateway on a loop in a daemon thread; stop both on exit."""
+def server_thread(
+    pipelines: dict[str, Any] | None = None, *, grpc_token_file: str = "", **gateway: Any
+) -> Iterator[RunningServer]:
+    """Start the reward server and gateway on a loop in a daemon thread; stop both on exit. With
+    `grpc_token_file`, both require that token, as `rewardmesh serve reward --auth-token-file` does."""
     gateway = {"default_pipeline": "gsm8k", **gateway}
+    if grpc_token_file:
+        gateway.setdefault("token", gateway_token("", grpc_token_file))
     ready: dict[str, Any] = {}
     started = threading.Event()
     loop = asyncio.new_event_loop()
@@ -31,7 +51,8 @@ def server_thread(pipelines: dict[str, Any] | None = None, **gateway: Any) -> It
 
     async def main() -> None:
         try:
-            async with reward_server(pipelines) as server, http_gateway(server, **gateway) as gw:
+            servers = guarded_server(pipelines, grpc_token_file) if grpc_token_file else reward_server(pipelines)
+            async with servers as server, http_gateway(server, **gateway) as gw:
                 ready["server"] = RunningServer(server.address, gw.url)
                 started.set()
                 await stop.wait()

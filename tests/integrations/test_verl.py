@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from rewardmesh.demo.tiny_models import TinyModelPaths  # noqa: E402
 from tests.integrations.support import closed_port, server_thread  # noqa: E402
 from tests.support.servers import fn_pipeline  # noqa: E402
 
-PIPELINES = {"sleepy": fn_pipeline("sleepy")}
+PIPELINES = {"sleepy": fn_pipeline("sleepy"), "declared": {**fn_pipeline("sleepy"), "extra_keys": ["delay"]}}
 
 
 def verl_config(policy: Path, *overrides: str) -> Any:
@@ -105,32 +106,29 @@ def test_reward_loop_worker_scores_with_fixed_extra_keys(tiny_models: TinyModelP
     assert rm[torch.arange(3), last].tolist() == [1.0, 0.0, 1.0]
 
 
-def test_a_failed_sample_fails_the_step_or_scores_error_score_with_the_code(tiny_models: TinyModelPaths) -> None:
-    rows = [("p", "four", ""), ("p", "four", "")]
-    extra: list[dict[str, Any]] = [{"delay": 0}, {"delay": "oops"}]  # the checker raises on the second sample
+def test_a_failed_sample_fails_the_step_naming_it_or_scores_error_score_with_the_code(
+    tiny_models: TinyModelPaths,
+) -> None:
+    rows = [("p", "four", ""), ("q", "four", "")]
+    extra: list[dict[str, Any]] = [{"index": 0, "delay": 0}, {"index": 1, "delay": "oops"}]  # the second raises
     with server_thread(PIPELINES) as server:
         strict = RewardLoopWorker(rewardmesh_config(tiny_models.policy, server.address, "sleepy"))
         data = batch(strict.input_tokenizer, rows, extra)
-        with pytest.raises(RewardMeshError, match=r"INTERNAL.*oops"):
-            asyncio.run(strict.compute_score_batch(data))
+        with pytest.raises(RewardMeshError, match=r"sample 1 \(prompt 'q'\): INTERNAL.*oops.*error_score"):
+            asyncio.run(asyncio.wait_for(strict.compute_score_batch(data), 30))
         lenient = RewardLoopWorker(
             rewardmesh_config(tiny_models.policy, server.address, "sleepy", "+reward.rewardmesh.error_score=-1")
         )
-        outputs = asyncio.run(lenient.compute_score_batch(data))
-        keyed = RewardLoopWorker(
-            rewardmesh_config(
-                tiny_models.policy,
-                server.address,
-                "sleepy",
-                "+reward.rewardmesh.error_score=-1",
-                "+reward.rewardmesh.extra_keys=[delay]",
-            )
+        outputs = asyncio.run(asyncio.wait_for(lenient.compute_score_batch(data), 30))
+        declared = RewardLoopWorker(
+            rewardmesh_config(tiny_models.policy, server.address, "declared", "+reward.rewardmesh.error_score=-1")
         )
-        with_extras = asyncio.run(keyed.compute_score_batch(data))
+        with_extras = asyncio.run(asyncio.wait_for(declared.compute_score_batch(data), 30))
     assert [o["reward_score"] for o in outputs] == [4.0, -1.0]
-    # The same keys from every sample, whichever finished first: verl builds its columns from the first's.
+    # The same keys from every sample, whichever finished first: the function announces no extras.
     assert list(outputs[0]["reward_extra_info"]) == list(outputs[1]["reward_extra_info"]) == list(FIXED_KEYS)
     assert outputs[1]["reward_extra_info"]["rewardmesh/error"] == 13.0  # INTERNAL
+    # A pipeline that declares its extras (extra_keys in the server's config) reports them, NaN where missing.
     assert [list(o["reward_extra_info"]) for o in with_extras] == [[*FIXED_KEYS, "delay"]] * 2
     assert with_extras[0]["reward_extra_info"]["delay"] == 0.0
     assert math.isnan(with_extras[1]["reward_extra_info"]["delay"])
@@ -141,17 +139,19 @@ def test_reward_server_down_is_a_clear_error_not_a_hang(tiny_models: TinyModelPa
     data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4")])
 
     async def run() -> Any:
-        return await asyncio.wait_for(worker.compute_score_batch(data), 60)
+        return await asyncio.wait_for(worker.compute_score_batch(data), 30)
 
+    start = time.monotonic()
     with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
         asyncio.run(run())
+    assert time.monotonic() - start < 30
 
 
 def test_async_compute_score_through_verls_naive_manager(tiny_models: TinyModelPaths) -> None:
     with server_thread(PIPELINES) as server:
         config = verl_config(
             tiny_models.policy,
-            "reward.custom_reward_function.path=pkg://client.integrations.verl",
+            "reward.custom_reward_function.path=pkg://rewardmesh.client.integrations.verl",
             "reward.custom_reward_function.name=compute_score",
             f"+reward.custom_reward_function.reward_kwargs.target={server.address}",
             "+reward.custom_reward_function.reward_kwargs.pipeline=gsm8k",
@@ -162,3 +162,101 @@ def test_async_compute_score_through_verls_naive_manager(tiny_models: TinyModelP
         outputs = worker.loop.run_until_complete(worker.compute_score_batch(data))
     assert [o["reward_score"] for o in outputs] == [1.0, 0.0]
     assert outputs[0]["reward_extra_info"]["rewardmesh/error"] == 0.0
+
+
+def test_a_wrong_token_fails_the_step_at_once_with_unauthenticated(
+    tiny_models: TinyModelPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "token").write_text("right\n")
+    with server_thread(PIPELINES, grpc_token_file=str(tmp_path / "token")) as server:
+        monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", "wrong")
+        worker = RewardLoopWorker(
+            rewardmesh_config(tiny_models.policy, server.address, "gsm8k", "+reward.rewardmesh.error_score=0")
+        )
+        data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4")])
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match=r"UNAUTHENTICATED.*REWARDMESH_AUTH_TOKEN"):
+            asyncio.run(asyncio.wait_for(worker.compute_score_batch(data), 30))
+    assert time.monotonic() - start < 10  # one refused attempt, no retries
+
+
+# Ray's reward loop: verl's RewardLoopManager splits a batch over its workers (Ray actors, 8 by default) and builds
+# each extra-info column from the first sample's keys. `auto` picks gsm8k (acc, format) or math (acc, parsed) per
+# data_source, so a worker that saw only one kind would report other keys than the next.
+MIXED = [
+    ("openai/gsm8k", "What is 2 + 2?", "#### 4", "4"),
+    ("openai/gsm8k", "What is 3 + 4?", "#### 8", "7"),
+    ("lighteval/MATH", "Compute 1/2 + 1/2.", "\\boxed{1}", "1"),
+    ("lighteval/MATH", "Compute 2 * 3.", "\\boxed{5}", "6"),
+]
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Any:
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def mixed_batch(tokenizer: Any) -> Any:
+    data = batch(tokenizer, [(p, r, t) for _, p, r, t in MIXED])
+    data.non_tensor_batch["data_source"] = np.array([d for d, *_ in MIXED], dtype=object)
+    return data
+
+
+def run_bounded(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` (a blocking ray.get inside), failing the test if it takes over 30 s."""
+    start = time.monotonic()
+    out = fn(*args)
+    assert time.monotonic() - start < 30
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_rays_reward_loop_on_two_workers_assembles_columns_from_announced_keys(
+    tiny_models: TinyModelPaths, ray_local: Any
+) -> None:
+    from verl.experimental.reward_loop.reward_loop import RewardLoopManager
+
+    with server_thread() as server:
+        for route in (
+            ["reward.reward_manager.name=rewardmesh", f"+reward.rewardmesh.target={server.address}",
+             "+reward.rewardmesh.pipeline=auto"],
+            ["reward.custom_reward_function.path=pkg://rewardmesh.client.integrations.verl",
+             "reward.custom_reward_function.name=compute_score",
+             f"+reward.custom_reward_function.reward_kwargs.target={server.address}",
+             "+reward.custom_reward_function.reward_kwargs.pipeline=auto"],
+        ):  # fmt: skip
+            config = verl_config(tiny_models.policy, *route)
+            config.reward.num_workers = 2
+            manager = RewardLoopManager(config)
+            data = mixed_batch(RewardLoopWorker(config).input_tokenizer)
+            out = run_bounded(manager.compute_rm_score, data)
+            for worker in manager.reward_loop_workers:
+                ray_local.kill(worker)
+            assert out.batch["rm_scores"].sum(dim=1).tolist() == [1.0, 0.0, 1.0, 0.0], route
+            keys = out.meta_info["reward_extra_keys"]
+            assert {"acc", "format", "parsed", "rewardmesh/error"} <= set(keys), keys
+            assert out.non_tensor_batch["acc"].tolist() == [1.0, 0.0, 1.0, 0.0]
+            fmt, parsed = out.non_tensor_batch["format"], out.non_tensor_batch["parsed"]
+            assert fmt[:2].tolist() == [1.0, 1.0] and np.isnan(fmt[2:].astype(float)).all()
+            assert np.isnan(parsed[:2].astype(float)).all() and parsed[2:].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.timeout(300)
+def test_rays_reward_loop_fails_the_step_naming_the_sample(tiny_models: TinyModelPaths, ray_local: Any) -> None:
+    from verl.experimental.reward_loop.reward_loop import RewardLoopManager
+
+    with server_thread() as server:
+        config = rewardmesh_config(tiny_models.policy, server.address, "auto")
+        config.reward.num_workers = 2
+        manager = RewardLoopManager(config)
+        data = mixed_batch(RewardLoopWorker(config).input_tokenizer)
+        data.non_tensor_batch["data_source"][3] = "unknown/source"  # auto has no rule for it
+        data.non_tensor_batch["extra_info"] = np.array([{"index": i} for i in range(4)], dtype=object)
+        with pytest.raises(Exception, match=r"sample 3 \(prompt 'Compute 2 \* 3.'\): NOT_FOUND.*unknown/source"):
+            run_bounded(manager.compute_rm_score, data)
+        for worker in manager.reward_loop_workers:
+            ray_local.kill(worker)

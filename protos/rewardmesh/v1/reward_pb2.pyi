@@ -156,16 +156,18 @@ class BatchingConfig(_message.Message):
     def __init__(self, max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_queue_delay_ms: _Optional[float] = ..., max_queue_size: _Optional[int] = ..., max_concurrent_batches: _Optional[int] = ...) -> None: ...
 
 class RewardPipeline(_message.Message):
-    __slots__ = ("name", "sources", "batching", "description")
+    __slots__ = ("name", "sources", "batching", "description", "extra_keys")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     name: str
     sources: _containers.RepeatedCompositeFieldContainer[RewardSource]
     batching: BatchingConfig
     description: str
-    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[RewardSource, _Mapping]]] = ..., batching: _Optional[_Union[BatchingConfig, _Mapping]] = ..., description: _Optional[str] = ...) -> None: ...
+    extra_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[RewardSource, _Mapping]]] = ..., batching: _Optional[_Union[BatchingConfig, _Mapping]] = ..., description: _Optional[str] = ..., extra_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KeepTracesRequest(_message.Message):
     __slots__ = ("sample_ids", "traceparents")

@@ -1,0 +1,1 @@
+"""Utility package root for Slime."""
