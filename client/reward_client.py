@@ -43,6 +43,7 @@ class _Pending:
     reward: str
     sample_id: str
     future: asyncio.Future[reward_pb2.RewardResult]
+    wire_id: str  # the id it travels under: its own, unless another live sample of this client has it
     deadline: float  # time.monotonic() by which a result must have come (end to end, retries included)
     timeout_ns: int | None = None  # ScoreRequest.timeout
     trace_context: dict[str, str] | None = None
@@ -53,6 +54,8 @@ class _Pending:
     def fill(self, req: reward_pb2.ScoreRequest) -> None:
         """Write this sample's request into `req` (an item of a message, or the message itself)."""
         req.sample.CopyFrom(self.sample)
+        if self.wire_id is not self.sample_id:
+            req.sample.sample_id = self.wire_id
         req.reward = self.reward
         if self.trace_context:  # even an empty dict costs a Python-level map update per sample
             req.trace_context.update(self.trace_context)
@@ -101,21 +104,21 @@ class _TargetStream(Member):
             self._open = True
             self._task = asyncio.get_running_loop().create_task(self._run())
         p.stream = self
-        self.pending[p.sample_id] = p
+        self.pending[p.wire_id] = p
         self._queued.append(p)
         self._poke()
 
     def cancel(self, p: _Pending) -> None:
         """The caller gave up on p: forget it here and tell the server to drop it (if it was sent)."""
-        if self.pending.get(p.sample_id) is not p:
+        if self.pending.get(p.wire_id) is not p:
             return
-        del self.pending[p.sample_id]
+        del self.pending[p.wire_id]
         p.stream = None
         with contextlib.suppress(ValueError):
             self._queued.remove(p)  # never sent: nothing to tell the server
             return
         if self._open:
-            self._cancels.append(p.sample_id)
+            self._cancels.append(p.wire_id)
             self._poke()
 
     def keep_traces(self, kept: Mapping[str, str]) -> bool:
@@ -136,7 +139,10 @@ class _TargetStream(Member):
                 self._wake = None
                 continue
             msg = reward_pb2.ScoreRequest()
-            if len(queued) == 1 and not self._cancels and not self._keeps:
+            if self._cancels and queued:  # cancels first, on their own: a new sample may reuse a cancelled id
+                msg.cancel_sample_ids.extend(self._cancels[:MAX_ITEMS_PER_MESSAGE])
+                del self._cancels[:MAX_ITEMS_PER_MESSAGE]
+            elif len(queued) == 1 and not self._cancels and not self._keeps:
                 queued.popleft().fill(msg)
             else:
                 add, traced = msg.items.add, False
@@ -147,12 +153,12 @@ class _TargetStream(Member):
                         traced = True
                 if not traced:
                     msg.items_untraced = True  # the server skips reading each item's trace_context
-                if self._cancels:
-                    msg.cancel_sample_ids.extend(self._cancels)
-                    self._cancels.clear()
+                if self._cancels:  # at most MAX_ITEMS_PER_MESSAGE ids a message: far under the server's limit
+                    msg.cancel_sample_ids.extend(self._cancels[:MAX_ITEMS_PER_MESSAGE])
+                    del self._cancels[:MAX_ITEMS_PER_MESSAGE]
                 if self._keeps:
-                    msg.keep_traces.update(self._keeps)
-                    self._keeps.clear()
+                    for sid in list(self._keeps)[:MAX_ITEMS_PER_MESSAGE]:
+                        msg.keep_traces[sid] = self._keeps.pop(sid)
             if first:  # read by the server on every message; the last value set wins
                 msg.max_results_per_message = MAX_RESULTS_PER_MESSAGE
                 first = False
@@ -243,6 +249,10 @@ class RewardClient:
         # End to end, retries included: a result that never comes is DEADLINE_EXCEEDED, never a hang.
         self.result_timeout_s = result_timeout_s
         self._live: dict[_Pending, None] = {}  # unanswered samples in submission order = deadline order
+        # Wire ids of unanswered samples: two live samples never share one, so two callers reusing an id
+        # (two steps reusing a group id) each get their own result.
+        self._wire_ids: set[str] = set()
+        self._collisions = 0
         self._sweeper: asyncio.Task[None] | None = None
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
@@ -315,11 +325,17 @@ class RewardClient:
         the whole wait.
         """
         loop = asyncio.get_running_loop()
+        sid = wire = sample.sample_id
+        while wire in self._wire_ids:  # rare: an id reused while its first sample is still live
+            self._collisions += 1
+            wire = f"{sid[:256]}~{self._collisions}"
+        self._wire_ids.add(wire)
         p = _Pending(
             sample,
             reward,
-            sample.sample_id,
+            sid,
             loop.create_future(),
+            wire,
             time.monotonic() + self.result_timeout_s,
             None if timeout is None else int(timeout * 1e9),
             trace_context,
@@ -333,6 +349,7 @@ class RewardClient:
 
     def _on_done(self, p: _Pending, fut: asyncio.Future[reward_pb2.RewardResult]) -> None:
         self._live.pop(p, None)
+        self._wire_ids.discard(p.wire_id)
         if not fut.cancelled():
             return
         if p.stream is not None:
@@ -409,6 +426,8 @@ class RewardClient:
         if result.HasField("error") and result.error.code == UNAVAILABLE:
             self._reroute([p], stream, result.error.message)
         elif not p.future.done():
+            if p.wire_id is not p.sample_id:
+                result.sample_id = p.sample_id
             p.future.set_result(result)
 
     def _refuse(self, stream: _TargetStream, exc: aio.AioRpcError) -> None:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
-from google.protobuf import json_format
 from grpc import aio
 
 from rewardmesh.common.tensors import duration_seconds, ids_checked, ids_from
@@ -19,7 +18,7 @@ from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from rewardmesh.reward_engine.types import RewardInput, WireInput
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, depth
+from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info
 from rewardmesh.server.reward_telemetry import RewardTelemetry
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -66,11 +65,7 @@ def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limit
             )
     extra: dict[str, Any] = {}
     if sample.HasField("extra_info"):
-        size = sample.extra_info.ByteSize()
-        check(size, lim.max_extra_info_bytes, "sample.extra_info serialized size", "max_extra_info_bytes")
-        extra = json_format.MessageToDict(sample.extra_info)
-        nested = depth(extra, lim.max_extra_info_depth)
-        check(nested, lim.max_extra_info_depth, "sample.extra_info nesting depth", "max_extra_info_depth")
+        extra = extra_info(sample.extra_info, "sample.extra_info", lim)
     inp = WireInput.of(
         sid, prompt_ids, response_ids, prompt_text, response_text, data_source, ground_truth, extra, mask
     )
@@ -93,13 +88,25 @@ _END = object()  # the client half-closed the stream
 _DRAIN = object()  # the server is draining: finish what is in flight, then end the stream
 
 
-class _Outbox:
-    """One stream's results, gathered in place in the next ScoreResponse (a result is built where it is sent:
-    no copy into the message), and its sentinels; one waiter: the stream's writer."""
+class _Owner:
+    """A ScoreBatch call (or an in-process caller): the scope of its samples' ids."""
 
-    __slots__ = ("add", "items", "response", "waiter")
+    __slots__ = ("flights",)
 
     def __init__(self) -> None:
+        self.flights: dict[str, _Flight] = {}  # its samples between arrival and result, by id
+
+
+class _Outbox:
+    """One stream's results, gathered in place in the next ScoreResponse (a result is built where it is sent:
+    no copy into the message), and its sentinels; one waiter: the stream's writer. Also the scope of the
+    stream's sample ids (`flights`): an id names a sample only on its own stream, so no other client can
+    cancel, supersede or collide with it."""
+
+    __slots__ = ("add", "flights", "items", "response", "waiter")
+
+    def __init__(self) -> None:
+        self.flights: dict[str, _Flight] = {}
         self.items: collections.deque[Any] = collections.deque()  # END, DRAIN or the reader's exception
         self.response = reward_pb2.ScoreResponse()
         self.add: Callable[..., reward_pb2.RewardResult] = self._add
@@ -148,7 +155,7 @@ class _Flight(Ticket):
         sid: str,
         reward: str,
         deliver: Callable[[reward_pb2.RewardResult], None] | None,
-        owner: object,
+        owner: _Outbox | _Owner,
         parent: Any,
         arrived: float,
         arrival_ns: int,
@@ -195,7 +202,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
         # so gRPC flow control pushes back on a client that writes and never reads.
         self.max_stream_unanswered = max_stream_unanswered
-        self._in_flight: dict[str, _Flight] = {}
+        self._in_flight = 0  # samples queued and not yet answered, over every stream and call
         self._outboxes: set[_Outbox] = set()
         self._draining = asyncio.Event()
         self.results_sent = 0
@@ -204,7 +211,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return self._in_flight
 
     async def drain(self) -> None:
         """Refuse new samples (UNAVAILABLE, so clients resend elsewhere) and wait for those in flight."""
@@ -223,12 +230,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         timeout_s: float | None,
         parent: str | None,
         deliver: Callable[[reward_pb2.RewardResult], None] | None,
-        owner: object,
+        owner: _Outbox | _Owner,
         refused: BaseException | None = None,
         arrived: tuple[float, int] | None = None,
     ) -> None:
         """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
-        stream's next message when `owner` is a stream's outbox, else handed to `deliver`.
+        stream's next message when `owner` is a stream's outbox, else handed to `deliver`. Its id is scoped to
+        `owner`: the same id on another stream or call is another sample.
         ``refused``: answer the sample with this error without looking at it (its message was over a limit).
         ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
         ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch."""
@@ -242,15 +250,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise InvalidInput("sample.sample_id is empty; give every sample a unique id")
             if self._draining.is_set():
                 raise Unavailable("reward server is draining; send the sample to another reward target")
-            earlier = self._in_flight.get(sid)
-            if earlier is not None:
-                if earlier.owner is owner:
-                    raise InvalidInput(
-                        f"sample.sample_id '{sid}' is already in flight on this stream; ids must be unique"
-                    )
-                # A retry from another stream (the first attempt's caller failed over): the retry wins, the
-                # first attempt is answered CANCELLED, so the sample is scored once and never refused.
-                self._cancel(earlier, f"sample '{sid}' was sent again on another stream (a retry)")
+            flights = owner.flights
+            if sid in flights:
+                where = "stream" if owner.__class__ is _Outbox else "call"
+                raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this {where}; ids must be unique")
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = mono + timeout_s if timeout_s is not None else None
@@ -260,20 +263,25 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
             return
-        self._in_flight[sid] = f
+        flights[sid] = f
+        self._in_flight += 1
+
+    def _forget(self, f: _Flight) -> None:
+        flights = f.owner.flights
+        if flights.get(f.sid) is f:
+            del flights[f.sid]
+            self._in_flight -= 1
 
     def _settle(self, f: _Flight, outcome: Scored | BaseException) -> None:
-        if self._in_flight.get(f.sid) is f:
-            del self._in_flight[f.sid]
+        self._forget(f)
         if isinstance(outcome, BaseException):
             self._finish(f, error=outcome)
         else:
             self._finish(f, scored=outcome)
 
     def _cancel(self, f: _Flight, why: str) -> None:
-        if self._in_flight.get(f.sid) is f:
-            del self._in_flight[f.sid]
-        if f.cancel():  # every flight in _in_flight is queued (armed)
+        self._forget(f)
+        if f.cancel():  # every flight in an owner's flights is queued (armed)
             self._finish(f, error=Cancelled(why))
 
     def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
@@ -305,6 +313,21 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         if f.deliver is not None:
             f.deliver(result)
 
+    def _cancel_ids(self, box: _Outbox, ids: Any) -> None:
+        """Cancel this stream's samples by id (another stream's ids are not this stream's to cancel)."""
+        # Over the limit, the stream fails INVALID_ARGUMENT before one id is looked at (a client's own stream).
+        check(len(ids), self.limits.max_ids_per_message, "ScoreRequest.cancel_sample_ids count", "max_ids_per_message")
+        flights = box.flights
+        for sid in ids:
+            f = flights.get(sid)
+            if f is not None:
+                self._cancel(f, f"sample '{sid}' was cancelled by the client")
+
+    def _keep_on_stream(self, keep: Any) -> None:
+        """A keep decision riding on the stream, as KeepTraces without a call."""
+        check(len(keep), self.limits.max_ids_per_message, "ScoreRequest.keep_traces count", "max_ids_per_message")
+        self.telemetry.keep(dict(keep))
+
     def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
         try:
             check(count, self.limits.max_samples_per_request, what, "max_samples_per_request")
@@ -321,12 +344,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.RewardResult:
         """One sample, awaited (for in-process callers and tests)."""
         done: asyncio.Future[reward_pb2.RewardResult] = asyncio.get_running_loop().create_future()
-        owner = object()
+        owner = _Owner()
         self._begin(sample, reward, timeout_s, self.telemetry.begin(trace_context), done.set_result, owner)
         try:
             return await done
         finally:
-            if not done.done() and (f := self._in_flight.get(sample.sample_id)) is not None and f.owner is owner:
+            for f in list(owner.flights.values()):
                 self._cancel(f, "the caller went away")
 
     # -- RPCs ---------------------------------------------------------------------------------
@@ -377,12 +400,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         self.held += 1
                         parent = telemetry.begin(req.trace_context)
                         begin(req.sample, req.reward, timeout(req), parent, None, box)
-                    for sid in req.cancel_sample_ids:  # after the items: a message may cancel its own
-                        f = self._in_flight.get(sid)
-                        if f is not None and f.owner is box:
-                            self._cancel(f, f"sample '{sid}' was cancelled by the client")
+                    if req.cancel_sample_ids:  # after the items: a message may cancel its own
+                        self._cancel_ids(box, req.cancel_sample_ids)
                     if req.keep_traces:  # a keep decision, as KeepTraces without a call
-                        self.telemetry.keep(dict(req.keep_traces))
+                        self._keep_on_stream(req.keep_traces)
                     while unanswered >= limit:  # stop reading: flow control pushes back on the writer
                         room = asyncio.get_running_loop().create_future()
                         await room
@@ -437,7 +458,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             self.held -= unanswered
             self._outboxes.discard(box)
             reader.cancel()
-            for f in [f for f in self._in_flight.values() if f.owner is box]:
+            for f in list(box.flights.values()):
                 self._cancel(f, "the stream ended")
 
     async def ScoreBatch(
@@ -450,7 +471,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
         left = len(request.samples)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        owner = object()
+        owner = _Owner()
 
         def deliver_to(i: int) -> Callable[[reward_pb2.RewardResult], None]:
             def deliver(result: reward_pb2.RewardResult) -> None:
@@ -468,7 +489,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             if left:
                 await done
         finally:
-            for f in [f for f in self._in_flight.values() if f.owner is owner]:
+            for f in list(owner.flights.values()):
                 self._cancel(f, "the call ended")
         self.results_sent += len(slots)
         return reward_pb2.ScoreBatchResponse(results=[r for r in slots if r is not None])
@@ -476,6 +497,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def KeepTraces(
         self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
     ) -> reward_pb2.KeepTracesResponse:
+        lim = self.limits
+        check(
+            len(request.sample_ids),
+            lim.max_ids_per_message,
+            "KeepTracesRequest.sample_ids count",
+            "max_ids_per_message",
+        )
+        check(len(request.traceparents), lim.max_ids_per_message, "KeepTracesRequest.traceparents count",
+              "max_ids_per_message")  # fmt: skip
         contexts = dict.fromkeys(request.sample_ids, "")
         contexts.update(request.traceparents)
         kept, exported = self.telemetry.keep(contexts)
