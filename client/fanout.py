@@ -160,6 +160,10 @@ class RolloutFanout:
                         out.put_nowait(timed_out(sid, group_id, self.generate_timeout_s, started))
                     remaining = []
                     return
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # this group's own input: its samples fail alone
+                    for sid in remaining:
+                        out.put_nowait(failed(sid, group_id, exc.code(), str(exc.details()), started))
+                    return
                 if exc.code() not in RETRYABLE:
                     out.put_nowait(exc)
                     return
@@ -217,9 +221,13 @@ class RolloutFanout:
 
 def timed_out(sid: str, group_id: str, timeout_s: float, started: float) -> ScoredSample:
     """A sample whose Generate call passed its deadline: a failed sample (masked out), not a hang."""
-    status = common_pb2.Status(
-        code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0], message=f"no sample within generate_timeout_s={timeout_s:g}"
-    )
+    message = f"no sample within generate_timeout_s={timeout_s:g}"
+    return failed(sid, group_id, grpc.StatusCode.DEADLINE_EXCEEDED, message, started)
+
+
+def failed(sid: str, group_id: str, code: grpc.StatusCode, message: str, started: float) -> ScoredSample:
+    """A sample its Generate call failed without sending: a failed sample (masked out), not a lost one."""
+    status = common_pb2.Status(code=code.value[0], message=message)
     response = rollout_pb2.GenerateResponse(
         sample=common_pb2.Sample(sample_id=sid, group_id=group_id),
         result=reward_pb2.RewardResult(sample_id=sid, error=status),

@@ -172,3 +172,113 @@ async def test_update_weights_chunk_count_is_limited(tok: Any) -> None:
             await stub.UpdateWeights(iter(messages))
     assert err.value.code() == INVALID and "UpdateWeights chunk count is 4" in str(err.value.details())
     assert "max_weight_chunks" in str(err.value.details())
+
+
+@pytest.mark.parametrize(
+    ("sampling", "option", "what"),
+    [
+        ({"stop": ["x"] * 5}, "max_stop_strings", "sampling.stop count is 5"),
+        ({"stop": ["y" * 9]}, "max_stop_chars", "sampling.stop[0] length is 9"),
+        ({"stop_token_ids": list(range(5))}, "max_stop_token_ids", "sampling.stop_token_ids count is 5"),
+    ],
+)
+async def test_stop_lists_over_their_limits_are_refused(
+    tok: Any, sampling: dict[str, Any], option: str, what: str
+) -> None:
+    async with limited_rollout(tok, max_stop_strings=4, max_stop_chars=8, max_stop_token_ids=4) as (stub, _):
+        request = rollout_pb2.GenerateRequest(
+            prompts=[_prompt(tok)], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=8, **sampling)
+        )
+        with pytest.raises(aio.AioRpcError) as err:
+            _ = [r async for r in stub.Generate(request)]
+    assert err.value.code() == INVALID
+    assert what in str(err.value.details()) and option in str(err.value.details())
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+async def test_non_finite_sampling_parameters_are_refused_naming_the_field(tok: Any, field: str, value: float) -> None:
+    async with limited_rollout(tok) as (stub, _):
+        request = rollout_pb2.GenerateRequest(
+            prompts=[_prompt(tok)], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=8, **{field: value})
+        )
+        with pytest.raises(aio.AioRpcError) as err:
+            _ = [r async for r in stub.Generate(request)]
+    assert err.value.code() == INVALID and f"sampling.{field} must be a finite number" in str(err.value.details())
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+def test_the_deepest_accepted_extra_info_parses_in_every_message_that_carries_it() -> None:
+    """The depth limit accounts for the envelopes: a sample at the limit still parses batched in
+    ScoreRequest.items and GenerateResponse.items; one level more does not, so it must be refused at the edge."""
+    from rewardmesh.server.limits import WIRE_MAX_EXTRA_INFO_DEPTH, Limits
+
+    def envelopes(levels: int) -> list[Any]:
+        s = sample("deep")
+        s.extra_info.update(_nested(levels))
+        prompt = rollout_pb2.Prompt(extra_info=s.extra_info)
+        return [
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreRequest(sample=s)]),
+            reward_pb2.ScoreBatchRequest(samples=[s]),
+            rollout_pb2.GenerateResponse(items=[rollout_pb2.GenerateResponse(sample=s)]),
+            rollout_pb2.GenerateRequest(prompts=[prompt]),
+        ]
+
+    for message in envelopes(WIRE_MAX_EXTRA_INFO_DEPTH):
+        type(message).FromString(message.SerializeToString())
+    deepest = envelopes(WIRE_MAX_EXTRA_INFO_DEPTH + 1)[0]
+    with pytest.raises(Exception, match="(?i)depth"):
+        type(deepest).FromString(deepest.SerializeToString())
+    with pytest.raises(ValueError, match="max_extra_info_depth"):
+        Limits(max_extra_info_depth=WIRE_MAX_EXTRA_INFO_DEPTH + 1)
+
+
+async def test_generate_refuses_a_prompt_extra_info_past_the_depth_limit_and_keeps_serving(tok: Any) -> None:
+    async with limited_rollout(tok) as (stub, _):
+        deep = _prompt(tok)
+        deep.extra_info.update(_nested(33))
+        with pytest.raises(aio.AioRpcError) as err:
+            _ = [r async for r in stub.Generate(rollout_pb2.GenerateRequest(prompts=[deep], n=1))]
+        at_limit = _prompt(tok)
+        at_limit.extra_info.update(_nested(32))
+        fine = [r async for r in stub.Generate(rollout_pb2.GenerateRequest(prompts=[at_limit], n=2))]
+    assert err.value.code() == INVALID
+    assert "prompts[0].extra_info nesting depth is 33" in str(err.value.details())
+    assert len(fine) == 2 and all(not r.result.HasField("error") for r in fine)
+
+
+async def test_a_huge_chat_prompt_is_refused_before_tokenizing(tok: Any) -> None:
+    async with limited_rollout(tok, max_prompt_chars=1000) as (stub, _):
+        chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="z" * 2000)])
+        with pytest.raises(aio.AioRpcError) as err:
+            _ = [
+                r
+                async for r in stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(chat=chat)], n=1))
+            ]
+    assert err.value.code() == INVALID
+    assert "prompts[0].chat length (characters) is 2004" in str(err.value.details())
+    assert "max_prompt_chars" in str(err.value.details())
+
+
+async def test_id_lists_over_the_limit_are_refused() -> None:
+    async with limited_reward_server(max_ids_per_message=3) as rs, reward_stub(rs.address) as stub:
+        with pytest.raises(aio.AioRpcError) as err:
+            await stub.KeepTraces(reward_pb2.KeepTracesRequest(sample_ids=["a", "b", "c", "d"]))
+        assert err.value.code() == INVALID and "KeepTracesRequest.sample_ids count is 4" in str(err.value.details())
+        for too_many in (
+            reward_pb2.ScoreRequest(cancel_sample_ids=["a", "b", "c", "d"]),
+            reward_pb2.ScoreRequest(keep_traces=dict.fromkeys("abcd", "")),
+        ):
+            call = stub.Score(iter([too_many]))
+            with pytest.raises(aio.AioRpcError) as err:
+                _ = [r async for r in call]
+            assert err.value.code() == INVALID and "max_ids_per_message" in str(err.value.details())
+        # Within the limit, and the server goes on serving.
+        ok = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("fine")]))
+        assert ok.results[0].score == 1.0

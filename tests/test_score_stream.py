@@ -99,20 +99,22 @@ async def test_cancel_on_the_stream_answers_cancelled_and_the_id_can_be_sent_aga
     assert retried.sample_id == "x" and not retried.HasField("error") and retried.score == len("again")
 
 
-async def test_a_retry_on_another_stream_is_never_refused_and_scored_once() -> None:
-    # Failover re-sends a sample id whose first attempt is still in flight on this server.
+async def test_an_id_in_flight_on_another_stream_is_another_clients_sample() -> None:
+    # Ids are scoped per stream: a second client (or a retry after failover) sending an id that is in flight
+    # elsewhere neither cancels nor is refused; each stream gets its own sample's result.
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
         first, second = stub.Score(), stub.Score()
-        await first.write(req(sample("s1", delay=30), "sleepy"))
-        await eventually(lambda: server.servicer.in_flight >= 1, "the first attempt in flight")
-        await second.write(req(sample("s1", response="retry", delay=0), "sleepy"))
-        (superseded,), _ = await results_of(first, 1)
-        (scored,), _ = await results_of(second, 1)
+        await first.write(req(sample("s1", response="first", delay=1.0), "sleepy"))
+        await eventually(lambda: server.servicer.in_flight >= 1, "the first client's sample in flight")
+        await second.write(req(sample("s1", response="second!", delay=0), "sleepy"))
+        (theirs,), _ = await results_of(second, 1)
+        (mine,), _ = await results_of(first, 1)
         for call in (first, second):
             await call.done_writing()
             assert await call.read() is EOF
-    assert CODE[superseded.error.code] == grpc.StatusCode.CANCELLED and "retry" in superseded.error.message
-    assert not scored.HasField("error") and scored.score == len("retry")
+    assert not mine.HasField("error") and mine.score == len("first")
+    assert not theirs.HasField("error") and theirs.score == len("second!")
+    assert server.servicer.in_flight == 0
 
 
 async def test_several_samples_per_message_each_answered_once() -> None:
