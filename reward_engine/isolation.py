@@ -10,8 +10,12 @@ in another worker.
 Cheap calls stay cheap: workers are spawned once and kept warm, and each lane sends several queued calls
 per round trip. Each lane is a thread that owns one worker process: the thread blocks on the pipe (without
 the GIL) and watches the clock, so the event loop is woken once per finished group of calls, not per call.
-A call behind a hung one in the same round trip waits for the hung call's budget, then goes to a fresh
-worker; it never fails for its neighbour.
+A call never waits behind a budget being burned: a lane whose call has run longer than
+``straggler_after_s`` while other calls wait becomes a straggler. It hands the calls it has not started back
+to the front of the queue, a fresh lane takes its place, and it ends once its slow call does (finished, or
+killed at its budget). So the queue keeps ``workers`` lanes serving it however many hostile calls run; at most
+``max_stragglers`` slow calls run beside them, beyond which they queue. A worker runs in a process group of
+its own, killed whole with it: processes a user's function starts do not outlive the worker or the server.
 
 Calls are named by a ``module:attr`` or ``/path/file.py:attr`` spec that the worker imports itself (spawn,
 never fork: the server runs gRPC threads, and a forked child may inherit their locks held); arguments and
@@ -180,16 +184,36 @@ def _run_one(call: Call) -> Any:
         return ResourceExhausted(f"{call.what} ran out of memory")
 
 
-def worker_main(conn: Connection, progress: Any, preload: tuple[str, ...], memory_bytes: int) -> None:
+def _die_with_group(signum: int, frame: Any) -> None:
+    """SIGTERM (also what the kernel sends when the lane that started us dies): take our process group along."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _own_group() -> None:
+    """Lead a process group of our own (killed whole by the parent), and die with the thread that started us."""
+    with contextlib.suppress(OSError):
+        os.setsid()
+    signal.signal(signal.SIGTERM, _die_with_group)
+    with contextlib.suppress(Exception):  # Linux: PR_SET_PDEATHSIG, so a parent killed -9 leaves no worker
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl
+            _die_with_group(signal.SIGTERM, None)
+
+
+def worker_main(conn: Connection, progress: Any, preload: tuple[str, ...], memory_bytes: int, stop: Any = None) -> None:
     """A worker process: import the preloads, say ready, then run round trips of calls until EOF.
 
     Before each call the worker writes the call's sequence number into ``progress`` (shared memory, no
     syscall), so the parent knows which call is running and for how long without a message per call.
     Results go back in groups: everything finished is sent before a call starts once the oldest unsent
     result is over _FLUSH_AFTER_S old, and at the end of the trip. A call that ran out of memory ends
-    the worker after its result is sent, since its heap may be left in any state.
+    the worker after its result is sent, since its heap may be left in any state. ``stop`` (shared
+    memory): the first sequence number not to start; the parent lowers it when it hands calls back.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it then kills us
+    _own_group()
     for target in preload:  # "spec" is imported; "spec()" is also called (a warm-up hook)
         with contextlib.suppress(Exception):  # reported by the first call that uses it
             fn = _resolve(target.removesuffix("()"))
@@ -211,6 +235,8 @@ def worker_main(conn: Connection, progress: Any, preload: tuple[str, ...], memor
             if out and time.monotonic() - first_unsent > _FLUSH_AFTER_S:
                 _send(conn, out, calls)
                 out = []
+            if stop is not None and base + offset >= stop.value:
+                break  # handed back to another lane
             progress.value = base + offset
             result = _run_one(call)
             if not out:
@@ -266,6 +292,8 @@ class _Lane(threading.Thread):
         self.pid = 0
         self.progress: Any = None
         self.sequence = 0  # numbers the calls sent to this lane's workers, so progress names one
+        self.stop_at: Any = None  # shared with the worker: the first sequence number it must not start
+        self.straggler = False  # its slow call runs on; a fresh lane serves the queue meanwhile
         self.ready = threading.Event()
         self._lock = threading.Lock()
 
@@ -275,15 +303,16 @@ class _Lane(threading.Thread):
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         progress = ctx.RawValue("q", -1)
+        stop = ctx.RawValue("q", 1 << 62)
         process = ctx.Process(
             target=worker_main,
-            args=(child, progress, self.pool.preload, self.pool.memory_bytes),
+            args=(child, progress, self.pool.preload, self.pool.memory_bytes, stop),
             name=f"rewardmesh-{self.pool.name}",
             daemon=True,
         )
         process.start()
         child.close()
-        self.process, self.conn, self.progress = process, parent, progress
+        self.process, self.conn, self.progress, self.stop_at = process, parent, progress, stop
         if not parent.poll(STARTUP_TIMEOUT_S):
             self._kill()
             raise RuntimeError(f"did not start within {STARTUP_TIMEOUT_S:g}s")
@@ -303,6 +332,9 @@ class _Lane(threading.Thread):
         if conn is not None:
             conn.close()
         if process is not None:
+            if process.pid:  # the worker's group: whatever the user's code started dies with it
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGKILL)
             if process.is_alive():
                 process.kill()
             process.join(5.0)
@@ -333,6 +365,10 @@ class _Lane(threading.Thread):
                 log.exception("isolation lane %s failed", self.name)
                 self._kill()
                 self._deliver([(p, SourceFailed(f"{p.call.what}: worker lane failed: {exc}")) for p in batch])
+            if self.straggler:  # its place is taken: end with the slow call
+                self._kill()
+                pool.retire(self)
+                return
 
     def _deliver(self, done: list[tuple[_Pending, Any]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Pending, Any]]] = {}
@@ -350,6 +386,9 @@ class _Lane(threading.Thread):
         while todo:
             if pool.closed:
                 self._deliver([(p, Unavailable(f"{p.call.what}: the source was closed")) for p in todo])
+                return
+            if self.straggler:  # what is left goes back to the lanes that serve the queue
+                pool.give_back(todo)
                 return
             if self.conn is None:
                 try:
@@ -388,6 +427,9 @@ class _Lane(threading.Thread):
                     continue
             except (EOFError, OSError):
                 running = max(received, self.progress.value - base)
+                if running >= len(sent):  # it died running a call handed back to another lane
+                    self._kill()
+                    return sent[received:]
                 code = self.process.exitcode if self.process is not None else None
                 self._kill()
                 pending = sent[running]
@@ -398,9 +440,14 @@ class _Lane(threading.Thread):
                 # Calls before it finished but their results died with the worker: run them again.
                 return sent[received:running] + sent[running + 1 :]
             running = max(received, self.progress.value - base)
+            if running >= len(sent):  # the worker raced past a hand-back: it runs a call another lane has
+                self._kill()
+                return sent[received:]
             now = time.monotonic()
             if running != current:
                 current, since = running, now
+            elif not self.straggler and now - since >= pool.straggler_after_s and pool.stalls(self, sent, running):
+                sent = self._hand_back(sent, base, running)
             elif now - since >= pool.timeout_s:
                 self._kill()
                 pool.timeouts += 1
@@ -408,6 +455,16 @@ class _Lane(threading.Thread):
                 self._deliver([(pending, DeadlineExceeded(f"{pending.call.what} timed out after {pool.timeout_s:g}s"))])
                 return sent[received:running] + sent[running + 1 :]
         return []
+
+    def _hand_back(self, sent: list[_Pending], base: int, running: int) -> list[_Pending]:
+        """Become a straggler: the calls not started go back to the queue, a fresh lane takes our place; the
+        calls this trip still waits for (those up to the slow one)."""
+        self.straggler = True
+        assert self.stop_at is not None
+        self.stop_at.value = base + running + 1  # the worker starts none of the rest (best effort: see above)
+        self.pool.give_back(sent[running + 1 :])
+        self.pool.replace(self)
+        return sent[: running + 1]
 
 
 _pool_ids = itertools.count()
@@ -420,7 +477,9 @@ class IsolatedPool:
     running time; waiting in the queue and starting a worker are not counted. ``memory_mb``: how much a
     call may grow its worker's address space (0: unlimited). ``preload``: specs each worker imports as
     it starts, so that cost is not charged to a call (a spec ending in ``()`` is also called, with no
-    arguments: a warm-up hook).
+    arguments: a warm-up hook). ``straggler_after_s``: a call running this long while others wait has its
+    lane replaced (default: a tenth of ``timeout_s``, at most 1 s); ``max_stragglers``: how many such slow
+    calls may run beside the ``workers`` lanes (default: ``2 * workers``).
     """
 
     def __init__(
@@ -431,9 +490,15 @@ class IsolatedPool:
         timeout_s: float = 10.0,
         memory_mb: int = 1024,
         preload: tuple[str, ...] = (),
+        straggler_after_s: float | None = None,
+        max_stragglers: int | None = None,
     ) -> None:
         self.name = name
         self.timeout_s = float(timeout_s)
+        self.straggler_after_s = min(1.0, self.timeout_s / 10) if straggler_after_s is None else straggler_after_s
+        self.max_stragglers = 2 * workers if max_stragglers is None else max_stragglers
+        self.workers = workers
+        self.stragglers = 0  # lanes running a slow call beside the `workers` that serve the queue
         self.memory_bytes = int(memory_mb) * 1024 * 1024
         self.preload = preload
         self.closed = False
@@ -442,6 +507,7 @@ class IsolatedPool:
         self._queue: collections.deque[_Pending] = collections.deque()
         self._cond = threading.Condition()
         self._lanes = [_Lane(self, i) for i in range(workers)]
+        self._lane_ids = itertools.count(workers)
         self._started = False
 
     @property
@@ -462,9 +528,40 @@ class IsolatedPool:
                 self._cond.wait()
             if self.closed:
                 return None
-            share = -(-len(self._queue) // len(self._lanes))
+            share = -(-len(self._queue) // self.workers)
             count = max(1, min(MAX_CALLS_PER_TRIP, share))
             return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+
+    def stalls(self, lane: _Lane, sent: list[_Pending], running: int) -> bool:
+        """Whether ``lane``'s slow call holds up others (calls behind it in its trip, or in the queue) and
+        another straggler may run."""
+        with self._cond:
+            waiting = running + 1 < len(sent) or bool(self._queue)
+            return waiting and not self.closed and self.stragglers < self.max_stragglers
+
+    def give_back(self, calls: list[_Pending]) -> None:
+        """Calls a lane will not run: to the front of the queue, in their order."""
+        if not calls:
+            return
+        with self._cond:
+            self._queue.extendleft(reversed(calls))
+            self._cond.notify(len(calls))
+
+    def replace(self, lane: _Lane) -> None:
+        """``lane`` became a straggler: a fresh lane serves the queue in its place."""
+        with self._cond:
+            if self.closed:
+                return
+            self.stragglers += 1
+            fresh = _Lane(self, next(self._lane_ids))
+            self._lanes.append(fresh)
+        fresh.start()
+
+    def retire(self, lane: _Lane) -> None:
+        with self._cond:
+            self.stragglers -= 1
+            with contextlib.suppress(ValueError):
+                self._lanes.remove(lane)
 
     async def run(self, calls: list[Call]) -> list[Any]:
         """Each call's return value, or the RewardError it ended with; in order."""
@@ -484,7 +581,7 @@ class IsolatedPool:
         await asyncio.to_thread(self._wait_ready)
 
     def _wait_ready(self) -> None:
-        for lane in self._lanes:
+        for lane in self._lanes[: self.workers]:
             lane.ready.wait(STARTUP_TIMEOUT_S + 5)
 
     async def close(self) -> None:
@@ -495,11 +592,15 @@ class IsolatedPool:
             self._queue.clear()
             self._cond.notify_all()
         _settle([(p, Unavailable(f"{p.call.what}: the source was closed")) for p in left])
-        for lane in self._lanes:
+        with self._cond:
+            lanes = list(self._lanes)
+        for lane in lanes:
             lane.stop()  # kills the worker: a lane blocked on it sees EOF and ends
         await asyncio.to_thread(self._join)
 
     def _join(self) -> None:
-        for lane in self._lanes:
+        with self._cond:
+            lanes = list(self._lanes)
+        for lane in lanes:
             if lane.is_alive():
                 lane.join(5.0)

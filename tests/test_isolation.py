@@ -176,3 +176,40 @@ async def test_closed_pool_kills_a_stuck_worker_at_once() -> None:
     (result,) = await asyncio.wait_for(call, 10)
     assert "closed" in str(result)
     assert not _alive(pid)
+
+
+async def test_a_normal_call_does_not_queue_behind_budgets_being_burned() -> None:
+    """Four calls that hold their workers for their whole budget, two workers, and a normal call queued behind
+    them all: it is answered while every slow call still runs (their lanes were replaced, not waited for)."""
+    pool = IsolatedPool("t", workers=2, timeout_s=60.0, straggler_after_s=0.3)
+    try:
+        await pool.warmup()
+        loop = asyncio.get_running_loop()
+        hostile = [asyncio.ensure_future(pool.run([Call("time:sleep", {}, f"hog {i}", args=(60,))])) for i in range(4)]
+        started = loop.time()
+        (normal,) = await asyncio.wait_for(pool.run([Call("builtins:divmod", {}, "normal", args=(7, 2))]), 30)
+        waited = loop.time() - started
+        assert normal == (3, 1)
+        assert not any(h.done() for h in hostile)  # answered long before any budget ran out
+        assert waited < 30  # the hostile budget is 60 s: bounded by lane replacement, not by budgets
+        assert pool.stragglers <= pool.max_stragglers
+        # Once the slow calls end, the pool is back to its workers, and keeps serving.
+        assert await pool.run([Call("builtins:divmod", {}, "again", args=(9, 4))]) == [(2, 1)]
+    finally:
+        await pool.close()
+    for h in hostile:
+        (result,) = await asyncio.wait_for(h, 10)
+        assert "closed" in str(result)
+
+
+async def test_slow_calls_beyond_the_straggler_cap_queue_and_every_one_is_answered_once() -> None:
+    pool = IsolatedPool("t", workers=1, timeout_s=1.5, straggler_after_s=0.1, max_stragglers=1)
+    try:
+        calls = [Call("time:sleep", {}, f"slow {i}", args=(0.4,)) for i in range(4)]
+        calls += [Call("builtins:divmod", {}, f"fast {i}", args=(i, 1)) for i in range(6)]
+        results = await asyncio.wait_for(pool.run(calls), 60)
+        assert pool.stragglers <= 1
+    finally:
+        await pool.close()
+    assert results[:4] == [None] * 4
+    assert results[4:] == [(i, 0) for i in range(6)]
