@@ -161,6 +161,7 @@ class DynamicBatcher:
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.max_concurrent_batches)
         self._running: set[asyncio.Task[None]] = set()
+        self._late = 0  # samples a batch left to finish apart (a future in their place: see _answer_late)
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -232,7 +233,7 @@ class DynamicBatcher:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
         if drain:
-            while self._queue or self._running:
+            while self._queue or self._running or self._late:
                 self._wake.set()
                 await asyncio.sleep(0.005)
         if self._loop_task is not None:
@@ -345,9 +346,17 @@ class DynamicBatcher:
                 log.warning("pipeline %s: batch of %d failed: %s", self.name, len(live), exc)
                 err = exc if isinstance(exc, SourceFailed | InvalidInput) else SourceFailed(str(exc))
                 results = [err] * len(live)
+            queued = [start - it.enqueued for it in live]
+            if any(isinstance(res, asyncio.Future) for res in results):  # slow samples, answered apart
+                triples = zip(live, results, queued, strict=True)
+                keep = [not self._answer_late(it, res, waited, start) for it, res, waited in triples]
+                live = [it for it, k in zip(live, keep, strict=True) if k]
+                results = [res for res, k in zip(results, keep, strict=True) if k]
+                queued = [q for q, k in zip(queued, keep, strict=True) if k]
+                if not live:
+                    return
             end = time.monotonic()
             compute_s = end - start
-            queued = [start - it.enqueued for it in live]
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
             if self._on_batch is not None:
@@ -373,3 +382,29 @@ class DynamicBatcher:
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
         finally:
             self._slots.release()
+
+    def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
+        """A source may leave a slow sample's result as a future (a call burning its budget must not hold its
+        batch, nor the batch's slot): the sample is answered, as a batch of one, when it is done. True if so."""
+        if not isinstance(res, asyncio.Future):
+            return False
+        self._late += 1
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            self._late -= 1
+            if fut.cancelled():
+                outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")
+            else:
+                outcome = fut.exception() or fut.result()
+            end = time.monotonic()
+            if self._on_batch is not None:
+                with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result
+                    self._on_batch(BatchInfo(size=1, padded_tokens=it.tokens, real_tokens=it.tokens,
+                                             compute_s=end - start, sample_ids=[it.inp.sample_id],
+                                             start_time_ns=time.time_ns() - int((end - start) * 1e9),
+                                             end_time_ns=time.time_ns(), contexts=[it.context], queue_s=[waited],
+                                             outcomes=[outcome]))  # fmt: skip
+            it.resolve(outcome if isinstance(outcome, BaseException) else Scored(outcome, waited, end - start, 1))
+
+        res.add_done_callback(done)
+        return True

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import inspect
 import itertools
@@ -273,6 +274,8 @@ class _Pending:
     call: Call
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+    on_slow: Callable[[], None] | None = None  # told (on its loop) once the call has run straggler_after_s
+    slow: bool = False
 
 
 def _settle(items: list[tuple[_Pending, Any]]) -> None:
@@ -446,6 +449,8 @@ class _Lane(threading.Thread):
             now = time.monotonic()
             if running != current:
                 current, since = running, now
+            elif now - since >= pool.straggler_after_s and not sent[running].slow:
+                self._slow(sent[running])
             elif not self.straggler and now - since >= pool.straggler_after_s and pool.stalls(self, sent, running):
                 sent = self._hand_back(sent, base, running)
             elif now - since >= pool.timeout_s:
@@ -455,6 +460,13 @@ class _Lane(threading.Thread):
                 self._deliver([(pending, DeadlineExceeded(f"{pending.call.what} timed out after {pool.timeout_s:g}s"))])
                 return sent[received:running] + sent[running + 1 :]
         return []
+
+    @staticmethod
+    def _slow(pending: _Pending) -> None:
+        pending.slow = True
+        if pending.on_slow is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                pending.loop.call_soon_threadsafe(pending.on_slow)
 
     def _hand_back(self, sent: list[_Pending], base: int, running: int) -> list[_Pending]:
         """Become a straggler: the calls not started go back to the queue, a fresh lane takes our place; the
@@ -563,17 +575,41 @@ class IsolatedPool:
             with contextlib.suppress(ValueError):
                 self._lanes.remove(lane)
 
-    async def run(self, calls: list[Call]) -> list[Any]:
-        """Each call's return value, or the RewardError it ended with; in order."""
+    async def run(self, calls: list[Call], *, late: bool = False) -> list[Any]:
+        """Each call's return value, or the RewardError it ended with; in order. ``late``: return once every
+        call has finished or run ``straggler_after_s``; a slow call's place holds its future (a batch is not
+        held up by one sample burning its budget: the batcher answers that sample when its future is done)."""
         if self.closed:
             return [Unavailable(f"{c.what}: the source is closed") for c in calls]
         loop = asyncio.get_running_loop()
         pending = [_Pending(c, loop.create_future(), loop) for c in calls]
+        if not late:
+            self._put(pending)
+            return list(await asyncio.gather(*(p.future for p in pending)))
+        left = len(pending)
+        ready = loop.create_future()
+
+        def one_less(p: _Pending) -> None:
+            nonlocal left
+            if p.on_slow is None:  # counted already (slow, then done)
+                return
+            p.on_slow = None
+            left -= 1
+            if not left and not ready.done():
+                ready.set_result(None)
+
+        for p in pending:
+            p.on_slow = functools.partial(one_less, p)
+            p.future.add_done_callback(lambda _, p=p: one_less(p))  # type: ignore[misc]
+        self._put(pending)
+        await ready
+        return [p.future.result() if p.future.done() else p.future for p in pending]
+
+    def _put(self, pending: list[_Pending]) -> None:
         self.start()
         with self._cond:
             self._queue.extend(pending)
             self._cond.notify(len(pending))
-        return list(await asyncio.gather(*(p.future for p in pending)))
 
     async def warmup(self) -> None:
         """Start every worker now, so the first calls do not wait for spawning and imports."""

@@ -17,6 +17,14 @@ class WeightedSource:
     weight: float = 1.0
 
 
+async def _score(source: RewardSource, batch: list[RewardInput]) -> BatchResult:
+    """A source's results; one that can leave a slow sample's result as a future (an isolated source) is asked
+    to, so one sample burning its budget holds neither its batch nor the batch's slot (DynamicBatcher)."""
+    if getattr(source, "answers_late", False):
+        return await source.score_batch(batch, late=True)  # type: ignore[call-arg]
+    return await source.score_batch(batch)
+
+
 class RewardPipeline:
     """Scores a batch with every source at once and sums the weighted scores.
 
@@ -81,31 +89,44 @@ class RewardPipeline:
     async def compute(self, batch: list[RewardInput]) -> BatchResult:
         if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
             only = self.sources[0]
-            results = await only.source.score_batch(batch)
+            results = await _score(only.source, batch)
             if only.weight == 1.0:  # the source's own outputs are the pipeline's: no per-sample copy
                 return results if isinstance(results, list) else list(results)
             per_source = [results]
         else:
-            per_source = await asyncio.gather(*(ws.source.score_batch(batch) for ws in self.sources))
-        single = len(self.sources) == 1
+            per_source = await asyncio.gather(*(_score(ws.source, batch) for ws in self.sources))
         combined: BatchResult = []
         for i in range(len(batch)):
-            score = 0.0
-            extras: dict[str, float] = {}
-            failure: BaseException | None = None
-            for ws, results in zip(self.sources, per_source, strict=True):
-                res = results[i]
-                if isinstance(res, BaseException):
-                    failure = res
-                    break
-                score += ws.weight * res.score
-                if single:
-                    extras.update(res.extras)
-                else:
-                    extras[f"{ws.source.name}/score"] = res.score
-                    extras.update({f"{ws.source.name}/{k}": v for k, v in res.extras.items()})
-            combined.append(failure if failure is not None else RewardOutput(score, extras))
+            parts = [results[i] for results in per_source]
+            if any(isinstance(part, asyncio.Future) for part in parts):  # a source answers this sample later
+                combined.append(asyncio.ensure_future(self._combine_late(parts)))  # type: ignore[arg-type]
+            else:
+                combined.append(self._combine(parts))
         return combined
+
+    def _combine(self, parts: list[RewardOutput | BaseException]) -> RewardOutput | BaseException:
+        """One sample's weighted score from its sources' parts (a failed part fails the sample)."""
+        single = len(self.sources) == 1
+        score = 0.0
+        extras: dict[str, float] = {}
+        for ws, res in zip(self.sources, parts, strict=True):
+            if isinstance(res, BaseException):
+                return res
+            score += ws.weight * res.score
+            if single:
+                extras.update(res.extras)
+            else:
+                extras[f"{ws.source.name}/score"] = res.score
+                extras.update({f"{ws.source.name}/{k}": v for k, v in res.extras.items()})
+        return RewardOutput(score, extras)
+
+    async def _combine_late(self, parts: list[Any]) -> RewardOutput:
+        """As _combine, once every late part is done (a failure is raised: the batcher answers it)."""
+        done = [await part if isinstance(part, asyncio.Future) else part for part in parts]
+        result = self._combine(done)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     async def warmup(self) -> None:
         for ws in self.sources:

@@ -222,15 +222,58 @@ async def test_closed_source_reports_unavailable() -> None:
     assert isinstance(result, Unavailable)
 
 
-async def test_cancelled_call_keeps_its_slot_until_the_worker_is_free() -> None:
-    """A cancelled caller does not free the only worker while it still runs the call; the call's
-    timeout replaces the worker, and the next call runs on the fresh one."""
-    async with function_source(function=f"{FILE}:sleepy", timeout_s=1.0, max_workers=1) as source:
+async def test_a_cancelled_hung_call_runs_on_to_its_budget_beside_the_next_call() -> None:
+    """A cancelled caller's hung call keeps its worker until its budget kills it (a thread or process cannot
+    be given back mid-call), but the next call does not wait for that: a fresh worker serves the queue."""
+    async with function_source(function=f"{FILE}:sleepy", timeout_s=3.0, max_workers=1) as source:
         await source.warmup()
+        assert source.pool is not None
+        (hung_pid,) = source.pool.pids
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(source.score_batch([sample("hung", sleep_s=60)]), 0.2)
-        started = time.monotonic()
-        (result,) = await source.score_batch([sample("next")])
-        waited = time.monotonic() - started
+            await asyncio.wait_for(source.score_batch([sample("hung", sleep_s=60)]), 0.5)
+        (result,) = await asyncio.wait_for(source.score_batch([sample("next")]), 30)
         assert isinstance(result, RewardOutput) and result.score == 1.0
-        assert waited >= 0.6  # it waited for the hung call's timeout (1 s after it started)
+        assert int(result.extras["pid"]) != hung_pid  # a fresh worker, while the hung one still ran
+        pool = source.pool
+        await eventually(lambda: hung_pid not in pool.pids and not pool.stragglers, "the hung worker killed")
+        assert len(pool.pids) == 1
+
+
+@pytest.mark.parametrize("executor", ["process", "inline"])
+async def test_a_function_returning_too_many_extras_fails_its_sample_only(executor: str) -> None:
+    from rewardmesh.reward_engine.sources.verl_compat import MAX_EXTRAS
+
+    async with function_source(function=f"{FILE}:many_extras", executor=executor, timeout_s=30.0) as source:
+        huge, fine, edge = await source.score_batch(
+            [sample("a", count=2_000_000), sample("b", count=3), sample("c", count=MAX_EXTRAS)]
+        )
+    assert isinstance(huge, SourceFailed) and "2000001 entries" in str(huge) and str(MAX_EXTRAS) in str(huge)
+    assert isinstance(fine, RewardOutput) and fine.extras == {"x0": 0.0, "x1": 1.0, "x2": 2.0}
+    assert isinstance(edge, RewardOutput) and len(edge.extras) == MAX_EXTRAS
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_processes_a_function_starts_die_with_its_worker(tmp_path: Any) -> None:
+    """A function that shells out: the processes it started are killed with its worker, at its budget and when
+    the source closes (the worker leads a process group of its own)."""
+    async with function_source(function=f"{FILE}:forks_a_sleeper", timeout_s=2.0, max_workers=1) as source:
+        first = tmp_path / "first.pid"
+        (result,) = await asyncio.wait_for(source.score_batch([sample("x", pid_file=str(first))]), 30)
+        assert isinstance(result, DeadlineExceeded)
+        sleeper = int(first.read_text())
+        await eventually(lambda: not _pid_alive(sleeper), "the sleeper killed with its timed-out worker", 10)
+        second = tmp_path / "second.pid"
+        call = asyncio.ensure_future(source.score_batch([sample("y", pid_file=str(second))]))
+        await eventually(lambda: second.exists() and second.read_text(), "the second sleeper started", 30)
+        other = int(second.read_text())
+        assert _pid_alive(other)
+    await eventually(lambda: not _pid_alive(other), "the sleeper killed when the source closed", 10)
+    (closed,) = await asyncio.wait_for(call, 10)
+    assert isinstance(closed, Unavailable | SourceFailed)

@@ -213,3 +213,39 @@ async def test_slow_calls_beyond_the_straggler_cap_queue_and_every_one_is_answer
         await pool.close()
     assert results[:4] == [None] * 4
     assert results[4:] == [(i, 0) for i in range(6)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_normal_math_sample_is_answered_while_four_hostile_ones_burn_their_budgets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve reward` as a real process, the `math` pipeline on its two default workers: four hostile answers,
+    then a normal one. The normal one is scored while all four still run (each has 20 s)."""
+    monkeypatch.setenv("REWARDMESH_RULE_TIMEOUT_S", "20")
+    server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1"], tmp_path)
+    try:
+        port = server.start(timeout_s=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            warm = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("w", r"\boxed{4}")]))
+            assert warm.results[0].score == 1.0, warm
+            hostile = [
+                stub.ScoreBatch.future(
+                    reward_pb2.ScoreBatchRequest(reward="math", samples=[sample(f"h{i}", HOSTILE)]), timeout=90
+                )
+                for i in range(4)
+            ]
+            _wait_busy(server.pid, "the hostile samples are being scored")
+            normal = stub.ScoreBatch(
+                reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("normal", r"\boxed{4}")]), timeout=60
+            )
+            assert normal.results[0].score == 1.0 and not normal.results[0].HasField("error")
+            assert not any(h.done() for h in hostile)  # scored while every budget was still burning
+            for h in hostile:
+                (result,) = h.result().results
+                assert result.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            after = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="math", samples=[sample("a", r"\boxed{5}")]))
+            assert after.results[0].score == 0.0 and not after.results[0].HasField("error")
+    finally:
+        server.kill()

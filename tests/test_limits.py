@@ -233,7 +233,7 @@ def test_the_deepest_accepted_extra_info_parses_in_every_message_that_carries_it
     for message in envelopes(WIRE_MAX_EXTRA_INFO_DEPTH):
         type(message).FromString(message.SerializeToString())
     deepest = envelopes(WIRE_MAX_EXTRA_INFO_DEPTH + 1)[0]
-    with pytest.raises(Exception, match="(?i)depth"):
+    with pytest.raises(Exception, match=r"(?i)depth"):
         type(deepest).FromString(deepest.SerializeToString())
     with pytest.raises(ValueError, match="max_extra_info_depth"):
         Limits(max_extra_info_depth=WIRE_MAX_EXTRA_INFO_DEPTH + 1)

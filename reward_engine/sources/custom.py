@@ -140,12 +140,17 @@ class FunctionSource:
             threads.shutdown(wait=False, cancel_futures=True)
         return DeadlineExceeded(f"{self._what} timed out after {self.timeout_s:g}s")
 
-    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+    # A pipeline may take a slow sample's result as a future (IsolatedPool.run's ``late``): see score_batch.
+    answers_late = True
+
+    async def score_batch(self, batch: list[RewardInput], *, late: bool = False) -> BatchResult:
+        """Each sample's result, in order; ``late``: a sample still running after the pool's straggler time
+        is left as a future in its place (its batch does not wait for it)."""
         if self._closed:
             return [Unavailable(f"function source {self.name!r} is closed") for _ in batch]
         if self.pool is not None:
             calls = [Call(self._spec.resolved, verl_kwargs(s), self._what, verl=True) for s in batch]
-            return list(await self.pool.run(calls))
+            return list(await self.pool.run(calls, late=late))
         if self._mode == "thread":
             return list(await asyncio.gather(*(self._in_thread(verl_kwargs(s)) for s in batch)))
         return list(await asyncio.gather(*(self._on_loop(verl_kwargs(s)) for s in batch)))

@@ -400,7 +400,12 @@ class RuleSource:
         except SourceFailed as exc:
             return exc
 
-    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+    # A pipeline may take a slow sample's result as a future (IsolatedPool.run's ``late``): see score_batch.
+    answers_late = True
+
+    async def score_batch(self, batch: list[RewardInput], *, late: bool = False) -> BatchResult:
+        """Each sample's result, in order; ``late``: a sample still running after the pool's straggler time
+        is left as a future in its place (its batch does not wait for it)."""
         if self.pool is not None:
             assert self._spec is not None
             calls = [
@@ -413,7 +418,7 @@ class RuleSource:
                 )
                 for s in batch
             ]
-            return list(await self.pool.run(calls))
+            return list(await self.pool.run(calls, late=late))
         results: BatchResult = []
         last_yield = time.monotonic()
         for sample in batch:

@@ -19,6 +19,11 @@ from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 # verl's signature: (data_source, solution_str, ground_truth, extra_info) -> float | dict
 VerlScoreFn = Callable[..., Any]
 
+# A returned dict's size: every extra travels in each result and lands in the trainer's metrics, so a function
+# returning millions of entries fails its sample (checked before anything is copied) instead of the server.
+MAX_EXTRAS = 256  # entries besides "score"
+MAX_EXTRA_NAME_CHARS = 128
+
 
 def _as_number(value: Any) -> float | None:
     """A float for bools, ints, floats and numpy scalars; None for anything else (str, list, ...)."""
@@ -42,6 +47,8 @@ def to_output(value: Any, what: str = "reward function") -> RewardOutput:
     if value.__class__ is float and value - value == 0.0:  # a finite float: most rules, every sample
         return RewardOutput(value, {})
     if isinstance(value, dict):
+        if len(value) > MAX_EXTRAS + 1:
+            raise SourceFailed(f"{what} returned a dict of {len(value)} entries; at most {MAX_EXTRAS} besides 'score'")
         if "score" not in value:
             keys = ", ".join(repr(k) for k in list(value)[:8])
             raise SourceFailed(f"{what} returned a dict without a 'score' key (keys: {keys})")
@@ -52,6 +59,9 @@ def to_output(value: Any, what: str = "reward function") -> RewardOutput:
         for key, item in value.items():
             if key == "score" or not isinstance(key, str):
                 continue
+            if len(key) > MAX_EXTRA_NAME_CHARS:
+                raise SourceFailed(f"{what} returned an extra named {key[:40]!r}... of {len(key)} characters; "
+                                   f"at most {MAX_EXTRA_NAME_CHARS}")  # fmt: skip
             number = _as_number(item)
             if number is not None:
                 extras[key] = number

@@ -101,3 +101,24 @@ def hog(data_source: str, solution_str: str, ground_truth: str, extra_info: dict
     """Allocates extra_info['mb'] MiB and touches it (a checker that blows up on a huge input)."""
     block = bytearray(int((extra_info or {}).get("mb", 1)) * 1024 * 1024)
     return float(len(block) > 0)
+
+
+def many_extras(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """A score with extra_info['count'] extras (a function that logs far too much)."""
+    return {"score": 1.0, **{f"x{i}": float(i) for i in range(int((extra_info or {}).get("count", 0)))}}
+
+
+def forks_a_sleeper(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
+    """Starts a long `sleep` (as a checker that shells out would), writes its pid to extra_info['pid_file'],
+    then waits for it: the sleeper must not outlive the worker."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(str((extra_info or {})["pid_file"]), "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+    return 1.0
