@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from grpc import aio
@@ -221,3 +222,84 @@ async def test_abandoned_streams_slow_readers_and_connection_churn_leave_memory_
         await _bystander(stub)
         await eventually(lambda: _fds(server.pid) < base_fds + 20, f"fds back under {base_fds} + 20")
         await eventually(lambda: _rss_mb(server.pid) < base_rss + 80, f"RSS back under {base_rss:.0f} + 80 MB")
+
+
+async def _step(client: TrainerClient, prompts: list[PromptSpec]) -> tuple[list[ScoredSample], float]:
+    """One step's samples and how long the slowest took (every wait bounded: a hang fails the test)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    got = await asyncio.wait_for(_collect(client.rollout(prompts, n=2)), 240)
+    return got, loop.time() - started
+
+
+async def _collect(samples: AsyncIterator[ScoredSample]) -> list[ScoredSample]:
+    return [s async for s in samples]
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_too_deep_sample_and_ids_reused_by_another_client_break_nobody_elses_step(
+    tiny_models: TinyModelPaths, tmp_path: Path
+) -> None:
+    """A reward server and two rollout servers as real processes, two trainers on them at once, both naming
+    their groups q0..q3 (so their sample ids collide on every server). Trainer A also sends a prompt whose
+    extra_info is one level past the depth limit, and one exactly at it. The deep one's samples fail alone
+    (INVALID_ARGUMENT naming the field); every other sample of both trainers is scored with its own result
+    (the score is the sample's ground truth: 1 for A, 2 for B), in about the time B's step takes alone."""
+    config = tmp_path / "reward.yaml"
+    config.write_text(
+        f"pipelines:\n  truth:\n    sources:\n      - {{type: function, function: '{FNS}:truth_as_score'}}\n"
+    )
+    reward = Restartable("reward", [*CLI, "serve", "reward", "--config", str(config)], tmp_path)
+    rollout_argv = [*CLI, "serve", "rollout", "--backend", "hf", "--model", str(tiny_models.policy)]
+    rollouts = [
+        Restartable(f"rollout{i}", [*rollout_argv, "--reward-target", reward.address], tmp_path) for i in range(2)
+    ]
+
+    def prompts(truth: str, count: int = 4) -> list[PromptSpec]:
+        return [PromptSpec(messages=[{"role": "user", "content": f"{i} + {truth} ="}], ground_truth=truth,
+                           group_id=f"q{i}") for i in range(count)]  # fmt: skip
+
+    try:
+        await asyncio.gather(*(asyncio.to_thread(server.start) for server in [reward, *rollouts]))
+        targets = [r.address for r in rollouts]
+        options: dict[str, Any] = {"reward": "truth", "sampling": Sampling(max_tokens=8), "generate_timeout_s": 180}
+        async with TrainerClient(targets, **options) as a, TrainerClient(targets, **options) as b:
+            await _step(b, prompts("2"))  # warm: first calls pay for connections and the function's workers
+            alone, alone_s = await _step(b, prompts("2"))
+            assert all(not s.failed and s.score == 2.0 for s in alone)
+            deep = [
+                PromptSpec(
+                    messages=[{"role": "user", "content": "deep"}],
+                    ground_truth="1",
+                    group_id=f"deep{n}",
+                    extra_info={"nested": _nested(n - 1)},
+                )
+                for n in (32, 33)  # extra_info's own level plus n - 1 below it
+            ]
+            (mine, _), (theirs, theirs_s) = await asyncio.gather(
+                _step(a, [*prompts("1"), *deep]), _step(b, prompts("2"))
+            )
+        by_group: dict[str, list[ScoredSample]] = {}
+        for s in mine:
+            by_group.setdefault(s.group_id, []).append(s)
+        assert sorted(by_group) == ["deep32", "deep33", "q0", "q1", "q2", "q3"]
+        assert all(len(group) == 2 for group in by_group.values())
+        for s in by_group.pop("deep33"):
+            assert s.failed and s.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0], s.error
+            assert "prompts[0].extra_info nesting depth is 33" in s.error and "max_extra_info_depth" in s.error
+        assert all(not s.failed and s.score == 1.0 for group in by_group.values() for s in group)
+        assert len(theirs) == 8 and all(not s.failed and s.score == 2.0 for s in theirs)
+        assert len({s.sample_id for s in theirs}) == 8
+        # Sharing the servers with A doubles their load; a poisoned stream or a hang would cost far more.
+        assert theirs_s < 4 * alone_s + 10, (theirs_s, alone_s)
+    finally:
+        for server in [*rollouts, reward]:
+            server.close()

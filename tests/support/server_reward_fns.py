@@ -36,3 +36,8 @@ async def fails_some(
     if "slow" in solution_str:
         await asyncio.sleep(5.0)
     return 1.0 if solution_str.strip().endswith(ground_truth.strip()) else 0.0
+
+
+def truth_as_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+    """The ground truth as the score: a result matched to the wrong sample shows as the wrong number."""
+    return float(ground_truth)
