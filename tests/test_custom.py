@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,3 +278,53 @@ async def test_processes_a_function_starts_die_with_its_worker(tmp_path: Any) ->
     await eventually(lambda: not _pid_alive(other), "the sleeper killed when the source closed", 10)
     (closed,) = await asyncio.wait_for(call, 10)
     assert isinstance(closed, Unavailable | SourceFailed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+async def test_processes_a_function_starts_do_not_outlive_the_server(tmp_path: Any, how: str) -> None:
+    """`serve reward` as a real process, a function that shells out mid-sample; the server stopped (drained:
+    SIGTERM) or killed outright (SIGKILL): the function's child process goes with it."""
+    import signal as signals
+
+    import grpc
+
+    from rewardmesh.demo.server_process import ServerProcess
+    from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+    from tests.support.servers import sample as wire_sample
+    from tests.test_cli import CLI
+
+    config = tmp_path / "reward.yaml"
+    spec = Path(__file__).with_name("support") / "reward_fns.py"
+    config.write_text(
+        "server:\n  grace_s: 2\npipelines:\n  forks:\n    sources:\n"
+        f"      - {{type: function, function: '{spec}:forks_a_sleeper', timeout_s: 60}}\n"
+    )
+    server = ServerProcess(
+        "reward", [*CLI, "serve", "reward", "--config", str(config), "--host", "127.0.0.1"], tmp_path
+    )
+    pid_file = tmp_path / "sleeper.pid"
+    try:
+        port = server.start(timeout_s=120)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reward_pb2_grpc.RewardServiceStub(channel)
+            call = stub.ScoreBatch(
+                reward_pb2.ScoreBatchRequest(reward="forks", samples=[wire_sample("x", pid_file=str(pid_file))]),
+                timeout=90,
+            )
+            await eventually(lambda: pid_file.exists() and pid_file.read_text(), "the function started its child", 60)
+            sleeper = int(pid_file.read_text())
+            assert _pid_alive(sleeper)
+            if how == "SIGKILL":
+                server.kill()
+            else:
+                server.signal(signals.SIGTERM)
+            try:  # a killed server answers nothing; a drained one ends the call, or fails the sample, past grace
+                reply = await call
+                assert reply.results[0].HasField("error"), reply
+            except grpc.aio.AioRpcError:
+                pass
+        await eventually(lambda: not _pid_alive(sleeper), f"the child gone after {how}", 30)
+    finally:
+        server.kill()
