@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -282,3 +283,31 @@ async def test_id_lists_over_the_limit_are_refused() -> None:
         # Within the limit, and the server goes on serving.
         ok = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("fine")]))
         assert ok.results[0].score == 1.0
+
+
+async def test_a_long_chat_prompt_is_tokenized_off_the_event_loop(tok: Any) -> None:
+    """A chat prompt just under max_prompt_chars takes a while to tokenize (then its length is refused against
+    the model's context); meanwhile other calls are answered: the event loop was never held for the duration."""
+    async with limited_rollout(tok) as (stub, _):
+        await stub.GetInfo(rollout_pb2.GetInfoRequest())
+        loop = asyncio.get_running_loop()
+        chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="hello world " * 87_000)])
+        started = loop.time()
+        heavy = asyncio.ensure_future(
+            _drain(stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(chat=chat)], n=1)))
+        )
+        waits: list[float] = []
+        while not heavy.done():
+            asked = loop.time()
+            await asyncio.wait_for(stub.GetInfo(rollout_pb2.GetInfoRequest()), 60)
+            waits.append(loop.time() - asked)
+        took = loop.time() - started
+        with pytest.raises(aio.AioRpcError) as err:
+            heavy.result()
+    assert err.value.code() == INVALID and "exceeds the model's context" in str(err.value.details())
+    assert len(waits) >= 3 and max(waits) < took / 3, (took, max(waits), len(waits))
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
