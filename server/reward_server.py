@@ -9,8 +9,9 @@ from typing import Any
 
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.server.reward_service import RewardServicer
+from rewardmesh.server.sample_split import add_reward_service
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from rewardmesh.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class RewardServer(MeshServer):
         self.gateway: Any = None  # rewardmesh.server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
-            [(reward_pb2_grpc.add_RewardServiceServicer_to_server, self.servicer, SERVICE_NAME)],
+            [(add_reward_service, self.servicer, SERVICE_NAME)],
             on_drain=self._drain,
             on_stopped=self._release,
         )

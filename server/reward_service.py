@@ -373,6 +373,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             try:
                 async for req in request_iterator:
                     self.messages_in += 1
+                    unparsed = None  # samples of the message that did not parse (server/sample_split.py)
+                    if req.__class__ is tuple:
+                        req, unparsed = req
                     if req.max_results_per_message > 0:
                         per_message = req.max_results_per_message
                     items = req.items
@@ -384,7 +387,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         self.held += n
                         # once per message: each item's trace context is read only if one may carry it
                         traced = telemetry.tracing and not req.items_untraced
-                        for item in items:
+                        for k, item in enumerate(items):
                             begin(
                                 item.sample,
                                 item.reward,
@@ -392,14 +395,22 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                 telemetry.begin(item.trace_context) if traced else None,
                                 None,
                                 box,
-                                refused,
+                                refused or (unparsed.get(k) if unparsed else None),
                                 arrived,
                             )
                     elif req.HasField("sample"):
                         unanswered += 1
                         self.held += 1
                         parent = telemetry.begin(req.trace_context)
-                        begin(req.sample, req.reward, timeout(req), parent, None, box)
+                        begin(
+                            req.sample,
+                            req.reward,
+                            timeout(req),
+                            parent,
+                            None,
+                            box,
+                            unparsed.get(-1) if unparsed else None,
+                        )
                     if req.cancel_sample_ids:  # after the items: a message may cancel its own
                         self._cancel_ids(box, req.cancel_sample_ids)
                     if req.keep_traces:  # a keep decision, as KeepTraces without a call
@@ -464,6 +475,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext
     ) -> reward_pb2.ScoreBatchResponse:
+        unparsed: dict[int, InvalidInput] = {}  # samples that did not parse (server/sample_split.py)
+        if request.__class__ is tuple:
+            request, unparsed = request
         error = self._over_limit(len(request.samples), "ScoreBatchRequest.samples count")
         if error is not None:
             raise error
@@ -484,7 +498,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             return deliver
 
         for i, s in enumerate(request.samples):
-            self._begin(s, request.reward, timeout, None, deliver_to(i), owner)
+            self._begin(s, request.reward, timeout, None, deliver_to(i), owner, unparsed.get(i))
         try:
             if left:
                 await done

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import grpc
+from grpc import aio
 
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2
@@ -227,3 +228,65 @@ async def test_a_scored_sample_leaves_no_reference_cycle() -> None:
         finally:
             gc.enable()
     assert leftover < 100  # 918 with the cycle; what is left is the client's and gRPC's own
+
+
+def _too_deep(sid: str, levels: int = 40) -> bytes:
+    """A serialized Sample whose extra_info nests ``levels`` deep: past protobuf's recursion limit, so neither
+    it nor any message carrying it parses (built as bytes: the Python API refuses to nest it in a message)."""
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    deep = common_pb2.Sample(sample_id=sid)
+    deep.extra_info.update(value)
+    return deep.SerializeToString()
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
+async def test_a_sample_too_deep_to_parse_fails_alone_on_the_stream_and_in_a_batch() -> None:
+    """One sample nested past protobuf's recursion limit, batched with others in one ScoreRequest, alone in a
+    message, and in a ScoreBatch: it is answered INVALID_ARGUMENT under its own id; the others are scored and
+    the stream goes on."""
+    async with reward_server() as server, aio.insecure_channel(server.address) as channel:
+        good = [reward_pb2.ScoreRequest(sample=sample(f"ok{i}"), reward="gsm8k") for i in range(3)]
+        batched = b"".join(_field(5, g.SerializeToString()) for g in good[:2])
+        batched += _field(5, _field(1, _too_deep("deep-in-items")) + _field(2, b"gsm8k"))
+        alone = _field(1, _too_deep("deep-alone")) + _field(2, b"gsm8k")
+        score = channel.stream_stream(
+            "/rewardmesh.v1.RewardService/Score",
+            request_serializer=lambda raw: raw,
+            response_deserializer=reward_pb2.ScoreResponse.FromString,
+        )
+        messages = [batched, alone, good[2].SerializeToString()]
+        got = {}
+        async for response in score(iter(messages), timeout=30):
+            for result in response.results or [response.result]:
+                got[result.sample_id] = result
+        batch = channel.unary_unary(
+            "/rewardmesh.v1.RewardService/ScoreBatch",
+            request_serializer=lambda raw: raw,
+            response_deserializer=reward_pb2.ScoreBatchResponse.FromString,
+        )
+        raw_batch = _field(1, b"gsm8k") + _field(2, sample("b0").SerializeToString()) + _field(2, _too_deep("b1"))
+        reply = await batch(raw_batch + _field(2, sample("b2").SerializeToString()), timeout=30)
+        assert server.servicer.in_flight == 0
+    assert set(got) == {"ok0", "ok1", "ok2", "deep-in-items", "deep-alone"}
+    for sid in ("deep-in-items", "deep-alone"):
+        assert CODE[got[sid].error.code] == grpc.StatusCode.INVALID_ARGUMENT
+        assert "extra_info nested too deeply" in got[sid].error.message
+    assert all(got[f"ok{i}"].score == 1.0 and not got[f"ok{i}"].HasField("error") for i in range(3))
+    assert [r.sample_id for r in reply.results] == ["b0", "b1", "b2"]
+    assert CODE[reply.results[1].error.code] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "samples[1] does not parse" in reply.results[1].error.message
+    assert reply.results[0].score == 1.0 and reply.results[2].score == 1.0
