@@ -78,6 +78,8 @@ class _TargetStream(Member):
         self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False)
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
+        # Wire ids cancelled on the server and not yet answered: a late answer must not be taken for a new sample.
+        self.cancelling: set[str] = set()
         self._queued: collections.deque[_Pending] = collections.deque()
         self._cancels: list[str] = []
         self._keeps: dict[str, str] = {}  # sample id -> traceparent ("": its own) to keep, on the next message
@@ -119,6 +121,7 @@ class _TargetStream(Member):
             return
         if self._open:
             self._cancels.append(p.wire_id)
+            self.cancelling.add(p.wire_id)  # its id stays taken until the server answers for it
             self._poke()
 
     def keep_traces(self, kept: Mapping[str, str]) -> bool:
@@ -203,6 +206,8 @@ class _TargetStream(Member):
         self._cancels.clear()
         self._keeps.clear()
         self._task = self._call = None
+        self.owner._wire_ids.difference_update(self.cancelling)  # nothing more will come for them
+        self.cancelling.clear()
 
     async def close(self) -> None:
         """End the request stream, cancel the call and wait for the reader: nothing is left pending."""
@@ -349,14 +354,14 @@ class RewardClient:
 
     def _on_done(self, p: _Pending, fut: asyncio.Future[reward_pb2.RewardResult]) -> None:
         self._live.pop(p, None)
-        self._wire_ids.discard(p.wire_id)
-        if not fut.cancelled():
-            return
-        if p.stream is not None:
-            p.stream.cancel(p)
-        timer = self._waiting.pop(p, None)
-        if timer is not None:
-            timer.cancel()
+        if fut.cancelled():
+            if p.stream is not None:
+                p.stream.cancel(p)
+            timer = self._waiting.pop(p, None)
+            if timer is not None:
+                timer.cancel()
+        if not any(p.wire_id in s.cancelling for s in self.pool.members):
+            self._wire_ids.discard(p.wire_id)
 
     async def _sweep(self) -> None:
         """Fail samples whose end-to-end deadline passed (one task per client, not a timer per sample)."""
@@ -419,6 +424,10 @@ class RewardClient:
 
     def _on_result(self, stream: _TargetStream, result: reward_pb2.RewardResult) -> None:
         p = stream.pending.pop(result.sample_id, None)
+        if p is None and result.sample_id in stream.cancelling:  # the server's answer to a cancel: the id is free
+            stream.cancelling.discard(result.sample_id)
+            self._wire_ids.discard(result.sample_id)
+            return
         if p is None:  # cancelled or expired here meanwhile
             log.debug("result for unknown sample %s from %s ignored", result.sample_id, stream.address)
             return

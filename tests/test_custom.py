@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -292,11 +291,11 @@ async def test_processes_a_function_starts_do_not_outlive_the_server(tmp_path: A
 
     from rewardmesh.demo.server_process import ServerProcess
     from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+    from tests.support.paths import CLI
     from tests.support.servers import sample as wire_sample
-    from tests.test_cli import CLI
 
     config = tmp_path / "reward.yaml"
-    spec = Path(__file__).with_name("support") / "reward_fns.py"
+    spec = REPO / FILE
     config.write_text(
         "server:\n  grace_s: 2\npipelines:\n  forks:\n    sources:\n"
         f"      - {{type: function, function: '{spec}:forks_a_sleeper', timeout_s: 60}}\n"

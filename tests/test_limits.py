@@ -200,9 +200,9 @@ async def test_stop_lists_over_their_limits_are_refused(
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 async def test_non_finite_sampling_parameters_are_refused_naming_the_field(tok: Any, field: str, value: float) -> None:
     async with limited_rollout(tok) as (stub, _):
-        request = rollout_pb2.GenerateRequest(
-            prompts=[_prompt(tok)], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=8, **{field: value})
-        )
+        sampling = rollout_pb2.SamplingParams(max_tokens=8)
+        setattr(sampling, field, value)
+        request = rollout_pb2.GenerateRequest(prompts=[_prompt(tok)], n=1, sampling=sampling)
         with pytest.raises(aio.AioRpcError) as err:
             _ = [r async for r in stub.Generate(request)]
     assert err.value.code() == INVALID and f"sampling.{field} must be a finite number" in str(err.value.details())

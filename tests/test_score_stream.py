@@ -209,6 +209,24 @@ async def test_cancelling_a_submitted_sample_cancels_it_on_the_server_and_a_retr
     assert not retry.HasField("error") and retry.score == 2.0
 
 
+async def test_an_id_resent_right_after_its_cancel_gets_its_own_result() -> None:
+    """The server's CANCELLED answer for the first attempt may arrive after the same id was sent again: it must
+    not be taken for the new attempt's result (a client never has two live samples under one id on the wire)."""
+    from rewardmesh.client.reward_client import RewardClient
+
+    async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, RewardClient(server.address) as client:
+        for attempt in range(5):
+            first = client.submit(sample("again", delay=30), "sleepy")
+            await eventually(lambda: server.servicer.in_flight >= 1, "the sample in flight on the server")
+            first.cancel()
+            retry = await asyncio.wait_for(
+                client.submit(sample("again", response="x" * attempt, delay=0), "sleepy"), 10
+            )
+            assert retry.sample_id == "again" and not retry.HasField("error"), retry
+            assert retry.score == attempt
+        await eventually(lambda: not server.servicer.in_flight, "every cancelled attempt answered")
+
+
 async def test_a_scored_sample_leaves_no_reference_cycle() -> None:
     """A sample's server-side objects (its flight, its decoded input) are freed by reference counting once it is
     answered or cancelled: a flight whose batcher token is the flight itself used to stay in a cycle until the
