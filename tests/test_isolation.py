@@ -202,6 +202,7 @@ async def test_a_normal_call_does_not_queue_behind_budgets_being_burned() -> Non
         assert "closed" in str(result)
 
 
+@pytest.mark.slow
 async def test_slow_calls_beyond_the_straggler_cap_queue_and_every_one_is_answered_once() -> None:
     pool = IsolatedPool("t", workers=1, timeout_s=1.5, straggler_after_s=0.1, max_stragglers=1)
     try:
