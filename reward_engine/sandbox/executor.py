@@ -1,0 +1,332 @@
+"""A pool of sandbox starts sized to the machine: one job (a program and a batch of its test inputs) per start.
+
+The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
+dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
+runs as root, each pool slot runs its sandbox as an unprivileged uid of its own (``uid_base + slot``), so a
+program cannot signal or read anything of the server's or of another slot even outside the namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rewardmesh.reward_engine.errors import Unavailable
+from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
+
+log = logging.getLogger(__name__)
+
+# Starting a sandbox (namespaces, mounts, the runner's interpreter) may take this long before its first test.
+STARTUP_S = 10.0
+_SANDBOX_ENV = {"PATH": PATH + ":/usr/sbin:/sbin", "LANG": "C.UTF-8"}
+
+
+class SandboxUnavailable(Unavailable):
+    """The configured isolation cannot be provided on this machine; no code runs."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per test process: CPU seconds, wall seconds, address space, processes (threads count), open files,
+    bytes of stdout, bytes per written file; per sandbox: the size of its tmpfs."""
+
+    cpu_s: float = 5.0
+    wall_s: float = 10.0
+    memory_mb: int = 512
+    procs: int = 32
+    files: int = 64
+    output_bytes: int = 1 << 20
+    file_bytes: int = 16 << 20
+    tmp_mb: int = 64
+    compile_timeout_s: float = 30.0
+
+    def check(self, where: str) -> None:
+        for name in ("cpu_s", "wall_s", "memory_mb", "procs", "files", "output_bytes", "file_bytes", "tmp_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{where}: '{name}' must be a positive number, got {value!r}")
+
+    def as_job(self) -> dict[str, Any]:
+        return {
+            "cpu_s": self.cpu_s,
+            "wall_s": self.wall_s,
+            "memory_mb": self.memory_mb,
+            "procs": self.procs,
+            "files": self.files,
+            "output_bytes": self.output_bytes,
+            "file_bytes": self.file_bytes,
+        }
+
+
+@dataclass
+class Job:
+    """What one sandbox start runs: files in its work dir, an optional compile, one run per stdin."""
+
+    files: dict[str, str]
+    run: list[str]
+    stdins: list[str]
+    compile: list[str] | None = None
+    binary: str = ""
+
+
+@dataclass
+class TestRun:
+    """One test's raw outcome; ``status``: exited | timeout | output_limit | error | compile_error |
+    sandbox_error."""
+
+    status: str
+    exit_code: int | None = None
+    signal: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    time_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+@dataclass
+class JobResult:
+    runs: list[TestRun]
+    compile_ok: bool = True
+    compile_stderr: str = ""
+    compile_time_s: float = 0.0
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def _run_of(record: dict[str, Any]) -> TestRun:
+    def num(key: str) -> float:
+        value = record.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+    def opt_int(key: str) -> int | None:
+        value = record.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    status = record.get("status")
+    return TestRun(
+        status=status if isinstance(status, str) else "sandbox_error",
+        exit_code=opt_int("exit"),
+        signal=opt_int("signal"),
+        stdout=str(record.get("stdout", "")),
+        stderr=str(record.get("stderr", "")),
+        time_s=num("time"),
+        cpu_s=num("cpu"),
+    )
+
+
+class Sandbox:
+    """Runs jobs in fresh sandboxes, at most ``workers`` at once.
+
+    ``isolation`` is the level the operator asks for ("bwrap" or "unshare"). ``start()`` proves it works by
+    running a program; if it does not, a lower level is used only with ``allow_weaker_isolation=True``, and
+    otherwise every job fails with SandboxUnavailable. There is no level without namespaces.
+    """
+
+    def __init__(
+        self,
+        *,
+        isolation: str = "bwrap",
+        allow_weaker_isolation: bool = False,
+        workers: int = 0,
+        limits: Limits | None = None,
+        python: str = "",
+        uid_base: int = 61000,
+    ) -> None:
+        if isolation not in LEVELS:
+            raise ValueError(f"sandbox: 'isolation' must be one of {', '.join(LEVELS)}, got {isolation!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"sandbox: 'workers' must be an integer >= 0 (0: one per CPU), got {workers!r}")
+        self.requested = isolation
+        self.allow_weaker = bool(allow_weaker_isolation)
+        self.workers = workers or max(1, len(os.sched_getaffinity(0)))
+        self.limits = limits or Limits()
+        self.limits.check("sandbox")
+        self.python = python or default_python()
+        self.uid_base = uid_base
+        self.level: Level | None = None
+        self._failure: str | None = None
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(self.workers):
+            self._slots.put_nowait(slot)
+
+    @property
+    def description(self) -> str:
+        if self.level is None:
+            return f"unavailable ({self._failure})" if self._failure else "not started"
+        return f"{self.level.name} ({self.level.tool}), {self.workers} workers"
+
+    async def start(self) -> Level:
+        """Find and prove the isolation level (once); raises SandboxUnavailable when none is acceptable."""
+        async with self._start_lock:
+            if self._started:
+                if self.level is None:
+                    raise SandboxUnavailable(self._failure or "sandbox unavailable")
+                return self.level
+            self._started = True
+            tried: list[str] = []
+            candidates = [n for n in LEVELS if RANK[n] <= RANK[self.requested]]
+            for name in candidates:
+                weaker = RANK[name] < RANK[self.requested]
+                if weaker and not self.allow_weaker:
+                    break
+                level = Level.find(name)
+                if level is None:
+                    tried.append(f"{name}: not installed")
+                    continue
+                problem = await self._probe(level)
+                if problem:
+                    tried.append(f"{name}: {problem}")
+                    continue
+                self.level = level
+                if weaker:
+                    log.warning(
+                        "code sandbox: %s unavailable (%s); running with the weaker level %s as allowed by "
+                        "allow_weaker_isolation",
+                        self.requested,
+                        "; ".join(tried),
+                        name,
+                    )
+                log.info("code sandbox: isolation level %s", self.description)
+                return level
+            hint = "" if self.allow_weaker else " (set allow_weaker_isolation to accept a lower level)"
+            self._failure = (
+                f"isolation level '{self.requested}' is not available: {'; '.join(tried) or 'nothing tried'}{hint};"
+                " no code is executed"
+            )
+            log.error("code sandbox: %s", self._failure)
+            raise SandboxUnavailable(self._failure)
+
+    async def _probe(self, level: Level) -> str | None:
+        """None if a program runs in the level's sandbox with its network, tmp and root as promised."""
+        probe = (
+            "import os, socket\n"
+            "s = socket.socket()\n"
+            "try:\n    s.connect(('127.0.0.1', 1)); print('net')\n"
+            "except OSError:\n    pass\n"
+            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100)\n"
+        )
+        job = Job({"probe.py": probe}, [self.python, "-I", "-S", "probe.py"], [""])
+        try:
+            result = await self._execute(level, job, 0)
+        except OSError as exc:
+            return str(exc)
+        run = result.runs[0]
+        if run.status != "exited" or run.exit_code != 0:
+            return f"a probe program did not run ({run.status}: {(run.stderr or '').strip()[-300:]})"
+        if run.stdout.strip() != "True False True":
+            return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
+        return None
+
+    async def run(self, job: Job) -> JobResult:
+        level = await self.start()
+        slot = await self._slots.get()
+        try:
+            return await self._execute(level, job, slot)
+        finally:
+            self._slots.put_nowait(slot)
+
+    async def _execute(self, level: Level, job: Job, slot: int) -> JobResult:
+        lim = self.limits
+        payload = {
+            "files": job.files,
+            "run": job.run,
+            "tests": job.stdins,
+            "limits": lim.as_job(),
+            "compile": job.compile,
+            "compile_timeout_s": lim.compile_timeout_s,
+            "binary": job.binary,
+        }
+        budget = STARTUP_S + len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
+        cap = len(job.stdins) * (lim.output_bytes * 2 + 16384) + 65536
+        kwargs: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            uid = self.uid_base + slot
+            kwargs = {"user": uid, "group": uid, "extra_groups": []}
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *level.command(self.python, lim.tmp_mb << 20),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=_SANDBOX_ENV,
+            start_new_session=True,
+            limit=lim.output_bytes * 2 + 65536,
+            **kwargs,
+        )
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        records: list[dict[str, Any]] = []
+        compile_info: dict[str, Any] | None = None
+        notes: list[str] = []
+        stderr_task = asyncio.ensure_future(proc.stderr.read(65536))
+
+        async def talk() -> None:
+            nonlocal compile_info
+            assert proc.stdin is not None and proc.stdout is not None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                proc.stdin.write(json.dumps(payload).encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+            received = 0
+            while True:
+                line = await proc.stdout.readline()
+                if not line:
+                    return
+                received += len(line)
+                if received > cap:
+                    notes.append("sandbox output over its cap")
+                    return
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    notes.append("unreadable line from the sandbox")
+                    return
+                if not isinstance(record, dict):
+                    return
+                if "compile" in record and isinstance(record["compile"], dict):
+                    compile_info = record["compile"]
+                elif record.get("test") == len(records):
+                    records.append(record)
+
+        timed_out = False
+        try:
+            await asyncio.wait_for(talk(), budget)
+        except TimeoutError:
+            timed_out = True
+        except (asyncio.LimitOverrunError, ValueError):
+            notes.append("sandbox line over its cap")
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            await proc.wait()
+            with contextlib.suppress(Exception):
+                err = await asyncio.wait_for(stderr_task, 5)
+                if err.strip() and not records:
+                    notes.append(err.decode(errors="replace").strip()[-500:])
+            stderr_task.cancel()
+        runs = [_run_of(r) for r in records]
+        result = JobResult(runs, wall_s=time.monotonic() - start, notes=notes)
+        if compile_info is not None:
+            result.compile_ok = bool(compile_info.get("ok"))
+            result.compile_stderr = str(compile_info.get("stderr", ""))
+            result.compile_time_s = float(compile_info.get("time", 0.0) or 0.0)
+            if not result.compile_ok:
+                status = "timeout" if compile_info.get("status") == "timeout" else "compile_error"
+                result.runs = [TestRun("compile_error", stderr=f"{status}: {result.compile_stderr}") for _ in job.stdins]
+                return result
+        why = "sandbox wall budget exceeded" if timed_out else ("; ".join(notes) or "sandbox ended early")
+        status = "timeout" if timed_out else "sandbox_error"
+        while len(result.runs) < len(job.stdins):
+            result.runs.append(TestRun(status, stderr=why))
+        return result
