@@ -74,6 +74,7 @@ class Job:
     stdins: list[str]
     compile: list[str] | None = None
     binary: str = ""
+    stop_on_error: bool = False  # skip the remaining tests after one that crashed or timed out
 
 
 @dataclass
@@ -244,6 +245,7 @@ class Sandbox:
             "compile": job.compile,
             "compile_timeout_s": lim.compile_timeout_s,
             "binary": job.binary,
+            "stop_on_error": job.stop_on_error,
         }
         budget = STARTUP_S + len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
         cap = len(job.stdins) * (lim.output_bytes * 2 + 16384) + 65536
@@ -323,10 +325,14 @@ class Sandbox:
             result.compile_time_s = float(compile_info.get("time", 0.0) or 0.0)
             if not result.compile_ok:
                 status = "timeout" if compile_info.get("status") == "timeout" else "compile_error"
-                result.runs = [TestRun("compile_error", stderr=f"{status}: {result.compile_stderr}") for _ in job.stdins]
+                why = f"{status}: {result.compile_stderr}"
+                result.runs = [TestRun("compile_error", stderr=why) for _ in job.stdins]
                 return result
         why = "sandbox wall budget exceeded" if timed_out else ("; ".join(notes) or "sandbox ended early")
         status = "timeout" if timed_out else "sandbox_error"
+        last = result.runs[-1] if result.runs else None
+        if job.stop_on_error and last and not timed_out and (last.status != "exited" or last.exit_code != 0):
+            status, why = "skipped", "not run: an earlier test failed"
         while len(result.runs) < len(job.stdins):
             result.runs.append(TestRun(status, stderr=why))
         return result

@@ -128,4 +128,4 @@ class Level:
         script = "\n".join(lines)
         argv = [self.tool, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount"]
         argv += ["--ipc", "--uts", "--cgroup", "--propagation", "private", "--"]
-        return argv + ["/bin/sh", "-c", f"P={PATH}; cd /tmp; (cd /tmp && true); " + script, "sandbox", *inner]
+        return [*argv, "/bin/sh", "-c", f"P={PATH}\n{script}", "sandbox", *inner]

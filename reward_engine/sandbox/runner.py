@@ -240,6 +240,8 @@ def main() -> None:
                 "cpu": cpu,
             }
         )
+        if job.get("stop_on_error") and (status != "exited" or code != 0):
+            break
     _fresh_workdir({})
 
 
