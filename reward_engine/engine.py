@@ -24,11 +24,13 @@ KIND_BATCHING: dict[str, BatcherConfig] = {
     "rule": BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
     "function": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=16),
     "judge": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
+    # One sample per batch (its tests are batched into sandbox starts); the sandbox pool bounds the parallelism.
+    "code": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
     # Two model batches in flight: the second is staged (built, padded, copied) while the first computes; the
     # forward passes themselves take turns on the model's lock.
     "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
 }
-SOURCE_TYPES = ("rule", "function", "model", "judge")
+SOURCE_TYPES = ("rule", "function", "model", "judge", "code")
 
 
 def _source_class(kind: str) -> type:
@@ -49,6 +51,10 @@ def _source_class(kind: str) -> type:
         from rewardmesh.reward_engine.sources.judge import JudgeSource
 
         return JudgeSource
+    if kind == "code":
+        from rewardmesh.reward_engine.sources.code import CodeSource
+
+        return CodeSource
     raise ValueError(f"unknown source type '{kind}' (known: {', '.join(SOURCE_TYPES)})")
 
 
@@ -122,7 +128,8 @@ class RewardEngine:
         self.pipelines[pipeline.name] = pipeline
 
     def add_builtin_rules(self, **rule_options: Any) -> None:
-        """One pipeline per built-in rule, named after the rule; ``rule_options`` (timeout_s, memory_mb,
+        """One pipeline per built-in rule, named after the rule, and `code` (programs against tests in the
+        sandbox); ``rule_options`` (timeout_s, memory_mb,
         workers) set the isolation budget of those that run in worker processes, started on first use."""
         from rewardmesh.reward_engine.sources.rules import RULES, RuleSource
 
@@ -137,6 +144,16 @@ class RewardEngine:
                         on_batch=self._on_batch,
                     )
                 )
+        if "code" not in self.pipelines:  # programs against tests in the sandbox, proven on first use
+            from rewardmesh.reward_engine.sources.code import CodeSource
+
+            code = CodeSource(name="code", prestart=False)
+            description = "built-in code execution against tests in the sandbox"
+            batching = batcher_config("code", "code", None)
+            pipeline = RewardPipeline(
+                "code", [WeightedSource(code)], batching, description=description, on_batch=self._on_batch
+            )
+            self.add(pipeline)
 
     def add_from_config(self, config: dict[str, Any]) -> None:
         """Pipelines from a mapping `{name: {description, batching, sources: [{type, ...}]}}`."""

@@ -40,6 +40,7 @@ from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, depth
+from rewardmesh.server.run_code import RunCode
 from rewardmesh.server.status import SAMPLE_ERRORS, status_of
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class HttpGateway:
         self.app.router.add_get("/health", self._health)
         self.route("POST", "/get_reward", self._openrlhf)
         self.route("POST", "/score/{pipeline}", self._slime)
+        self.route("POST", "/run_code", RunCode(engine).handle)  # SandboxFusion's API, for verl's client
         self._runner: web.AppRunner | None = None
 
     def route(self, method: str, path: str, handler: Any) -> None:

@@ -2,7 +2,8 @@
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
-runs as root, each pool slot runs its sandbox as an unprivileged uid of its own (``uid_base + slot``), so a
+runs as root, each pool slot runs its sandbox as an unprivileged uid of its own (``uid_base + slot``, set with
+util-linux ``setpriv``), so a
 program cannot signal or read anything of the server's or of another slot even outside the namespaces.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -75,6 +77,7 @@ class Job:
     compile: list[str] | None = None
     binary: str = ""
     stop_on_error: bool = False  # skip the remaining tests after one that crashed or timed out
+    limits: Limits | None = None  # this job's own limits (the sandbox's when None)
 
 
 @dataclass
@@ -152,6 +155,7 @@ class Sandbox:
         self.python = python or default_python()
         self.uid_base = uid_base
         self.level: Level | None = None
+        self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
         self._failure: str | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -197,6 +201,8 @@ class Sandbox:
                         name,
                     )
                 log.info("code sandbox: isolation level %s", self.description)
+                if os.geteuid() == 0 and not self._setpriv:
+                    log.warning("code sandbox: running as root without setpriv: sandboxes keep uid 0 outside")
                 return level
             hint = "" if self.allow_weaker else " (set allow_weaker_isolation to accept a lower level)"
             self._failure = (
@@ -236,7 +242,7 @@ class Sandbox:
             self._slots.put_nowait(slot)
 
     async def _execute(self, level: Level, job: Job, slot: int) -> JobResult:
-        lim = self.limits
+        lim = job.limits or self.limits
         payload = {
             "files": job.files,
             "run": job.run,
@@ -249,20 +255,21 @@ class Sandbox:
         }
         budget = STARTUP_S + len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
         cap = len(job.stdins) * (lim.output_bytes * 2 + 16384) + 65536
-        kwargs: dict[str, Any] = {}
-        if os.geteuid() == 0:
-            uid = self.uid_base + slot
-            kwargs = {"user": uid, "group": uid, "extra_groups": []}
+        argv = level.command(self.python, lim.tmp_mb << 20)
+        if os.geteuid() == 0 and self._setpriv:
+            # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a
+            # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
+            uid = str(self.uid_base + slot)
+            argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            *level.command(self.python, lim.tmp_mb << 20),
+            *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=_SANDBOX_ENV,
             start_new_session=True,
             limit=lim.output_bytes * 2 + 65536,
-            **kwargs,
         )
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         records: list[dict[str, Any]] = []
@@ -314,8 +321,8 @@ class Sandbox:
             await proc.wait()
             with contextlib.suppress(Exception):
                 err = await asyncio.wait_for(stderr_task, 5)
-                if err.strip() and not records:
-                    notes.append(err.decode(errors="replace").strip()[-500:])
+                if not records:
+                    notes.append(f"exit {proc.returncode}: " + err.decode(errors="replace").strip()[-500:])
             stderr_task.cancel()
         runs = [_run_of(r) for r in records]
         result = JobResult(runs, wall_s=time.monotonic() - start, notes=notes)

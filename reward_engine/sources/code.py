@@ -28,7 +28,7 @@ MAX_TEST_EXTRAS = 64
 
 
 def score_kind(data_source: str, score: str = "auto") -> str:
-    """"pass_rate" or "all_passed" for a sample, routed by data_source under "auto"."""
+    """ "pass_rate" or "all_passed" for a sample, routed by data_source under "auto"."""
     if score != "auto":
         return score
     return "pass_rate" if data_source.strip().lower() in VERL_CONTINUOUS else "all_passed"
@@ -137,9 +137,7 @@ class CodeSource:
         job.stop_on_error = stop_on_error
         size = self.tests_per_sandbox
         chunks = [job.stdins[i : i + size] for i in range(0, len(job.stdins), size)]
-        results = await asyncio.gather(
-            *(self.sandbox.run(replace(job, stdins=c)) for c in chunks)
-        )
+        results = await asyncio.gather(*(self.sandbox.run(replace(job, stdins=c)) for c in chunks))
         runs = [run for result in results for run in result.runs]
         if all(r.status == "sandbox_error" for r in runs):
             notes = "; ".join(n for result in results for n in result.notes)
@@ -155,8 +153,8 @@ class CodeSource:
         runs = await self._runs(p, stop_on_error=kind == "all_passed")
         tests = []
         for i, run in enumerate(runs):
-            kind, reason = outcome(p, i, run)
-            tests.append(TestOutcome(kind, reason, run.time_s))
+            what, reason = outcome(p, i, run)
+            tests.append(TestOutcome(what, reason, run.time_s))
         passed = sum(t.outcome == "passed" for t in tests)
         if kind == "pass_rate":
             value = passed / len(tests)

@@ -1,0 +1,181 @@
+"""The code reward source and its sandbox, fast paths: the shipped test set in both forms, both isolation
+levels, refusal of weaker isolation, the engine's pipelines, and SandboxFusion's /run_code over plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from typing import Any
+
+import aiohttp
+import pytest
+
+from rewardmesh.demo.code_problems import PROBLEMS
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.reward_engine.sandbox import levels
+from rewardmesh.reward_engine.sandbox.executor import SandboxUnavailable
+from rewardmesh.reward_engine.sandbox.grading import extract_program, plan, stdout_matches
+from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
+from rewardmesh.v1 import reward_pb2
+from tests.support.servers import http_gateway, reward_server, reward_stub, sample
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
+needs_gpp = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+
+
+def test_extracts_the_program_as_verl_does() -> None:
+    text = "think\n```text\nnot code\n```\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```\n"
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_program("print(4)") == "print(4)"
+    assert extract_program("```cpp\nint main(){}\n```\n```python\nx\n```", "cpp") == "int main(){}\n"
+
+
+def test_stdout_comparison_ignores_trailing_space_and_float_noise() -> None:
+    assert stdout_matches("3 \n\n", "3")
+    assert stdout_matches("1.5000000001\n", "1.5")
+    assert not stdout_matches("4\n", "3\n")
+    assert not stdout_matches("1 2", "1 2 3")
+
+
+def test_malformed_tests_name_the_field() -> None:
+    with pytest.raises(InvalidInput, match="ground_truth: 'inputs' and 'outputs'"):
+        plan("print(1)", json.dumps({"inputs": ["1"], "outputs": []}))
+    with pytest.raises(InvalidInput, match="ground_truth: not valid JSON"):
+        plan("print(1)", "{oops")
+    with pytest.raises(InvalidInput, match="language: 'cobol'"):
+        plan("x", json.dumps({"inputs": ["1"], "outputs": ["1"], "language": "cobol"}))
+
+
+def test_score_follows_data_source_like_verl() -> None:
+    assert score_kind("codecontests") == "pass_rate"
+    assert score_kind("taco") == "pass_rate"
+    assert score_kind("openai_humaneval") == "all_passed"
+    assert score_kind("anything", "pass_rate") == "pass_rate"
+
+
+@pytest.fixture(scope="module")
+def bwrap_source() -> CodeSource:
+    return CodeSource("code", timeout_s=5.0, workers=2)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p.name for p in PROBLEMS])
+async def test_shipped_problems_canonical_pass_wrong_fail(problem: Any, bwrap_source: CodeSource) -> None:
+    if problem.language == "cpp" and shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    good = await bwrap_source.grade(problem.canonical, problem.ground_truth, problem.data_source)
+    assert good.score == 1.0 and all(t.outcome == "passed" for t in good.tests), good.tests
+    bad = await bwrap_source.grade(problem.wrong, problem.ground_truth, problem.data_source)
+    assert bad.score < 1.0 and any(t.outcome == "wrong_answer" for t in bad.tests), bad.tests
+    assert bwrap_source.sandbox.level is not None and bwrap_source.sandbox.level.name == "bwrap"
+
+
+@needs_bwrap
+async def test_outcomes_per_test_and_pass_fraction(bwrap_source: CodeSource) -> None:
+    truth = json.dumps({"inputs": ["1\n", "2\n", "3\n", "4\n"], "outputs": ["1\n", "4\n", "9\n", "16\n"]})
+    program = (
+        "```python\nn = int(input())\nif n == 2: print(5)\nelif n == 3: raise SystemExit(3)\nelse: print(n*n)\n```"
+    )
+    g = await bwrap_source.grade(program, truth, "apps")
+    assert [t.outcome for t in g.tests] == ["passed", "wrong_answer", "runtime_error", "passed"]
+    assert g.score == 0.5
+    extras = g.extras()
+    assert extras["pass_rate"] == 0.5 and extras["acc"] == 0.0 and extras["wrong_answer"] == 1.0
+    assert extras["outcome/2"] == -2.0 and extras["time_s/0"] > 0
+    # all-passed scoring stops at the first crash: later tests are reported as skipped, not run
+    g = await bwrap_source.grade(program, truth, "mbpp")
+    assert g.score == 0.0 and [t.outcome for t in g.tests] == ["passed", "wrong_answer", "runtime_error", "skipped"]
+
+
+async def test_unshare_level_runs_and_contains() -> None:
+    if levels.Level.find("unshare") is None:
+        pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
+    src = CodeSource("code", isolation="unshare", timeout_s=5.0, workers=1)
+    problem = PROBLEMS[0]
+    assert (await src.grade(problem.canonical, problem.ground_truth, problem.data_source)).score == 1.0
+    assert (await src.grade(problem.wrong, problem.ground_truth, problem.data_source)).score == 0.0
+    hostile = "import socket, os\nsocket.create_connection(('127.0.0.1', 22), 1)\nopen('/usr/x', 'w')\nprint('out')"
+    g = await src.grade(hostile, json.dumps({"inputs": [""], "outputs": ["out"]}))
+    assert g.tests[0].outcome == "runtime_error" and "Network is unreachable" in g.tests[0].reason
+    assert src.sandbox.level is not None and src.sandbox.level.name == "unshare"
+
+
+async def test_refuses_weaker_isolation_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    if levels.Level.find("unshare") is None:
+        pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
+    real = levels.Level.find
+    monkeypatch.setattr(levels.Level, "find", staticmethod(lambda name: None if name == "bwrap" else real(name)))
+    strict = CodeSource("code", workers=1)
+    with pytest.raises(SandboxUnavailable, match=r"'bwrap' is not available: bwrap: not installed.*allow_weaker"):
+        await strict.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)
+    [out] = await strict.score_batch([_input(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)])
+    assert isinstance(out, SandboxUnavailable)  # a sample error, never a score
+    lenient = CodeSource("code", workers=1, allow_weaker_isolation=True)
+    assert (await lenient.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)).score == 1.0
+    assert lenient.sandbox.level is not None and lenient.sandbox.level.name == "unshare"
+
+
+def _input(response: str, truth: str, data_source: str = "") -> Any:
+    import numpy as np
+
+    from rewardmesh.reward_engine.types import RewardInput
+
+    empty = np.zeros(0, np.int32)
+    return RewardInput("s", empty, empty, response_text=response, ground_truth=truth, data_source=data_source)
+
+
+def test_engine_offers_a_code_pipeline_and_config_type() -> None:
+    engine = RewardEngine()
+    engine.add_builtin_rules()
+    assert engine.get("code").sources[0].source.kind == "code"
+    engine.add_from_config({"my_code": {"sources": [{"type": "code", "timeout_s": 2.0, "score": "pass_rate"}]}})
+    assert engine.get("my_code").sources[0].source.kind == "code"
+    with pytest.raises(ValueError, match="unknown option"):
+        engine.add_from_config({"bad": {"sources": [{"type": "code", "timeout": 2}]}})
+
+
+@needs_bwrap
+async def test_code_pipeline_over_grpc() -> None:
+    problem = PROBLEMS[1]
+    async with reward_server() as server, reward_stub(server.address) as stub:
+        good = sample("a", response=problem.canonical, truth=problem.ground_truth)
+        good.data_source = problem.data_source
+        bad = sample("b", response=problem.wrong, truth=problem.ground_truth)
+        bad.data_source = problem.data_source
+        broken = sample("c", response="print(1)", truth="{not json")
+        reply = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="code", samples=[good, bad, broken]))
+    by_id = {r.sample_id: r for r in reply.results}
+    assert by_id["a"].score == 1.0 and by_id["a"].extras["pass_rate"] == 1.0
+    assert by_id["b"].score < 1.0 and by_id["b"].extras["wrong_answer"] >= 1
+    assert by_id["c"].error.code != 0 and "ground_truth" in by_id["c"].error.message
+
+
+@needs_bwrap
+async def test_run_code_over_plain_http() -> None:
+    async with reward_server() as server, http_gateway(server) as gw, aiohttp.ClientSession() as http:
+
+        async def run(**body: Any) -> tuple[int, dict[str, Any]]:
+            async with http.post(f"{gw.url}/run_code", json=body) as resp:
+                return resp.status, await resp.json()
+
+        status, ok = await run(code="print(input() * 2)", stdin="ab", language="python", run_timeout=5)
+        assert status == 200 and ok["status"] == "Success" and ok["run_result"]["stdout"] == "abab\n"
+        assert ok["run_result"]["status"] == "Finished" and ok["run_result"]["return_code"] == 0
+        assert ok["compile_result"] is None
+        status, failed = await run(code="raise SystemExit(3)", language="python")
+        assert failed["status"] == "Failed" and failed["run_result"]["return_code"] == 3
+        status, slow = await run(code="while True: pass", run_timeout=1)
+        assert slow["status"] == "Failed" and slow["run_result"]["status"] == "TimeLimitExceeded"
+        if shutil.which("g++"):
+            status, bad = await run(code="int main( {", language="cpp", compile_timeout=20)
+            assert bad["status"] == "Failed" and bad["compile_result"]["return_code"] != 0
+            assert "error" in bad["compile_result"]["stderr"]
+        status, err = await run(code="print(1)", run_timeout=-1)
+        assert status == 400 and "run_timeout" in err["error"]["message"]
+        status, err = await run(code="print(1)", language="cobol")
+        assert status == 400 and err["error"]["code"] == "INVALID_ARGUMENT" and "language" in err["error"]["message"]
+        replies = await asyncio.gather(*(run(code=f"print({i})") for i in range(4)))
+        assert [r[1]["run_result"]["stdout"] for r in replies] == [f"{i}\n" for i in range(4)]
