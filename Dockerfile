@@ -47,8 +47,10 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 FROM ${CUDA_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
 # gcc and the Python headers stay: Triton (under vLLM and torch.compile) builds small C helpers at run time.
+# bubblewrap (and g++ for C++ programs): the code reward's sandbox; the pod must allow user namespaces.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.11 python3.11-dev gcc libc6-dev ca-certificates \
+        bubblewrap g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 

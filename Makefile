@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm==0.32.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check
+.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,demo]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) sandbox-tools
+
+# bubblewrap for the code sandbox (reward_engine/sandbox), installed where we can (root with apt); elsewhere the
+# sandbox uses util-linux unshare when allowed, and its tests skip what they cannot run.
+sandbox-tools:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+		     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; } \
+		|| echo "note: bubblewrap not installed (needs root and apt); the code sandbox falls back or skips"; }
 
 # One command for a CUDA machine: torch 2.13.0 with CUDA (Linux wheels from the default index carry CUDA) and
 # vLLM 0.32.0, pinned together so pip never swaps torch for another build, then the project with its extras.
@@ -41,7 +49,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) sandbox-tools
 	$(BIN)/pytest -q
 
 test: lint typecheck k8s-check pytest

@@ -32,11 +32,15 @@ def runner_source() -> str:
 
 
 def default_python() -> str:
-    """The interpreter programs run with: the system's python3 (standard library only)."""
+    """The interpreter programs run with (standard library only): the server's own base Python when it is a
+    system one under /usr, else the system's python3, else the server's base Python (its prefix mirrored)."""
+    base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    if base.startswith("/usr/"):
+        return base
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(candidate):
             return candidate
-    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    return base
 
 
 def _extra_ro(python: str) -> list[str]:

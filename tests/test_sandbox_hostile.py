@@ -1,0 +1,221 @@
+"""Hostile programs against the real sandbox, at both isolation levels: each is contained and scored as a
+failure with its reason, the server keeps answering others meanwhile, and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rewardmesh.reward_engine.sandbox.levels import Level
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.integrations.support import RunningServer, server_thread
+from tests.support.servers import sample
+from tests.support.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+SECRET = f"secret-{uuid.uuid4().hex}"
+OWN_TMP_FILE = f"/tmp/rewardmesh-sandbox-{uuid.uuid4().hex}"  # written inside: must land in the private tmpfs
+LIMITS = {"timeout_s": 2.0, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 20, "workers": 2}
+LEVELS = [name for name in ("bwrap", "unshare") if Level.find(name) is not None]
+
+
+@dataclass
+class Hostile:
+    name: str
+    program: str
+    expected: str  # what it prints only if the attack worked: containment failing would score it 1
+    outcomes: tuple[str, ...]  # the failures it may be scored as
+    reason: str = ""  # a word the reason must contain
+    stdins: tuple[str, ...] = ("",)
+
+
+def hostiles(token_file: Path, escape: Path, port: int) -> list[Hostile]:
+    # The outside address is TEST-NET-2 (documentation only): with no route in an empty network namespace,
+    # connect() fails before any packet is sent.
+    connect = "import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(({host!r}, {port}))\nprint('connected')"
+    return [
+        Hostile(
+            "fork_bomb",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "x",
+            ("timeout",),
+        ),
+        Hostile("memory_bomb", "x = []\nwhile True:\n    x.append(bytearray(1 << 24))", "x", ("memory",), "Memory"),
+        Hostile("infinite_loop", "while True:\n    pass", "x", ("timeout",)),
+        Hostile(
+            "ignores_sigterm",
+            "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
+            "x",
+            ("timeout",),
+        ),
+        Hostile(
+            "reads_environment",
+            "import os, glob\nseen = [str(os.environ)]\nfor p in glob.glob('/proc/*/environ'):\n    try:\n"
+            "        seen.append(open(p).read())\n    except OSError:\n        pass\n"
+            f"print({SECRET!r} if any({SECRET!r} in s for s in seen) else 'none')",
+            SECRET,
+            ("wrong_answer",),
+        ),
+        Hostile("reads_token_file", f"print(open({str(token_file)!r}).read())", SECRET, ("runtime_error",), "No such"),
+        Hostile(
+            "connects_to_server_port",
+            connect.format(host="127.0.0.1", port=port),
+            "connected",
+            ("runtime_error",),
+            "Errno",
+        ),
+        Hostile(
+            "connects_outside", connect.format(host="198.51.100.7", port=80), "connected", ("runtime_error",), "Errno"
+        ),
+        Hostile(
+            "writes_outside_tmp",
+            "import os\nok = []\n"
+            f"for p in ['/usr/evil', '/etc/evil', '/evil', {str(escape)!r}, '/proc/sys/kernel/hostname']:\n"
+            "    try:\n        open(p, 'w').write('x')\n        ok.append(p)\n    except OSError:\n        pass\n"
+            f"open({OWN_TMP_FILE!r}, 'w').write('x')\nprint('wrote' if ok else 'none')",
+            "wrote",
+            ("wrong_answer",),
+        ),
+        Hostile(
+            "kills_its_parent",
+            "import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+            "    except OSError:\n        pass\nprint('still here')",
+            "x",
+            ("wrong_answer",),
+            stdins=("", "", ""),
+        ),
+        Hostile(
+            "prints_a_gigabyte",
+            "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)",
+            "x",
+            ("output_limit",),
+        ),
+    ]
+
+
+def _descendants() -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    if not LEVELS:
+        pytest.skip("neither bubblewrap nor util-linux unshare is available")
+    os.environ["REWARDMESH_HOSTILE_SECRET"] = SECRET
+    pipelines = {
+        f"hostile_{level}": {"sources": [{"type": "code", "isolation": level, "score": "pass_rate", **LIMITS}]}
+        for level in LEVELS
+    }
+    try:
+        with server_thread(pipelines) as running:
+            yield running
+    finally:
+        os.environ.pop("REWARDMESH_HOSTILE_SECRET", None)
+
+
+def _rule_latency(stub: reward_pb2_grpc.RewardServiceStub) -> float:
+    start = time.perf_counter()
+    reply = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("ok")]), timeout=30)
+    assert reply.results[0].score == 1.0
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_hostile_programs_are_contained(level: str, server: RunningServer, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET)
+    escape = tmp_path / "escaped"
+    port = int(server.address.rsplit(":", 1)[1])
+    cases = hostiles(token_file, escape, port)
+    samples = []
+    for h in cases:
+        truth = json.dumps({"inputs": list(h.stdins), "outputs": [h.expected] * len(h.stdins)})
+        samples.append(sample(h.name, response=f"```python\n{h.program}\n```", truth=truth))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        baseline = statistics.median(_rule_latency(stub) for _ in range(5))
+        replies: list[reward_pb2.ScoreBatchResponse] = []
+        hostile = threading.Thread(
+            target=lambda: replies.append(
+                stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward=f"hostile_{level}", samples=samples), timeout=120)
+            )
+        )
+        hostile.start()
+        during = []
+        while hostile.is_alive():
+            during.append(_rule_latency(stub))
+        hostile.join()
+    by_id = {r.sample_id: r for r in replies[0].results}
+    codes = {v: k for k, v in {"wrong_answer": 0, "runtime_error": -2, "timeout": -3, "memory": -5}.items()}
+    codes[-6] = "output_limit"
+    for h in cases:
+        result = by_id[h.name]
+        assert not result.HasField("error"), (h.name, result.error.message)
+        assert result.score == 0.0, h.name
+        outcomes = [codes.get(int(result.extras[f"outcome/{i}"]), "?") for i in range(len(h.stdins))]
+        assert all(o in h.outcomes for o in outcomes), (h.name, outcomes)
+    assert not escape.exists() and not Path(OWN_TMP_FILE).exists()
+    # Other clients kept being answered at about their usual latency while the hostile set ran.
+    assert during and max(during) < 1.0 + 20 * baseline, (baseline, max(during))
+    wait_until(lambda: not _descendants() - _server_helpers(), "every sandbox process is gone", 30)
+
+
+def _server_helpers() -> set[int]:
+    """Processes the server keeps on purpose (rule worker pools), not sandboxes."""
+    keep = set()
+    for pid in _descendants():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing" in cmd:
+            keep.add(pid)
+    return keep
+
+
+def test_reasons_name_what_happened(server: RunningServer) -> None:
+    """Through the engine's own API the reason of each failure is readable (the extras carry codes only)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    import asyncio
+
+    from rewardmesh.reward_engine.sources.code import CodeSource
+
+    source = CodeSource("code", **LIMITS)  # type: ignore[arg-type]
+    truth = json.dumps({"inputs": [""], "outputs": ["x"]})
+
+    async def reasons() -> list[str]:
+        out = []
+        for program in ("x = bytearray(1 << 30)", "import socket\nsocket.create_connection(('198.51.100.7', 80), 1)"):
+            grade = await source.grade(program, truth)
+            out.append(f"{grade.tests[0].outcome}: {grade.tests[0].reason}")
+        return out
+
+    memory, network = asyncio.run(reasons())
+    assert memory.startswith("memory: MemoryError"), memory
+    assert network.startswith("runtime_error") and "Network is unreachable" in network, network
