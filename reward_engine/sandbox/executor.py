@@ -14,9 +14,12 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +107,69 @@ class JobResult:
     notes: list[str] = field(default_factory=list)
 
 
+def _exchange(argv: list[str], data: bytes, budget: float, cap: int) -> tuple[bytes, bytes, bool, bool, int]:
+    """Start a sandbox, feed it the job, read its lines (at most ``cap`` bytes) within ``budget`` seconds, and
+    kill it if it is still there: (stdout, stderr head, timed out, over the cap, exit status). Runs in a thread
+    with plain Popen: asyncio's child watcher in Python 3.11 races with itself here and logs every sandbox."""
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_SANDBOX_ENV,
+        start_new_session=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    timed_out = over = False
+    deadline = time.monotonic() + budget
+    pending = memoryview(data)
+    sel = selectors.DefaultSelector()
+    try:
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+        while any(key.data is not None for key in sel.get_map().values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(min(left, 1.0)):
+                if key.fileobj is proc.stdin:
+                    try:
+                        pending = pending[os.write(key.fd, pending[:65536]) :]
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif key.data is out:
+                    out.extend(chunk)
+                    over = len(out) > cap
+                elif len(err) < 65536:
+                    err.extend(chunk)
+            if over:
+                break
+    finally:
+        sel.close()
+        try:
+            proc.wait(timeout=0 if timed_out or over else max(0.1, min(2.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                pipe.close()
+    return bytes(out[:cap]), bytes(err), timed_out, over, proc.returncode
+
+
 def _run_of(record: dict[str, Any]) -> TestRun:
     def num(key: str) -> float:
         value = record.get(key)
@@ -159,6 +225,8 @@ class Sandbox:
         self._failure: str | None = None
         self._started = False
         self._start_lock = asyncio.Lock()
+        # One thread per running sandbox (it blocks on the sandbox's pipes), plus the start probe.
+        self._threads = ThreadPoolExecutor(self.workers + 1, thread_name_prefix="sandbox")
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(self.workers):
             self._slots.put_nowait(slot)
@@ -236,10 +304,14 @@ class Sandbox:
     async def run(self, job: Job) -> JobResult:
         level = await self.start()
         slot = await self._slots.get()
-        try:
-            return await self._execute(level, job, slot)
-        finally:
-            self._slots.put_nowait(slot)
+        # A caller that goes away does not free the slot early: its sandbox runs on (within its budget).
+        task = asyncio.ensure_future(self._execute(level, job, slot))
+        task.add_done_callback(lambda _: self._slots.put_nowait(slot))
+        return await asyncio.shield(task)
+
+    def close(self) -> None:
+        """No new sandboxes; those running end within their budgets."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _execute(self, level: Level, job: Job, slot: int) -> JobResult:
         lim = job.limits or self.limits
@@ -262,68 +334,26 @@ class Sandbox:
             uid = str(self.uid_base + slot)
             argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=_SANDBOX_ENV,
-            start_new_session=True,
-            limit=lim.output_bytes * 2 + 65536,
-        )
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        data = json.dumps(payload).encode()
+        loop = asyncio.get_running_loop()
+        out, err, timed_out, over, code = await loop.run_in_executor(self._threads, _exchange, argv, data, budget, cap)
         records: list[dict[str, Any]] = []
         compile_info: dict[str, Any] | None = None
-        notes: list[str] = []
-        stderr_task = asyncio.ensure_future(proc.stderr.read(65536))
-
-        async def talk() -> None:
-            nonlocal compile_info
-            assert proc.stdin is not None and proc.stdout is not None
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                proc.stdin.write(json.dumps(payload).encode())
-                await proc.stdin.drain()
-                proc.stdin.close()
-            received = 0
-            while True:
-                line = await proc.stdout.readline()
-                if not line:
-                    return
-                received += len(line)
-                if received > cap:
-                    notes.append("sandbox output over its cap")
-                    return
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    notes.append("unreadable line from the sandbox")
-                    return
-                if not isinstance(record, dict):
-                    return
-                if "compile" in record and isinstance(record["compile"], dict):
-                    compile_info = record["compile"]
-                elif record.get("test") == len(records):
-                    records.append(record)
-
-        timed_out = False
-        try:
-            await asyncio.wait_for(talk(), budget)
-        except TimeoutError:
-            timed_out = True
-        except (asyncio.LimitOverrunError, ValueError):
-            notes.append("sandbox line over its cap")
-        finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-            await proc.wait()
-            with contextlib.suppress(Exception):
-                err = await asyncio.wait_for(stderr_task, 5)
-                if not records:
-                    notes.append(f"exit {proc.returncode}: " + err.decode(errors="replace").strip()[-500:])
-            stderr_task.cancel()
+        notes = ["sandbox output over its cap"] if over else []
+        for line in out.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                notes.append("unreadable line from the sandbox")
+                break
+            if not isinstance(record, dict):
+                break
+            if isinstance(record.get("compile"), dict):
+                compile_info = record["compile"]
+            elif record.get("test") == len(records):
+                records.append(record)
+        if not records and compile_info is None:
+            notes.append(f"exit {code}: " + err.decode(errors="replace").strip()[-500:])
         runs = [_run_of(r) for r in records]
         result = JobResult(runs, wall_s=time.monotonic() - start, notes=notes)
         if compile_info is not None:

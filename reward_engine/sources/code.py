@@ -183,4 +183,5 @@ class CodeSource:
         return list(await asyncio.gather(*(guarded(s) for s in batch)))
 
     async def close(self) -> None:
-        """Nothing to stop: every sandbox ends with its job (a job in flight is killed with the server)."""
+        """Sandboxes in flight end within their budgets (and die with the server: --die-with-parent)."""
+        self.sandbox.close()
