@@ -1,6 +1,6 @@
 """The code sandbox's cost and what streaming buys for code rewards.
 
-    python -m bench.code_sandbox [--executions 48 --samples 256 --tests 2 --generation-s 12]
+    python -m bench.code_sandbox [--executions 48 --samples 256 --tests 2 --generation-s 30]
 
 Part 1, executions: the same programs (the shipped test set's canonical Python stdin/stdout solutions with their
 inputs) run (a) bare with subprocess.run (no isolation), (b) one sandbox start per execution, (c) one sandbox
@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--executions", type=int, default=48)
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--tests", type=int, default=2)
-    parser.add_argument("--generation-s", type=float, default=12.0)
+    parser.add_argument("--generation-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = asyncio.run(executions(args.executions))

@@ -61,7 +61,8 @@ class RunCode:
         self._own: Sandbox | None = None
 
     def sandbox(self) -> Sandbox:
-        for pipeline in self.engine.pipelines.values():
+        named = self.engine.pipelines.get("code")
+        for pipeline in [named] if named else self.engine.pipelines.values():
             for ws in pipeline.sources:
                 found = getattr(ws.source, "sandbox", None)
                 if isinstance(found, Sandbox):

@@ -28,7 +28,7 @@ needs_gpp = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not i
 def test_extracts_the_program_as_verl_does() -> None:
     text = "think\n```text\nnot code\n```\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```\n"
     assert extract_program(text) == "print(2)\n"
-    assert extract_program("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_program("```\nprint(3)\n```\n```\nprint(5)\n```") == "print(3)\n"
     assert extract_program("print(4)") == "print(4)"
     assert extract_program("```cpp\nint main(){}\n```\n```python\nx\n```", "cpp") == "int main(){}\n"
 
@@ -103,11 +103,11 @@ async def test_unshare_level_runs_and_contains() -> None:
     assert src.sandbox.level is not None and src.sandbox.level.name == "unshare"
 
 
-async def test_refuses_weaker_isolation_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_refuses_weaker_isolation_unless_allowed(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     if levels.Level.find("unshare") is None:
         pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
-    real = levels.Level.find
-    monkeypatch.setattr(levels.Level, "find", staticmethod(lambda name: None if name == "bwrap" else real(name)))
+    monkeypatch.setenv("PATH", str(tmp_path))  # bubblewrap is looked up on PATH: here it is missing
+    assert levels.Level.find("bwrap") is None
     strict = CodeSource("code", workers=1)
     with pytest.raises(SandboxUnavailable, match=r"'bwrap' is not available: bwrap: not installed.*allow_weaker"):
         await strict.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)

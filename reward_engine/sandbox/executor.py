@@ -237,6 +237,12 @@ class Sandbox:
             return f"unavailable ({self._failure})" if self._failure else "not started"
         return f"{self.level.name} ({self.level.tool}), {self.workers} workers"
 
+    def outlook(self) -> str:
+        """Which isolation this sandbox asks for and which tools are installed, without starting anything."""
+        found = [name for name in LEVELS if Level.find(name) is not None]
+        weaker = " (weaker levels allowed)" if self.allow_weaker else ""
+        return f"isolation '{self.requested}'{weaker}, tools found: {', '.join(found) or 'none'}"
+
     async def start(self) -> Level:
         """Find and prove the isolation level (once); raises SandboxUnavailable when none is acceptable."""
         async with self._start_lock:

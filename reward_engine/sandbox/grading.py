@@ -66,13 +66,13 @@ sys.stdout.write('\\n' + %(mark)r + 'null\\n')
 
 
 def extract_program(response: str, language: str = "python") -> str:
-    """The program in a response, as verl reads it: the last fenced block tagged with the language, else the
-    last fenced block of any tag, else the whole response."""
+    """The program in a response, as verl's code scorers read it: the last fenced block tagged with the
+    language, else the first fenced block, else the whole response."""
     blocks = _FENCE.findall(response)
     if not blocks:
         return response
     tagged = [code for tag, code in blocks if _LANG_ALIASES.get(tag.strip().lower()) == language]
-    return (tagged or [code for _, code in blocks])[-1]
+    return tagged[-1] if tagged else blocks[0][1]
 
 
 @dataclass

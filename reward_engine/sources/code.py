@@ -12,6 +12,7 @@ sandbox.grading.OUTCOMES) and ``time_s/<i>``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,6 +21,8 @@ from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+
+log = logging.getLogger(__name__)
 
 # verl's default_compute_score scores these data sources with prime_code(continuous=True): the pass fraction.
 VERL_CONTINUOUS = ("codecontests", "apps", "codeforces", "taco")
@@ -129,8 +132,11 @@ class CodeSource:
         )
 
     async def warmup(self) -> None:
+        """Prove the sandbox now (prestart), or at least say which isolation tools it will try."""
         if self.prestart:
             await self.sandbox.start()
+        else:
+            log.info("code source %r: %s; proven on first use", self.name, self.sandbox.outlook())
 
     async def _runs(self, p: Plan, stop_on_error: bool) -> list[TestRun]:
         job = job_of(p, self.sandbox.python)
