@@ -30,6 +30,7 @@ _KINDS = {
     "function": reward_pb2.REWARD_SOURCE_KIND_FUNCTION,
     "model": reward_pb2.REWARD_SOURCE_KIND_MODEL,
     "judge": reward_pb2.REWARD_SOURCE_KIND_JUDGE,
+    "code": reward_pb2.REWARD_SOURCE_KIND_CODE,
 }
 
 

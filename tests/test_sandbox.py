@@ -147,6 +147,9 @@ async def test_code_pipeline_over_grpc() -> None:
         bad.data_source = problem.data_source
         broken = sample("c", response="print(1)", truth="{not json")
         reply = await stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="code", samples=[good, bad, broken]))
+        listing = await stub.ListRewards(reward_pb2.ListRewardsRequest())
+    [code] = [p for p in listing.pipelines if p.name == "code"]
+    assert code.sources[0].kind == reward_pb2.REWARD_SOURCE_KIND_CODE
     by_id = {r.sample_id: r for r in reply.results}
     assert by_id["a"].score == 1.0 and by_id["a"].extras["pass_rate"] == 1.0
     assert by_id["b"].score < 1.0 and by_id["b"].extras["wrong_answer"] >= 1

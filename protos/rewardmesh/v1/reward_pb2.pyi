@@ -18,11 +18,13 @@ class RewardSourceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REWARD_SOURCE_KIND_FUNCTION: _ClassVar[RewardSourceKind]
     REWARD_SOURCE_KIND_MODEL: _ClassVar[RewardSourceKind]
     REWARD_SOURCE_KIND_JUDGE: _ClassVar[RewardSourceKind]
+    REWARD_SOURCE_KIND_CODE: _ClassVar[RewardSourceKind]
 REWARD_SOURCE_KIND_UNSPECIFIED: RewardSourceKind
 REWARD_SOURCE_KIND_RULE: RewardSourceKind
 REWARD_SOURCE_KIND_FUNCTION: RewardSourceKind
 REWARD_SOURCE_KIND_MODEL: RewardSourceKind
 REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
+REWARD_SOURCE_KIND_CODE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
     __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces", "items_untraced")
