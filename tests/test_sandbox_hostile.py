@@ -97,6 +97,12 @@ def hostiles(token_file: Path, escape: Path, port: int) -> list[Hostile]:
             stdins=("", "", ""),
         ),
         Hostile(
+            "prints_control_bytes",  # just under the output limit, but six times that as escaped JSON
+            "import sys\nsys.stdout.buffer.write(b'\\x01' * 1000000)",
+            "x",
+            ("wrong_answer",),
+        ),
+        Hostile(
             "prints_a_gigabyte",
             "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)",
             "x",

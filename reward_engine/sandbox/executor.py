@@ -10,6 +10,8 @@ program cannot signal or read anything of the server's or of another slot even o
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -170,6 +172,13 @@ def _exchange(argv: list[str], data: bytes, budget: float, cap: int) -> tuple[by
     return bytes(out[:cap]), bytes(err), timed_out, over, proc.returncode
 
 
+def _decode(value: Any) -> str:
+    try:
+        return base64.b64decode(str(value or ""), validate=True).decode(errors="replace")
+    except (binascii.Error, ValueError):
+        return ""
+
+
 def _run_of(record: dict[str, Any]) -> TestRun:
     def num(key: str) -> float:
         value = record.get(key)
@@ -184,7 +193,7 @@ def _run_of(record: dict[str, Any]) -> TestRun:
         status=status if isinstance(status, str) else "sandbox_error",
         exit_code=opt_int("exit"),
         signal=opt_int("signal"),
-        stdout=str(record.get("stdout", "")),
+        stdout=_decode(record.get("stdout")),
         stderr=str(record.get("stderr", "")),
         time_s=num("time"),
         cpu_s=num("cpu"),
@@ -332,7 +341,7 @@ class Sandbox:
             "stop_on_error": job.stop_on_error,
         }
         budget = STARTUP_S + len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
-        cap = len(job.stdins) * (lim.output_bytes * 2 + 16384) + 65536
+        cap = len(job.stdins) * (lim.output_bytes * 4 // 3 + 65536) + 65536  # base64 stdout, 4 KiB stderr
         argv = level.command(self.python, lim.tmp_mb << 20)
         if os.geteuid() == 0 and self._setpriv:
             # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a

@@ -11,6 +11,7 @@ of one job are independent runs even though they share a sandbox start.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import resource
@@ -234,7 +235,7 @@ def main() -> None:
                 "status": status,
                 "exit": code,
                 "signal": sig,
-                "stdout": _text(out),
+                "stdout": base64.b64encode(out).decode(),  # bounded size whatever the bytes are
                 "stderr": _text(err, STDERR_KEEP),
                 "time": wall,
                 "cpu": cpu,
