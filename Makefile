@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.pipeline
 	$(BIN)/python -m bench.tracing_overhead
 	$(BIN)/python -m bench.demo_learning
+	$(BIN)/python -m bench.code_sandbox
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

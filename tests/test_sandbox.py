@@ -182,3 +182,21 @@ async def test_run_code_over_plain_http() -> None:
         assert status == 400 and err["error"]["code"] == "INVALID_ARGUMENT" and "language" in err["error"]["message"]
         replies = await asyncio.gather(*(run(code=f"print({i})") for i in range(4)))
         assert [r[1]["run_result"]["stdout"] for r in replies] == [f"{i}\n" for i in range(4)]
+
+
+@pytest.mark.parametrize("level", ["bwrap", "unshare"])
+async def test_tests_sharing_a_start_are_independent_runs(level: str) -> None:
+    """Batched tests (2 per start here, 5 tests: 3 starts) each see a wiped /tmp and no leftover process."""
+    if levels.Level.find(level) is None:
+        pytest.skip(f"the {level} level's tools are not installed")
+    src = CodeSource("code", isolation=level, timeout_s=5.0, workers=2, tests_per_sandbox=2)
+    program = (
+        "import os, subprocess\n"
+        "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(os.path.exists('/tmp/flag'), len(pids))\n"
+        "open('/tmp/flag', 'w').write('x')\n"
+        "subprocess.Popen(['sleep', '100'], start_new_session=True)\n"
+    )
+    truth = json.dumps({"inputs": [""] * 5, "outputs": ["False 2"] * 5})  # itself and the runner (PID 1)
+    grade = await src.grade(program, truth)
+    assert [t.outcome for t in grade.tests] == ["passed"] * 5, grade.tests
