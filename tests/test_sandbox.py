@@ -200,3 +200,9 @@ async def test_tests_sharing_a_start_are_independent_runs(level: str) -> None:
     truth = json.dumps({"inputs": [""] * 5, "outputs": ["False 2"] * 5})  # itself and the runner (PID 1)
     grade = await src.grade(program, truth)
     assert [t.outcome for t in grade.tests] == ["passed"] * 5, grade.tests
+
+
+async def test_run_code_sits_behind_the_gateways_token() -> None:
+    async with reward_server() as server, http_gateway(server, token="s3cret") as gw, aiohttp.ClientSession() as http:
+        async with http.post(f"{gw.url}/run_code", json={"code": "print(1)"}) as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["code"] == "UNAUTHENTICATED"
