@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Starting a sandbox (namespaces, mounts, the runner's interpreter) may take this long before its first test.
 STARTUP_S = 10.0
+# A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
+RETRY_START_S = 30.0
 _SANDBOX_ENV = {"PATH": PATH + ":/usr/sbin:/sbin", "LANG": "C.UTF-8"}
 
 
@@ -232,7 +234,7 @@ class Sandbox:
         self.level: Level | None = None
         self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
         self._failure: str | None = None
-        self._started = False
+        self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
         # One thread per running sandbox (it blocks on the sandbox's pipes), plus the start probe.
         self._threads = ThreadPoolExecutor(self.workers + 1, thread_name_prefix="sandbox")
@@ -253,13 +255,12 @@ class Sandbox:
         return f"isolation '{self.requested}'{weaker}, tools found: {', '.join(found) or 'none'}"
 
     async def start(self) -> Level:
-        """Find and prove the isolation level (once); raises SandboxUnavailable when none is acceptable."""
+        """Find and prove the isolation level (once it works); raises SandboxUnavailable when none is acceptable."""
         async with self._start_lock:
-            if self._started:
-                if self.level is None:
-                    raise SandboxUnavailable(self._failure or "sandbox unavailable")
+            if self.level is not None:
                 return self.level
-            self._started = True
+            if self._failure is not None and time.monotonic() < self._retry_at:
+                raise SandboxUnavailable(self._failure)
             tried: list[str] = []
             candidates = [n for n in LEVELS if RANK[n] <= RANK[self.requested]]
             for name in candidates:
@@ -292,7 +293,8 @@ class Sandbox:
                 f"isolation level '{self.requested}' is not available: {'; '.join(tried) or 'nothing tried'}{hint};"
                 " no code is executed"
             )
-            log.error("code sandbox: %s", self._failure)
+            self._retry_at = time.monotonic() + RETRY_START_S
+            log.error("code sandbox: %s (tried again in %gs when asked)", self._failure, RETRY_START_S)
             raise SandboxUnavailable(self._failure)
 
     async def _probe(self, level: Level) -> str | None:
