@@ -206,3 +206,5 @@ async def test_run_code_sits_behind_the_gateways_token() -> None:
     async with reward_server() as server, http_gateway(server, token="s3cret") as gw, aiohttp.ClientSession() as http:
         async with http.post(f"{gw.url}/run_code", json={"code": "print(1)"}) as resp:
             assert resp.status == 401 and (await resp.json())["error"]["code"] == "UNAUTHENTICATED"
+        async with http.post(f"{gw.url}/t/s3cret/run_code", json={"code": "print(1)"}) as resp:  # verl's way
+            assert resp.status == 200 and (await resp.json())["run_result"]["stdout"] == "1\n"

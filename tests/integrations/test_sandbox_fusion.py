@@ -58,3 +58,13 @@ def test_call_based_and_failures_as_verl_reads_them(server: RunningServer) -> No
     score, meta = sandbox_fusion.compute_score(url, None, 512, f"```python\n{program}\n```", cases, timeout=2)
     assert [m["status"] for m in meta] == ["success", "runtime_error", "timeout"]
     assert score == pytest.approx(1 / 3)
+
+
+def test_a_token_in_the_url(server: RunningServer) -> None:
+    """verl's client sends no headers: a gateway with a token takes it in the path."""
+    cases = json.dumps({"inputs": ["2\n"], "outputs": ["4\n"]})
+    response = "```python\nprint(int(input()) * 2)\n```"
+    with server_thread(token="s3cret") as guarded:
+        assert sandbox_fusion.compute_score(f"{guarded.url}/t/s3cret/run_code", None, 512, response, cases)[0] == 1.0
+        score, meta = sandbox_fusion.compute_score(f"{guarded.url}/run_code", None, 512, response, cases)
+        assert score == 0.0 and meta[0]["status"] == "api_error" and "401" in str(meta[0]["api_request_error"])
