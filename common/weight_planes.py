@@ -231,6 +231,8 @@ def receive_buckets(
                 except (InvalidInput, OSError) as exc:  # like a gloo failure: the chain breaks here, nothing applied
                     raise RuntimeError(f"cannot map the previous server's weights file: {exc}") from exc
         file = share.file if share is not None else None  # ours, or the previous server's
+        # The next server maps the file only when it shares with us; any other next server gets the bytes.
+        notify = file is not None and share is not None and share.to_next
         if share is not None and share.to_next and nxt:  # first: the next server waits for it before anything else
             forwards = _forward(group, forwards, _path_message(file.path if file else None), rank + 1, tag)
         if file is not None and share is not None and share.from_prev:  # the bytes are in the file already
@@ -243,7 +245,7 @@ def receive_buckets(
         for work, buf, b in zip(works, bufs, buckets, strict=True):
             work.wait(timeout)
             if nxt:
-                forwards = _forward(group, forwards, notice if file is not None else buf, rank + 1, b.members[0])
+                forwards = _forward(group, forwards, notice if notify else buf, rank + 1, b.members[0])
         failed = forwards is None
         for work in forwards or ():
             try:
