@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 from grpc import aio
 
-from rewardmesh.common import cuda_ipc
+from rewardmesh.common import cuda_ipc, weight_delta
 from rewardmesh.common.weight_planes import (
     ShmWriter,
     Store,
@@ -32,7 +33,14 @@ from rewardmesh.common.weight_planes import (
     local_address_towards,
     send_buckets,
 )
-from rewardmesh.common.weights import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION, iter_update_requests, layout, manifest
+from rewardmesh.common.weights import (
+    DEFAULT_BUCKET_BYTES,
+    LAYOUT_VERSION,
+    digest,
+    iter_update_requests,
+    layout,
+    manifest,
+)
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -95,13 +103,32 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class SyncResult:
-    """What one update_weights call did."""
+    """What one update_weights call did. num_bytes: the update's size; sent_bytes: what travelled on the data
+    plane (less when only the changed elements did); changed: the fraction of elements that changed (-1: whole)."""
 
     transport: str
     version: int
     num_bytes: int
     seconds: float
     servers: dict[str, rollout_pb2.TransferWeightsResponse]
+    sent_bytes: int = 0
+    changed: float = -1.0
+
+
+@dataclass
+class _Update:
+    """One update as it travels: the manifest (with digests and encodings), each tensor's bytes on the wire (a
+    delta's bytes in place of a tensor), and the changes a delta made (to bring the trainer's copy up to date)."""
+
+    specs: list[rollout_pb2.WeightSpec]
+    wire: dict[str, torch.Tensor]
+    base: int = 0
+    changes: dict[str, weight_delta.Change] | None = None
+    changed: float = -1.0
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.wire.values())
 
 
 def _host(address: str) -> str:
@@ -116,6 +143,11 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _stale(outcome: Any) -> bool:
+    """The server refused a delta: it serves another version than the one the delta was made against."""
+    return isinstance(outcome, aio.AioRpcError) and outcome.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _describe(exc: BaseException) -> str:
@@ -137,8 +169,17 @@ class WeightSync:
         timeout_s: float = 120.0,
         dist_host: str | None = None,
         share_host: bool = True,
+        verify: bool = True,
+        delta: bool = True,
     ) -> None:
         self.bucket_bytes = bucket_bytes
+        # A digest of every tensor, which each server checks over what it is about to serve (see common.weights).
+        self.verify = verify
+        # Keep a copy of the last version sent (CPU tensors only: one more copy of the weights in memory), and send
+        # servers that serve it only the changed elements (common.weight_delta).
+        self.delta = delta
+        self._base: dict[str, torch.Tensor] | None = None
+        self._base_version = -1
         self.timeout_s = timeout_s
         self.dist_host = dist_host
         self.share_host = share_host
@@ -151,6 +192,7 @@ class WeightSync:
         self._validated: tuple[str, tuple[Any, ...]] | None = None
 
     def close(self) -> None:
+        self._base = None
         self._group = None
         if self._store is not None:
             self._store.close()
@@ -197,38 +239,128 @@ class WeightSync:
     ) -> SyncResult:
         """Send `state` as `version` to every target; WeightSyncError names each server that did not apply it.
 
-        infos: each target's GetInfo answer when the caller just asked (one round trip per update, not two)."""
+        infos: each target's GetInfo answer when the caller just asked (one round trip per update, not two).
+        Servers that serve the version this client sent last get only the changed elements (`delta`); a server
+        that refuses the delta (it serves another version by now) gets the whole weights at once."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         if not targets:
             raise ValueError("no rollout servers to send weights to")
         started = time.perf_counter()
-        manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
+        specs = manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
         device = next(iter(state.values())).device if state else torch.device("cpu")
         if infos is None or len(infos) != len(targets):
-            infos = await self.infos(targets) if transport in ("auto", "dist") else []
+            wanted = transport in ("auto", "dist") or self._base is not None
+            infos = await self.infos(targets) if wanted else []
         if transport == "auto":
             transport = self.choose(infos, device)
-        if transport == "grpc":  # each message is built once and sent to every server
-            keep_freed_memory()
-            fanout = Fanout(iter_update_requests(state, version, chunk_bytes), [a for a, _ in targets])
-            outcomes = await self._gather(targets, lambda a, ch: self._grpc(ch, fanout, a))
-        elif transport == "shm":
-            outcomes = await self._send_shm(targets, state, version)
-        elif transport == "ipc":
-            outcomes = await self._send_ipc(targets, state, version)
-        else:
-            outcomes = await self._send_dist(targets, state, version, infos)
+        ahead = {a: f"INVALID_ARGUMENT: serves version {i.policy_version}, not below {version}"
+                 for (a, _), i in zip(targets, infos, strict=False) if i.policy_version >= version}  # fmt: skip
+        if ahead:  # it would refuse: not even a chain is formed
+            text = "; ".join(f"{a}: {p}" for a, p in ahead.items())
+            raise WeightSyncError(f"weight update to version {version} refused on {text}", ahead)
+        update = await asyncio.to_thread(self._prepare, state, specs, transport, infos)
+        outcomes = await self._send(targets, update, version, transport, chunk_bytes, infos)
+        stale = [(a, ch) for a, ch in targets if update.base and _stale(outcomes.get(a))]
+        if stale:  # they serve another version by now: the whole weights, to exactly those
+            log.info("%d server(s) refused a delta against version %d: sending them the whole weights", len(stale),
+                     update.base)  # fmt: skip
+            whole = await asyncio.to_thread(self._prepare, state, specs, "", [])
+            outcomes.update(await self._send(stale, whole, version, transport, chunk_bytes, []))
         failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
+        failed.update({a: "not sent: another server refused the update first" for a, _ in targets if a not in outcomes})
         wrong = {a: f"applied version {o.policy_version}" for a, o in outcomes.items()
                  if not isinstance(o, BaseException) and o.policy_version != version}  # fmt: skip
         if failed or wrong:
+            self._base = None  # servers now differ: the next update goes whole
             problems = {**failed, **wrong}
             text = "; ".join(f"{a}: {p}" for a, p in problems.items())
             raise WeightSyncError(f"weight update to version {version} over {transport} failed on {text}", problems)
+        await asyncio.to_thread(self._keep, state, update, version)
         done = {a: o for a, o in outcomes.items() if not isinstance(o, BaseException)}
         total = sum(t.numel() * t.element_size() for t in state.values())
-        return SyncResult(transport, version, total, time.perf_counter() - started, done)
+        return SyncResult(transport, version, total, time.perf_counter() - started, done, update.sent_bytes,
+                          update.changed)  # fmt: skip
+
+    async def _send(
+        self,
+        targets: Sequence[tuple[str, aio.Channel]],
+        update: _Update,
+        version: int,
+        transport: str,
+        chunk_bytes: int,
+        infos: Sequence[rollout_pb2.GetInfoResponse],
+    ) -> dict[str, Any]:
+        if transport == "grpc":  # each message is built once and sent to every server
+            keep_freed_memory()
+            messages = iter_update_requests(
+                update.wire, version, chunk_bytes, specs=update.specs, delta_base=update.base
+            )
+            fanout = Fanout(messages, [a for a, _ in targets])
+            return await self._gather(targets, lambda a, ch: self._grpc(ch, fanout, a))
+        if transport == "shm":
+            return await self._send_shm(targets, update, version)
+        if transport == "ipc":
+            return await self._send_ipc(targets, update, version)
+        return await self._send_dist(targets, update, version, infos)
+
+    def _prepare(
+        self,
+        state: Mapping[str, torch.Tensor],
+        specs: list[rollout_pb2.WeightSpec],
+        transport: str,
+        infos: Sequence[rollout_pb2.GetInfoResponse],
+    ) -> _Update:
+        """Digests, and a delta against the version every target serves where this client still holds it."""
+        if self.verify:
+            for spec, t in zip(specs, state.values(), strict=True):
+                spec.digest = digest(t.detach())
+        update = _Update(specs, {n: t.detach() for n, t in state.items()})
+        base = self._base
+        usable = (
+            self.delta and base is not None and transport in ("grpc", "shm", "dist") and bool(infos)
+            and all(i.weight_delta and i.policy_version == self._base_version for i in infos)
+            and base.keys() == state.keys()
+            and all(t.device.type == "cpu" and t.dtype == base[n].dtype and t.shape == base[n].shape
+                    for n, t in state.items())
+        )  # fmt: skip
+        if not usable:
+            return update
+        assert base is not None
+        update.base, update.changes = self._base_version, {}
+        changed = elements = 0
+        for spec, (name, t) in zip(specs, state.items(), strict=True):
+            old = weight_delta.bits(base[name])
+            change = weight_delta.diff(old, weight_delta.bits(t.detach().contiguous()))
+            changed, elements = changed + change.positions.size, elements + old.size
+            update.changes[name] = change
+            encoded = weight_delta.encode(old, change)
+            if encoded is not None:
+                encoding, payload = encoded
+                spec.encoding, spec.encoded_bytes = encoding, payload.size  # type: ignore[assignment]
+                update.wire[name] = torch.from_numpy(payload)
+        update.changed = changed / max(elements, 1)
+        if not any(spec.encoding for spec in specs):  # every tensor changed densely: a whole update after all
+            update.base, update.changes = 0, None
+        return update
+
+    def _keep(self, state: Mapping[str, torch.Tensor], update: _Update, version: int) -> None:
+        """The version every server serves now, as this client's own copy (what the next delta is made against)."""
+        if not self.delta or not state or any(t.device.type != "cpu" for t in state.values()):
+            self._base = None
+            return
+        if update.changes is not None and self._base is not None:
+            for name, change in update.changes.items():
+                weight_delta.apply(weight_delta.bits(self._base[name]), change)
+        elif self._base is not None and state.keys() < self._base.keys():  # a part of the weights
+            for name, t in state.items():
+                if self._base[name].dtype == t.dtype and self._base[name].shape == t.shape:
+                    self._base[name].copy_(t.detach())
+                else:
+                    self._base[name] = t.detach().clone()
+        else:
+            self._base = {name: t.detach().clone() for name, t in state.items()}
+        self._base_version = version
 
     async def _gather(self, targets: Sequence[tuple[str, aio.Channel]], call: Any) -> dict[str, Any]:
         results = await asyncio.gather(*(call(a, ch) for a, ch in targets), return_exceptions=True)
@@ -244,9 +376,10 @@ class WeightSync:
         return rollout_pb2.TransferWeightsResponse(policy_version=r.policy_version, num_tensors=r.num_tensors,
                                                    num_bytes=r.num_bytes, apply_seconds=r.apply_seconds)  # fmt: skip
 
-    def _request(self, state: Mapping[str, torch.Tensor], version: int) -> rollout_pb2.TransferWeightsRequest:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        req = rollout_pb2.TransferWeightsRequest(tensors=manifest(state), policy_version=version, total_bytes=total)
+    def _request(self, update: _Update, version: int) -> rollout_pb2.TransferWeightsRequest:
+        req = rollout_pb2.TransferWeightsRequest(
+            tensors=update.specs, policy_version=version, total_bytes=update.sent_bytes, delta_base_version=update.base
+        )
         req.timeout.FromNanoseconds(int(self.timeout_s * 1e9))
         return req
 
@@ -255,15 +388,15 @@ class WeightSync:
         return await stub.TransferWeights(request, timeout=self.timeout_s + 10)
 
     async def _send_shm(
-        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+        self, targets: Sequence[tuple[str, aio.Channel]], update: _Update, version: int
     ) -> dict[str, Any]:
-        tensors = [t.detach() for t in state.values()]
+        tensors = list(update.wire.values())
         (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62, alone_bytes=1 << 62)
         if self._shm is None:
             self._shm = ShmWriter()
         shm = self._shm
         await asyncio.to_thread(shm.write, tensors, bucket.offsets, bucket.nbytes)
-        request = self._request(state, version)
+        request = self._request(update, version)
         request.shm.path = str(shm.path)
         request.shm.offsets.extend(bucket.offsets)
         outcomes = await self._gather(targets, lambda a, ch: self._call(ch, request))
@@ -272,14 +405,14 @@ class WeightSync:
         return outcomes
 
     async def _send_ipc(
-        self, targets: Sequence[tuple[str, aio.Channel]], state: Mapping[str, torch.Tensor], version: int
+        self, targets: Sequence[tuple[str, aio.Channel]], update: _Update, version: int
     ) -> dict[str, Any]:
         """CUDA IPC: the servers read our tensors where they lie; they stay referenced (and unchanged: the caller
         awaits this) until every server has answered."""
-        tensors = [t.detach() for t in state.values()]
+        tensors = list(update.wire.values())
         if not tensors or not all(t.is_cuda for t in tensors):
             raise ValueError("transport='ipc' shares CUDA tensors: move the state dict to the servers' GPU first")
-        request = self._request(state, version)
+        request = self._request(update, version)
         request.cuda_ipc.CopyFrom(cuda_ipc.handles(tensors))
         torch.cuda.synchronize(tensors[0].device)  # the servers read what the last kernel wrote
         return await self._gather(targets, lambda a, ch: self._call(ch, request))
@@ -295,11 +428,11 @@ class WeightSync:
     async def _send_dist(
         self,
         targets: Sequence[tuple[str, aio.Channel]],
-        state: Mapping[str, torch.Tensor],
+        update: _Update,
         version: int,
         infos: Sequence[rollout_pb2.GetInfoResponse],
     ) -> dict[str, Any]:
-        tensors = [t.detach() for t in state.values()]
+        tensors = list(update.wire.values())
         backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
         # gloo: a chain of point-to-point sends (the trainer sends every byte once; gloo's sends cost far less per
         # call than its broadcasts). NCCL's broadcast is a pipelined ring already: one call per bucket.
@@ -318,14 +451,16 @@ class WeightSync:
         if self._group is None or members != self._members:
             self._group, self._members, self._group_name = None, members, uuid.uuid4().hex[:12]
         store = self._store
-        base = self._request(state, version)
+        base = self._request(update, version)
         base.dist.CopyFrom(rollout_pb2.DistRendezvous(host=host, port=store.port, group=self._group_name,
                                                       world_size=len(targets) + 1, backend=backend,
                                                       bucket_bytes=self.bucket_bytes, chain=chain,
                                                       layout=LAYOUT_VERSION))  # fmt: skip
         # Neighbours in the chain on one host share one copy of the weights: the first receives it, the next maps it.
         # (A chain has one answer per target, in rank order.) shared[i]: rank i + 1 shares with rank i + 2.
-        shared = [chain and self.share_host and bool(x.host_id) and x.host_id == y.host_id and x.dist_host_share
+        # (A delta is small, and each server decodes it into memory of its own: nothing to share.)
+        sharing = chain and self.share_host and not update.base
+        shared = [sharing and bool(x.host_id) and x.host_id == y.host_id and x.dist_host_share
                   and y.dist_host_share for x, y in itertools.pairwise(infos)]  # fmt: skip
         requests = {}
         for rank, (address, _) in enumerate(targets, start=1):

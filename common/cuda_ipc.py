@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.weights import Entry
+from rewardmesh.common.weights import Entry, check_received
 from rewardmesh.v1 import rollout_pb2
 
 
@@ -86,3 +86,9 @@ def open_tensors(
     return {
         e.name: rebuild_cuda_tensor(*rebuild_args(h, e, index)) for h, e in zip(source.handles, entries, strict=True)
     }
+
+
+def check_ipc(source: rollout_pb2.CudaIpcSource, entries: Sequence[Entry], device: torch.device) -> None:
+    """Before an engine loads the trainer's tensors itself: their digests and finiteness, over the tensors the
+    handles open (WeightsError naming the tensor)."""
+    check_received(open_tensors(source, entries, device), entries)

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.server.rollout_service import RolloutServicer
@@ -119,10 +121,21 @@ class RolloutServer(MeshServer):
 
     async def _boot_backend(self) -> None:
         started = time.perf_counter()
+        if hasattr(self.backend, "on_failure"):  # an engine that dies for good: health says so at once
+            self.backend.on_failure = self._engine_failed
         await self.backend.start()
         self.servicer.booting = ""
         await self.grpc.set_ready()
         log.info("rollout server ready: %s booted in %.1f s", self.backend.name, time.perf_counter() - started)
+
+    def _engine_failed(self, exc: BaseException | None) -> None:
+        log.error("rollout server: the %s backend can generate no more (%s): reporting NOT_SERVING", self.backend.name,
+                  exc)  # fmt: skip
+        self.servicer.booting = f"the {self.backend.name} backend failed and can generate no more: {exc}"
+        for name in ("", SERVICE_NAME):
+            asyncio.get_running_loop().create_task(
+                self.grpc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
 
     async def _release(self) -> None:
         if self.rewards is not None:

@@ -296,6 +296,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             dist_layout=LAYOUT_VERSION,
             dist_host_share=bool(self.weights.host_id),
             cuda_device_uuid=self.weights.cuda_uuid(),
+            weight_delta=self.weights.takes_deltas(),
         )
 
 

@@ -23,13 +23,14 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from rewardmesh.common.cuda_ipc import check_source, open_tensors
+from rewardmesh.common import weight_delta
+from rewardmesh.common.cuda_ipc import check_ipc, check_source, open_tensors
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.common.weight_planes import (
     ForwardFailed,
@@ -45,23 +46,53 @@ from rewardmesh.common.weight_planes import (
 )
 from rewardmesh.common.weights import (
     LAYOUT_VERSION,
+    Entry,
     WeightAssembler,
+    WeightsError,
     byte_view,
     check_manifest,
+    digest,
+    finite,
     layout,
     parse_update_request,
 )
-from rewardmesh.reward_engine.errors import InvalidInput, Unavailable
+from rewardmesh.common.errors import DependencyFailed, InvalidInput, Unavailable
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
+MAX_VERSION = (1 << 63) - 1
+
+
+class StaleBase(DependencyFailed):
+    """A delta made against a version this server does not serve (FAILED_PRECONDITION): send the whole weights."""
+
+
+def next_version(requested: int, current: int) -> int:
+    """The version an update sets: above the one in use, within int64 (INVALID_ARGUMENT naming the field)."""
+    if requested < 0:
+        raise InvalidInput(f"policy_version: {requested} is negative")
+    if requested == 0:
+        if current >= MAX_VERSION:
+            raise InvalidInput(f"policy_version: 0 asks for {current} + 1, past int64; send an explicit version")
+        return current + 1
+    if requested <= current:
+        raise InvalidInput(f"policy_version: {requested} is not above the version in use, {current}")
+    return requested
 
 
 # Buffers of ours that a backend may adopt, as flat uint8 tensors: dist's buckets, or each grpc tensor's bytes.
 _Buffers = list[torch.Tensor]
+_T = TypeVar("_T")
+_CPU = torch.device("cpu")
+
+
+def _settle(task: asyncio.Future[Any]) -> None:
+    """Read a finished task's exception (its caller may have gone): it was reported to the caller, if any."""
+    if not task.cancelled():
+        task.exception()
 
 
 DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
@@ -144,12 +175,19 @@ class WeightReceiver:
         # CPU staging buffers that nothing uses (the model left them), reused by the next update over dist or grpc
         # wherever the sizes match: it then costs no page faults (what no tensor or bucket of it fits is freed).
         self._spare: _Buffers | None = None
+        # The tensors the model left on its last adopted update (views into `_spare`, version `_spare_version`) and
+        # what that update changed: a delta update brings them up to date with the changes alone, instead of a copy
+        # of the whole model (None: copied from the served tensors).
+        self._spare_views: dict[str, torch.Tensor] | None = None
+        self._spare_version = -1
+        self._spare_changes: dict[str, weight_delta.Change | None] = {}
         # Buffers the backend adopted (the model's weights live in them now): spare after the next adopted update.
         self._held: _Buffers | None = None
         # dist chains sharing one copy per host: the file the model serves from (ours or a neighbour's), and the
         # one of ours it left, written again next time if nobody else serves from it (SharedWeights.reusable).
         self._held_file: tuple[SharedWeights, dict[str, torch.Tensor]] | None = None
         self._spare_file: SharedWeights | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()  # commits that run on after their caller left
         self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
 
     def cuda_uuid(self) -> str:
@@ -169,6 +207,14 @@ class WeightReceiver:
         out.append(rollout_pb2.WEIGHT_TRANSPORT_GRPC)
         return out
 
+    def takes_deltas(self) -> bool:
+        """Delta encodings are decoded on the CPU against the tensors the backend serves (hf on a CPU)."""
+        return self.backend.takes_deltas and self._device().type == "cpu"
+
+    def _take_spare(self) -> _Buffers | None:
+        spare, self._spare, self._spare_views = self._spare, None, None
+        return spare
+
     def _device(self) -> torch.device:
         device = self.backend.device
         return device if device is not None else torch.device("cpu")
@@ -179,13 +225,16 @@ class WeightReceiver:
         version: int,
         owned: _Buffers | None = None,
         file: SharedWeights | None = None,
+        *,
+        served: dict[str, torch.Tensor] | None = None,
+        changes: dict[str, weight_delta.Change | None] | None = None,
     ) -> tuple[int, float]:
         """Hand the staged tensors to the backend. `owned`: they lie in buffers of ours that nothing else will
         write (dist: the buckets, grpc: fresh tensors), so a backend that can adopt them takes them without a copy.
         `file`: they lie in a host's shared file, which the model then serves from (adopted) or is let go (copied).
         """
-        version = version or self.backend.policy_version + 1
         started = time.perf_counter()
+        private = self._held is not None and self._held_file is None  # the model serves from buffers of ours
         if self._held_file is not None and not ((owned is not None or file is not None) and self._adoptable(tensors)):
             # A copy into the model would write the host's shared file (or fault: a neighbour's is mapped read-only)
             tensors, owned = self._private(tensors, self._held_file[1])
@@ -204,11 +253,16 @@ class WeightReceiver:
         if owned is not None and _on_cpu(owned):
             if adopted:  # the model left the buffers it held: they receive the next update
                 self._spare, self._held = self._held, owned
+                if private and served and changes is not None and self._spare is not None:  # what a delta reuses
+                    # (they hold version `before`; `changes` bring them to `version`, the one served now)
+                    self._spare_views, self._spare_version, self._spare_changes = served, version, changes
             else:  # copied out of them: free again
                 self._spare = owned
         elif adopted:  # a shared file, or on a GPU (the caching allocator makes fresh buffers cheap there)
             self._spare, self._held = None, None
         # One spare copy at most: the kind the last update used (a file for a host's shared copy, else buffers).
+        if not (adopted and private and served and changes is not None):
+            self._spare_views = None
         if self._spare is not None and self._spare_file is not None:
             self._spare_file.close()
             self._spare_file = None
@@ -223,7 +277,7 @@ class WeightReceiver:
     ) -> tuple[dict[str, torch.Tensor], _Buffers]:
         """The whole model in buffers of this process: the update where it has a tensor, else the weights held now.
         One copy, as a copy into the model would be; the model adopts them and leaves the shared file."""
-        take, self._spare = _recycler(self._spare, torch.device("cpu")), None
+        take = _recycler(self._take_spare(), torch.device("cpu"))
         out = {}
         for name, (shape, dtype) in self.backend.weight_specs().items():
             buf = take(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
@@ -256,29 +310,145 @@ class WeightReceiver:
     async def receive_chunks(
         self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
     ) -> rollout_pb2.UpdateWeightsResponse:
-        """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives."""
+        """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives; applied
+        only once the stream ended whole and every tensor checks out, and then whatever the client does."""
         keep_freed_memory()  # gRPC's receive buffers, a message's worth each, recycled rather than faulted in
-        take, self._spare = _recycler(self._spare, torch.device("cpu")), None
-        assembler = WeightAssembler(self.backend.weight_specs(), take)
-        version, first = 0, True
+        assembler: WeightAssembler | None = None
+        version = base = 0
         try:
             async for msg in requests:
-                if first:
-                    version, first = msg.policy_version, False
-                    if msg.manifest:
-                        assembler.expect(msg.manifest)
+                if assembler is None:
+                    if not msg.manifest:
+                        raise InvalidInput("manifest: required on the first UpdateWeights message")
+                    version = next_version(msg.policy_version, self.backend.policy_version)
+                    base = msg.delta_base_version
+                    entries = check_manifest(msg.manifest, self.backend.weight_specs())
+                    self._check_base(entries, base)
+                    # a delta starts from the served tensors: the spare stays for it (its own buffers are small)
+                    take = None if any(e.encoding for e in entries) else _recycler(self._take_spare(), _CPU)
+                    assembler = WeightAssembler(self.backend.weight_specs(), take)
+                    assembler.expect(msg.manifest)
                 assembler.add(msg.chunk)
         except Exception:
             await _drain(requests, DRAIN_S)
             raise
+        if assembler is None:
+            raise InvalidInput("UpdateWeights: the stream carried no messages")
         tensors = assembler.finish()
-        async with self._lock:
-            applied, spent = await self._apply(tensors, version, owned=[byte_view(t) for t in tensors.values()])
+        owned = [byte_view(t) for t in tensors.values()]
+        expected = assembler.expected or []
+
+        async def commit() -> tuple[int, float]:
+            async with self._lock:
+                return await self._commit(tensors, expected, version, base, owned)
+
+        applied, spent = await self._shielded(commit())
         log.info("applied %d tensors (%d bytes) from grpc as policy version %d in %.3fs",
                  len(tensors), assembler.num_bytes, applied, spent)  # fmt: skip
         return rollout_pb2.UpdateWeightsResponse(
             policy_version=applied, num_tensors=len(tensors), num_bytes=assembler.num_bytes, apply_seconds=spent
         )
+
+    async def _shielded(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """Run `work` to its end whatever happens to the call awaiting it: a client that cancels (or dies) once its
+        update is complete can neither apply half of it nor interrupt the backend in the middle of the swap."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(_settle)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    def _check_base(self, entries: list[Entry], base: int) -> None:
+        """A delta update must be made against exactly what this server serves (StaleBase otherwise)."""
+        encoded = [e for e in entries if e.encoding]
+        if not encoded:
+            return
+        if not self.takes_deltas():
+            raise InvalidInput(f"tensors: {encoded[0].name!r} is a delta, and this server takes none (GetInfo)")
+        if base != self.backend.policy_version:
+            raise StaleBase(f"delta_base_version: {base} is not the version this server serves, "
+                            f"{self.backend.policy_version}: send the whole weights")  # fmt: skip
+        served = self.backend.served_weights()
+        for e in encoded:
+            t = served.get(e.name)
+            if t is None or t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                raise StaleBase(f"tensor {e.name!r}: a delta against a {e.dtype} tensor, this server serves "
+                                f"{None if t is None else t.dtype}: send the whole weights")  # fmt: skip
+
+    async def _commit(
+        self,
+        tensors: dict[str, torch.Tensor],
+        entries: list[Entry],
+        version: int,
+        base: int,
+        owned: _Buffers | None = None,
+        file: SharedWeights | None = None,
+    ) -> tuple[int, float]:
+        """Decode deltas, check every tensor (digest, finite), then apply; nothing is applied when one fails.
+        Called with the lock held."""
+        version = next_version(version, self.backend.policy_version)  # (again: another update may have landed)
+        self._check_base(entries, base)
+        served = self.backend.served_weights() if self.takes_deltas() else {}
+        try:
+            tensors, extra, changes = await asyncio.to_thread(self._decode_and_check, tensors, entries, served)
+        except BaseException:
+            self._let_go(file)
+            raise
+        if owned is not None and extra:
+            owned = [*owned, *extra]
+        return await self._apply(tensors, version, owned, file, served=served, changes=changes)
+
+    def _decode_and_check(
+        self, tensors: dict[str, torch.Tensor], entries: list[Entry], served: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], _Buffers, dict[str, weight_delta.Change | None]]:
+        """The tensors the model will serve: deltas applied to a private copy of the served ones (the spare the
+        model left, brought up to date, where there is one); then each tensor's digest and finiteness."""
+        changes: dict[str, weight_delta.Change | None] = {e.name: None for e in entries}
+        extra: _Buffers = []
+        encoded = [e for e in entries if e.encoding]
+        if encoded:
+            work = self._caught_up_spare(served)
+            if work is not None:
+                extra = self._take_spare() or []
+            else:
+                take = _recycler(self._take_spare(), _CPU)
+            out = dict(tensors)
+            for e in encoded:
+                base_bits = weight_delta.bits(served[e.name])
+                change = weight_delta.decode(e, tensors[e.name], base_bits)
+                if work is not None:
+                    target = work[e.name]
+                else:
+                    target = take(e.nbytes).view(e.dtype).view(e.shape)
+                    target.copy_(served[e.name])
+                    extra.append(byte_view(target))
+                weight_delta.apply(weight_delta.bits(target), change)
+                out[e.name], changes[e.name] = target, change
+            tensors = out
+        for e in entries:
+            t = tensors[e.name]
+            if e.digest is not None and digest(t) != e.digest:
+                raise WeightsError(f"tensor {e.name!r}: digest mismatch, the bytes received are not the bytes sent; "
+                                   "nothing applied")  # fmt: skip
+            made = changes[e.name]
+            probe = t if made is None else torch.from_numpy(made.values).view(e.dtype)
+            if not finite(probe):
+                raise WeightsError(f"tensor {e.name!r}: holds NaN or infinity; nothing applied")
+        return tensors, extra, changes
+
+    def _caught_up_spare(self, served: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The tensors the model left on its last adopted update, brought to the version it serves now with what
+        that update changed (no copy of the whole model), or None when there are none to use."""
+        views = self._spare_views
+        if views is None or self._spare_version != self.backend.policy_version or views.keys() != served.keys():
+            return None
+        for name, t in views.items():
+            change = self._spare_changes.get(name)
+            if change is None:
+                t.copy_(served[name])
+            else:
+                weight_delta.apply(weight_delta.bits(t), change)
+        return views
 
     async def transfer(self, request: rollout_pb2.TransferWeightsRequest) -> rollout_pb2.TransferWeightsResponse:
         """TransferWeights: validate the manifest first (INVALID_ARGUMENT naming the tensor), then receive, apply."""
@@ -289,22 +459,14 @@ class WeightReceiver:
             raise InvalidInput("source: set dist, shm or cuda_ipc (gRPC chunks go on UpdateWeights)")
         if which == "cuda_ipc":
             check_source(request.cuda_ipc, entries, self.cuda_uuid())
+            if any(e.encoding for e in entries):
+                raise InvalidInput("tensors: cuda_ipc carries whole tensors, no delta encodings")
+        next_version(request.policy_version, self.backend.policy_version)
+        self._check_base(entries, request.delta_base_version)
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
-        timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
-        owned, file = None, None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
-        async with self._lock:
-            if which == "cuda_ipc":
-                applied, spent = await self._apply_ipc(request.cuda_ipc, entries, request.policy_version)
-            else:
-                if which == "shm":
-                    if not self.host_id:
-                        raise InvalidInput("shm: this server has no usable /dev/shm")
-                    tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
-                else:
-                    tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
-                applied, spent = await self._apply(tensors, request.policy_version, owned, file)
-        total = sum(e.nbytes for e in entries)
+        applied, spent = await self._shielded(self._transfer(request, entries, which))
+        total = sum(e.wire for e in entries)
         seconds = time.perf_counter() - started
         log.info("applied %d tensors (%d bytes) from %s as policy version %d in %.3fs (apply %.3fs)",
                  len(entries), total, which, applied, seconds, spent)  # fmt: skip
@@ -312,17 +474,38 @@ class WeightReceiver:
             policy_version=applied, num_tensors=len(entries), num_bytes=total, seconds=seconds, apply_seconds=spent
         )
 
-    async def _apply_ipc(
-        self, source: rollout_pb2.CudaIpcSource, entries: list[Any], version: int
+    async def _transfer(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: list[Entry], which: str
     ) -> tuple[int, float]:
-        """The trainer's tensors on our GPU: vLLM loads them through its weight-transfer engine; other backends
-        copy them in (device to device: the trainer owns that memory, so nothing is adopted)."""
+        timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
+        owned, file = None, None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
+        version, base = request.policy_version, request.delta_base_version
+        async with self._lock:
+            if which == "cuda_ipc":
+                return await self._apply_ipc(request.cuda_ipc, entries, version)
+            if which == "shm":
+                if not self.host_id:
+                    raise InvalidInput("shm: this server has no usable /dev/shm")
+                tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
+            else:
+                tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
+            return await self._commit(tensors, entries, version, base, owned, file)
+
+    async def _apply_ipc(
+        self, source: rollout_pb2.CudaIpcSource, entries: list[Entry], version: int
+    ) -> tuple[int, float]:
+        """The trainer's tensors on our GPU: vLLM loads them through its weight-transfer engine (after the digests
+        are checked over the tensors the handles open); other backends copy them in (device to device: the trainer
+        owns that memory, so nothing is adopted)."""
         started = time.perf_counter()
         if self.backend.loads_cuda_ipc:
-            await self.backend.update_weights_ipc(entries, source, version or self.backend.policy_version + 1)
+            version = next_version(version, self.backend.policy_version)
+            if any(e.digest is not None for e in entries):
+                await asyncio.to_thread(check_ipc, source, entries, self._device())
+            await self.backend.update_weights_ipc(entries, source, version)
             return self.backend.policy_version, time.perf_counter() - started
         tensors = open_tensors(source, entries, self._device())
-        return await self._apply(tensors, version)
+        return await self._commit(tensors, entries, version, 0)
 
     async def _receive_dist(
         self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
@@ -347,7 +530,7 @@ class WeightReceiver:
             raise InvalidInput("dist.share_with_next: set only in a chain on a rank that has a next one")
         device = self._device() if rdv.backend == "nccl" else torch.device("cpu")
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
-        buckets = layout([e.nbytes for e in entries], rdv.bucket_bytes)
+        buckets = layout([e.wire for e in entries], rdv.bucket_bytes)
         group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
         share = None
         if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
@@ -357,9 +540,9 @@ class WeightReceiver:
         if share is not None and share.file is not None:
             buffers = share.file.buckets(buckets)
         else:  # (also where a neighbour's file is mapped instead, unless it sends the bytes: no room for a file)
-            take = _recycler(self._spare, device)
-            buffers = [take(b.nbytes) for b in buckets]
-            self._spare = None  # in use now: spare again only once this update is applied (or copied out)
+            # (a delta's buckets are small: the spare the model left stays for the delta to start from)
+            take = _recycler(None if any(e.encoding for e in entries) else self._take_spare(), device)
+            buffers = [take(b.nbytes) for b in buckets]  # spare again only once this update is applied or copied out
 
         def receive() -> dict[str, torch.Tensor]:
             pg = group

@@ -893,6 +893,7 @@ async def test_copies_into_a_model_served_from_a_shared_file_go_to_private_memor
     base = policy_state(tiny_models)
     async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
+        client.weight_sync.delta = False  # whole updates only: each is shared
         shared = weights_of(base, 71)
         assert await client.update_weights(shared, transport="dist") == 1
         file = ros[0].servicer.weights._held_file[0]

@@ -33,6 +33,7 @@ import os
 import queue
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,6 +140,7 @@ class HFBackend(Backend):
         self._batch: DynamicBatch | SlotBatch = DynamicBatch()
         self._use_slots = False  # the slot cache path (plain full-attention models under sdpa or eager)
         self._closed = False
+        self.on_failure: Callable[[BaseException | None], None] | None = None  # the decode loop died
         # Observability (and what the tests use to see continuous batching happen, by counting steps).
         self.steps = 0  # forward steps completed (each: one decode of the running rows and/or one prefill)
         self.num_batches = 0  # admissions: groups of requests prefilled together
@@ -182,6 +184,8 @@ class HFBackend(Backend):
             return
         logger.error("hf backend: decode loop failed", exc_info=worker.exception())
         self._closed = True
+        if self.on_failure is not None:  # the server reports NOT_SERVING: it can generate nothing more
+            self.on_failure(worker.exception())
         self._fail_outstanding(RuntimeError(f"HFBackend decode loop failed: {worker.exception()!r}"))
 
     def _fail_outstanding(self, error: BaseException) -> None:
@@ -320,9 +324,11 @@ class HFBackend(Backend):
             adopted = self._weights.apply(swap.tensors, adopt=swap.adopt)
             self.policy_version = swap.version
         except BaseException as exc:
-            swap.done.set_exception(exc)
+            if swap.done.set_running_or_notify_cancel():  # (a caller gone meanwhile must not kill this thread)
+                swap.done.set_exception(exc)
         else:
-            swap.done.set_result(adopted)
+            if swap.done.set_running_or_notify_cancel():
+                swap.done.set_result(adopted)
 
     def _step(
         self, batch: DynamicBatch | SlotBatch, admit: list[Row], dropped: set[Row], version: int, step: int
@@ -401,6 +407,10 @@ class HFBackend(Backend):
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return self._weights.specs()
 
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors the model serves now, by name (read-only for the caller: a delta update starts from them)."""
+        return dict(self._state)
+
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise WeightsError on the first tensor that cannot be applied as is (the one validator)."""
         self._weights.validate(tensors)
@@ -425,7 +435,7 @@ class HFBackend(Backend):
         self.validate_weights(tensors)
         swap = WeightSwap(tensors, int(version), adopt)
         self._inbox.put(swap)
-        adopted = await asyncio.wrap_future(swap.done)
+        adopted = await asyncio.shield(asyncio.wrap_future(swap.done))  # queued: it happens whatever the caller does
         logger.info("hf backend: %s %d tensors, policy_version=%d", "adopted" if adopted else "applied",
                     len(tensors), version)  # fmt: skip
         return adopted

@@ -20,11 +20,20 @@ class WeightTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHT_TRANSPORT_DIST: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_SHM: _ClassVar[WeightTransport]
     WEIGHT_TRANSPORT_CUDA_IPC: _ClassVar[WeightTransport]
+
+class WeightEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WEIGHT_ENCODING_UNSPECIFIED: _ClassVar[WeightEncoding]
+    WEIGHT_ENCODING_SPARSE: _ClassVar[WeightEncoding]
+    WEIGHT_ENCODING_XOR: _ClassVar[WeightEncoding]
 WEIGHT_TRANSPORT_UNSPECIFIED: WeightTransport
 WEIGHT_TRANSPORT_GRPC: WeightTransport
 WEIGHT_TRANSPORT_DIST: WeightTransport
 WEIGHT_TRANSPORT_SHM: WeightTransport
 WEIGHT_TRANSPORT_CUDA_IPC: WeightTransport
+WEIGHT_ENCODING_UNSPECIFIED: WeightEncoding
+WEIGHT_ENCODING_SPARSE: WeightEncoding
+WEIGHT_ENCODING_XOR: WeightEncoding
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -140,14 +149,16 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("chunk", "policy_version", "manifest")
+    __slots__ = ("chunk", "policy_version", "manifest", "delta_base_version")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     chunk: TensorChunk
     policy_version: int
     manifest: _containers.RepeatedCompositeFieldContainer[WeightSpec]
-    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., policy_version: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ...) -> None: ...
+    delta_base_version: int
+    def __init__(self, chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., policy_version: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_bytes", "apply_seconds")
@@ -176,7 +187,7 @@ class RolloutLoad(_message.Message):
     def __init__(self, running_samples: _Optional[int] = ..., pending_rewards: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout", "dist_host_share", "cuda_device_uuid")
+    __slots__ = ("model", "backend", "policy_version", "load", "max_model_len", "tools", "reward_targets", "weight_transports", "host_id", "instance_id", "dist_chain", "dist_layout", "dist_host_share", "cuda_device_uuid", "weight_delta")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +202,7 @@ class GetInfoResponse(_message.Message):
     DIST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DIST_HOST_SHARE_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DELTA_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -205,17 +217,24 @@ class GetInfoResponse(_message.Message):
     dist_layout: int
     dist_host_share: bool
     cuda_device_uuid: str
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ..., dist_host_share: _Optional[bool] = ..., cuda_device_uuid: _Optional[str] = ...) -> None: ...
+    weight_delta: bool
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., load: _Optional[_Union[RolloutLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., reward_targets: _Optional[_Iterable[str]] = ..., weight_transports: _Optional[_Iterable[_Union[WeightTransport, str]]] = ..., host_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., dist_chain: _Optional[bool] = ..., dist_layout: _Optional[int] = ..., dist_host_share: _Optional[bool] = ..., cuda_device_uuid: _Optional[str] = ..., weight_delta: _Optional[bool] = ...) -> None: ...
 
 class WeightSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape")
+    __slots__ = ("name", "dtype", "shape", "digest", "encoding", "encoded_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: _common_pb2.DType
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    digest: int
+    encoding: WeightEncoding
+    encoded_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., digest: _Optional[int] = ..., encoding: _Optional[_Union[WeightEncoding, str]] = ..., encoded_bytes: _Optional[int] = ...) -> None: ...
 
 class DistRendezvous(_message.Message):
     __slots__ = ("host", "port", "group", "rank", "world_size", "backend", "bucket_bytes", "chain", "layout", "share_with_next", "share_from_prev")
@@ -282,7 +301,7 @@ class ShmSource(_message.Message):
     def __init__(self, path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferWeightsRequest(_message.Message):
-    __slots__ = ("tensors", "policy_version", "total_bytes", "dist", "shm", "cuda_ipc", "validate_only", "timeout")
+    __slots__ = ("tensors", "policy_version", "total_bytes", "dist", "shm", "cuda_ipc", "validate_only", "timeout", "delta_base_version")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +310,7 @@ class TransferWeightsRequest(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[WeightSpec]
     policy_version: int
     total_bytes: int
@@ -299,7 +319,8 @@ class TransferWeightsRequest(_message.Message):
     cuda_ipc: CudaIpcSource
     validate_only: bool
     timeout: _duration_pb2.Duration
-    def __init__(self, tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dist: _Optional[_Union[DistRendezvous, _Mapping]] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ..., validate_only: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    delta_base_version: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[WeightSpec, _Mapping]]] = ..., policy_version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dist: _Optional[_Union[DistRendezvous, _Mapping]] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ..., validate_only: _Optional[bool] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., delta_base_version: _Optional[int] = ...) -> None: ...
 
 class TransferWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_bytes", "seconds", "apply_seconds")
