@@ -247,7 +247,7 @@ class WeightSync:
         if not targets:
             raise ValueError("no rollout servers to send weights to")
         started = time.perf_counter()
-        specs = manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
+        manifest(state)  # a dtype no data plane carries is the caller's error, before anything is sent
         device = next(iter(state.values())).device if state else torch.device("cpu")
         if infos is None or len(infos) != len(targets):
             wanted = transport in ("auto", "dist") or self._base is not None
@@ -259,14 +259,17 @@ class WeightSync:
         if ahead:  # it would refuse: not even a chain is formed
             text = "; ".join(f"{a}: {p}" for a, p in ahead.items())
             raise WeightSyncError(f"weight update to version {version} refused on {text}", ahead)
-        update = await asyncio.to_thread(self._prepare, state, specs, transport, infos)
+        update = await asyncio.to_thread(self._prepare, state, transport, infos)
         outcomes = await self._send(targets, update, version, transport, chunk_bytes, infos)
-        stale = [(a, ch) for a, ch in targets if update.base and _stale(outcomes.get(a))]
+        # (a dist chain refused in its check round sends nothing to anyone: those get the whole weights too)
+        stale = [(a, ch) for a, ch in targets if update.base and (a not in outcomes or _stale(outcomes[a]))]
         if stale:  # they serve another version by now: the whole weights, to exactly those
             log.info("%d server(s) refused a delta against version %d: sending them the whole weights", len(stale),
                      update.base)  # fmt: skip
-            whole = await asyncio.to_thread(self._prepare, state, specs, "", [])
-            outcomes.update(await self._send(stale, whole, version, transport, chunk_bytes, []))
+            whole = await asyncio.to_thread(self._prepare, state, "", [])
+            info_of = {a: i for (a, _), i in zip(targets, infos, strict=False)}
+            again = [info_of[a] for a, _ in stale if a in info_of]
+            outcomes.update(await self._send(stale, whole, version, transport, chunk_bytes, again))
         failed = {a: _describe(o) for a, o in outcomes.items() if isinstance(o, BaseException)}
         failed.update({a: "not sent: another server refused the update first" for a, _ in targets if a not in outcomes})
         wrong = {a: f"applied version {o.policy_version}" for a, o in outcomes.items()
@@ -307,11 +310,11 @@ class WeightSync:
     def _prepare(
         self,
         state: Mapping[str, torch.Tensor],
-        specs: list[rollout_pb2.WeightSpec],
         transport: str,
         infos: Sequence[rollout_pb2.GetInfoResponse],
     ) -> _Update:
         """Digests, and a delta against the version every target serves where this client still holds it."""
+        specs = manifest(state)
         if self.verify:
             for spec, t in zip(specs, state.values(), strict=True):
                 spec.digest = digest(t.detach())
@@ -473,7 +476,7 @@ class WeightSync:
         # Check every manifest first: a server that refuses must not leave the others waiting in a broadcast.
         # The same manifest to the same servers in the same group was accepted last time: no need to ask again.
         signature = (self._group_name, tuple((s.name, s.dtype, tuple(s.shape)) for s in base.tensors))
-        if self._group is None or signature != self._validated:
+        if self._group is None or signature != self._validated or update.base:  # (a delta: each server's base)
             check = rollout_pb2.TransferWeightsRequest()
             check.CopyFrom(base)
             check.validate_only = True

@@ -408,8 +408,9 @@ class HFBackend(Backend):
         return self._weights.specs()
 
     def served_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors the model serves now, by name (read-only for the caller: a delta update starts from them)."""
-        return dict(self._state)
+        """The tensors the model serves now, by name (read-only for the caller: a delta update starts from them);
+        detached, so each keeps pointing at these bytes after an update swaps a parameter's storage."""
+        return {name: t.detach() for name, t in self._state.items()}
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise WeightsError on the first tensor that cannot be applied as is (the one validator)."""
