@@ -991,7 +991,8 @@ async def _push(
 def test_every_dist_chain_ends_bitwise_equal_or_names_the_server(fleet: LiveFleet, tiny_models: TinyModelPaths) -> None:
     """Any number of servers (2-5) on 1-3 hosts in any order, host sharing on or off, room under /dev/shm or none,
     any bucket size, whole updates and deltas, digests on or off: every server ends bitwise equal to what was
-    sent, or the call fails naming it. Hosts are labels the test gives the servers, in every order, never this machine's id."""
+    sent, or the call fails naming it. Hosts are labels the test gives the servers, in every order, never this
+    machine's id."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
