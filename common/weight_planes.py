@@ -391,9 +391,9 @@ def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict
     resolved = _weights_file(path, "shm.path")
     if len(offsets) != len(entries):
         raise InvalidInput(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
-    end = max((off + e.nbytes for e, off in zip(entries, offsets, strict=True)), default=0)
+    end = max((off + e.wire for e, off in zip(entries, offsets, strict=True)), default=0)
     for e, off in zip(entries, offsets, strict=True):
-        if off < 0 or off % e.dtype.itemsize:
+        if off < 0 or off % (1 if e.encoding else e.dtype.itemsize):
             raise InvalidInput(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
     with open(resolved, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -237,6 +237,7 @@ def check_encoding(e: Entry) -> None:
 
 
 def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int64 as protobuf writes it: ten bytes of two's complement
     out = bytearray()
     while True:
         low = n & 0x7F
