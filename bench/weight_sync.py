@@ -12,6 +12,10 @@ Side by side in one run, interleaved round by round, medians reported:
 Each transport and server count has rollout servers of its own (their steady state is what a deployment sees).
 
     python -m bench.weight_sync [--params 100e6] [--rounds 5] [--device cpu|cuda] [--backend hf|vllm]
+    python -m bench.weight_sync --delta [--lrs 1e-6,1e-5] [--rounds 5]
+
+Every update carries xxh3 digests that each server checks; "no digests" rows time the same update without them.
+`--delta` times updates that carry only the changed elements after real AdamW steps (see `run_delta`).
 
 `--device cuda` puts the trainer's tensors on the GPU (dist then uses NCCL; the servers must be on GPUs too), and
 `--transports ipc,dist,grpc` adds CUDA IPC (trainer and servers share the GPU; with `--backend vllm` through
@@ -41,6 +45,7 @@ from grpc import aio
 
 from rewardmesh.client.trainer import TrainerClient
 from rewardmesh.common.weight_planes import Store, form_group
+from rewardmesh.common.weights import digest
 from rewardmesh.demo.server_process import ServerProcess
 
 MESSAGE = 4 << 20
@@ -232,6 +237,8 @@ async def run(args: argparse.Namespace) -> int:
         progress("servers up; forming the bare gloo groups")
         bare = {n: await asyncio.to_thread(BareBroadcast, store, n) for n in (1, 2)}
         clients = {key: TrainerClient([r.address for r in fleet]) for key, fleet in fleets.items()}
+        for c in clients.values():
+            c.weight_sync.delta = False  # the same tensors every round: whole updates (`--delta` times deltas)
         if copies in clients:
             clients[copies].weight_sync.share_host = False
         opts = [("grpc.max_send_message_length", 64 << 20)]
@@ -248,13 +255,18 @@ async def run(args: argparse.Namespace) -> int:
             for k, v in state.items():
                 dst[k].copy_(v)
 
-        async def update(fleet: tuple[str, int], transport: str) -> None:
+        async def update(fleet: tuple[str, int], transport: str, verify: bool = True) -> None:
             nonlocal version
             version += 1
             client = clients[fleet]
+            client.weight_sync.verify = verify
             await client.update_weights(state, version=version, transport=transport)
             done = client.last_weight_sync
             assert done is not None and done.transport == transport
+
+        def digests() -> None:
+            for t in state.values():
+                digest(t)
 
         modes: dict[tuple[str, int], Callable[[], Awaitable[object]]] = {
             ("memcpy", 1): lambda: asyncio.to_thread(memcpy),
@@ -263,9 +275,14 @@ async def run(args: argparse.Namespace) -> int:
             ("bare grpc.aio stream", 1): lambda: bare_stream(sink_channels[:1], pieces),
             ("bare grpc.aio stream", 2): lambda: bare_stream(sink_channels, pieces),
         }
+        if args.device == "cpu":
+            modes[("xxh3 digest of every tensor", 1)] = lambda: asyncio.to_thread(digests)
         for transport in args.transports:
             for n in (1, 2):
                 modes[(f"update_weights {transport}", n)] = lambda t=transport, n=n: update((t, n), t)  # type: ignore[misc]
+                modes[(f"update_weights {transport}, no digests", n)] = lambda t=transport, n=n: update(  # type: ignore[misc]
+                    (t, n), t, verify=False
+                )
         if copies in fleets:
             modes[(f"update_weights {copies[0]}", 2)] = lambda: update(copies, "dist")
         progress("warm-up (groups formed, buffers touched)")
@@ -325,6 +342,10 @@ async def run(args: argparse.Namespace) -> int:
         g2 = med[("bare grpc.aio stream", 2)] / med[("update_weights grpc", 2)]
         checks += [("grpc vs bare grpc.aio stream, 1 server", g1, ">= 0.6", g1 >= 0.6),
                    ("grpc vs bare grpc.aio stream, 2 servers", g2, ">= 0.6", g2 >= 0.6)]  # fmt: skip
+    for transport in args.transports:
+        for n in (1, 2):
+            cost = med[(f"update_weights {transport}", n)] / med[(f"update_weights {transport}, no digests", n)]
+            checks.append((f"{transport}, {n} server(s): with digests / without (time)", cost, "<= 1.15", cost <= 1.15))
     if "ipc" in args.transports:
         rate = nbytes / med[("update_weights ipc", 1)] / 1e9
         checks.append(("ipc end to end, 1 server (GB/s, not a ratio)", rate, ">= 5", rate >= 5))
@@ -334,6 +355,95 @@ async def run(args: argparse.Namespace) -> int:
     print("\n| check | measured | target | result |\n|---|---|---|---|")
     for name, value, target, ok in checks:
         print(f"| {name} | {value:.2f}x | {target} | {'PASS' if ok else 'FAIL' if target else ''} |")
+    return 0
+
+
+async def run_delta(args: argparse.Namespace) -> int:
+    """Delta updates after real training steps against whole dist updates, side by side in one run.
+
+    The trainer holds fp32 master weights and takes AdamW steps on random token batches; after each step it casts
+    them to bf16 (what it sends) and updates two fleets of two servers each: one with deltas, one whole (dist,
+    the two servers of the host sharing one copy). Each server checks every tensor's xxh3 digest against the
+    trainer's bf16 weights before it applies an update, so every completed update is bitwise the trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(tempfile.mkdtemp(prefix="rewardmesh-weight-delta-"))
+    progress(f"building a ~{args.params / 1e6:.0f}M-parameter Llama in {workdir}")
+    model_dir = build_model(workdir / "model", args.params)
+    py = [sys.executable, "-m", "bench.weight_sync"]
+    serve = [*py, "rollout-server", "--model", str(model_dir), "--threads", "1", "--device", "cpu", "--backend", "hf"]
+    fleets = {
+        kind: [ServerProcess(f"rollout-{kind}-{i}", serve, workdir) for i in range(2)] for kind in ("delta", "whole")
+    }
+    procs = [p for fleet in fleets.values() for p in fleet]
+    clients: dict[str, TrainerClient] = {}
+    results: list[tuple[float, str, list[float], list[int], list[float], int]] = []
+    try:
+        await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))
+        await asyncio.gather(*(p.wait_serving() for p in procs))
+        clients = {kind: TrainerClient([r.address for r in fleet]) for kind, fleet in fleets.items()}
+        clients["whole"].weight_sync.delta = False
+        version = 0
+        for lr in args.lrs:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, local_files_only=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+            gen = torch.Generator().manual_seed(0)
+
+            def bf16() -> dict[str, torch.Tensor]:
+                return {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}  # noqa: B023
+
+            version += 1
+            for c in clients.values():  # the starting point, whole to both fleets
+                c.policy_version = version - 1
+                await c.update_weights(bf16(), version=version, transport="dist")
+            changed: list[float] = []
+            sent: list[int] = []
+            took: dict[str, list[float]] = {"delta": [], "whole": []}
+            for step in range(args.rounds):
+                ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=gen)
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                state = bf16()
+                version += 1
+                order = ["delta", "whole"] if step % 2 == 0 else ["whole", "delta"]
+                for kind in order:
+                    started = time.perf_counter()
+                    await clients[kind].update_weights(state, version=version, transport="dist")
+                    took[kind].append(time.perf_counter() - started)
+                done = clients["delta"].last_weight_sync
+                assert done is not None
+                changed.append(done.changed)
+                sent.append(done.sent_bytes)
+                full = done.num_bytes
+                progress(f"lr {lr:g} step {step + 1}: {done.changed:.4%} changed, {done.sent_bytes / 1e6:.1f} MB, "
+                         f"delta {took['delta'][-1]:.3f}s, whole {took['whole'][-1]:.3f}s")  # fmt: skip
+            results.append((lr, "dist", changed, sent, [*took["delta"], *took["whole"]], full))
+
+    finally:
+        for c in clients.values():
+            await c.close()
+        for p in procs:
+            p.stop(timeout_s=20)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    print(f"\ndelta weight sync: ~{args.params / 1e6:.0f}M parameters in bf16, 2 hf servers per fleet, one AdamW step "
+          f"(fp32 master weights, batch 4x64) between updates, median of {args.rounds} steps; {machine}\n")  # fmt: skip
+    print("| lr | changed elements | bytes sent: delta | whole | fewer bytes | time: delta (s) | whole dist (s) | "
+          "less time |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    checks = []
+    for lr, _, changed, sent, times, full in results:
+        n = len(changed)
+        d, w = statistics.median(times[:n]), statistics.median(times[n:])
+        b = statistics.median(sent)
+        print(f"| {lr:g} | {statistics.median(changed):.3%} | {b / 1e6:.1f} MB | {full / 1e6:.1f} MB | "
+              f"{full / b:.1f}x | {d:.3f} | {w:.3f} | {w / d:.1f}x |")  # fmt: skip
+        if lr == 1e-6:
+            checks += [("lr 1e-6: fewer bytes than whole", full / b, ">= 5", full / b >= 5),
+                       ("lr 1e-6: less time than whole dist", w / d, ">= 3", w / d >= 3)]  # fmt: skip
+    print("\n| check | measured | target | result |\n|---|---|---|---|")
+    for name, value, target, ok in checks:
+        print(f"| {name} | {value:.2f}x | {target} | {'PASS' if ok else 'FAIL'} |")
     return 0
 
 
@@ -354,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (unverified here)")
     p.add_argument("--transports", default="grpc,dist,shm", help="any of ipc,grpc,dist,shm (ipc: --device cuda)")
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout servers' backend")
+    p.add_argument("--delta", action="store_true", help="time delta updates after AdamW steps against whole dist")
+    p.add_argument("--lrs", default="1e-6,1e-5", help="--delta: the learning rates (default 1e-6,1e-5)")
     r = sub.add_parser("rollout-server")
     r.add_argument("--model", required=True)
     r.add_argument("--threads", type=int, default=1)
@@ -379,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         bare_receiver(args.host, args.port, args.group, args.rank, args.world)
         return 0
     args.transports = [t for t in args.transports.split(",") if t]
+    if args.delta:
+        args.lrs = [float(x) for x in args.lrs.split(",") if x]
+        return asyncio.run(run_delta(args))
     return asyncio.run(run(args))
 
 
