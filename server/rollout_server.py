@@ -121,8 +121,7 @@ class RolloutServer(MeshServer):
 
     async def _boot_backend(self) -> None:
         started = time.perf_counter()
-        if hasattr(self.backend, "on_failure"):  # an engine that dies for good: health says so at once
-            self.backend.on_failure = self._engine_failed
+        self.backend.on_failure = self._engine_failed  # an engine that dies for good: health says so at once
         await self.backend.start()
         self.servicer.booting = ""
         await self.grpc.set_ready()

@@ -31,6 +31,7 @@ import torch
 
 from rewardmesh.common import weight_delta
 from rewardmesh.common.cuda_ipc import check_ipc, check_source, open_tensors
+from rewardmesh.common.errors import DependencyFailed, InvalidInput, Unavailable
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.common.weight_planes import (
     ForwardFailed,
@@ -56,7 +57,6 @@ from rewardmesh.common.weights import (
     layout,
     parse_update_request,
 )
-from rewardmesh.common.errors import DependencyFailed, InvalidInput, Unavailable
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 

@@ -244,7 +244,7 @@ async def test_a_server_that_missed_a_version_gets_the_whole_weights_and_a_stale
         assert ros[1].backend.policy_version == 3
 
 
-async def _aiter(items: list[bytes]) -> AsyncIterator[bytes]:
+async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
     for item in items:
         yield item
 
@@ -277,9 +277,11 @@ async def test_versions_only_go_up_within_int64_and_nan_weights_are_refused(tiny
                 await send(nan, 6)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"{NAME!r}: holds NaN or infinity" in (err.value.details() or "")
-        no_manifest = rollout_pb2.UpdateWeightsRequest(chunk=rollout_pb2.TensorChunk(name=NAME, dtype=3, shape=[8]))
+        no_manifest = rollout_pb2.UpdateWeightsRequest(
+            chunk=rollout_pb2.TensorChunk(name=NAME, dtype=common_pb2.DTYPE_FLOAT32, shape=[8])
+        )
         with pytest.raises(aio.AioRpcError) as err:
-            await stub.UpdateWeights(_aiter([no_manifest]), timeout=30)  # type: ignore[arg-type]
+            await stub.UpdateWeights(_aiter([no_manifest]), timeout=30)
         assert "manifest: required" in (err.value.details() or "")
         top = (1 << 63) - 1
         assert (await send(good, top)).policy_version == top

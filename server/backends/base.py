@@ -4,6 +4,7 @@ the weight capabilities an engine may not have."""
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,10 @@ class Backend(abc.ABC):
     # True: CUDA IPC updates go to `update_weights_ipc` (the engine opens the handles); False: the receiver opens
     # them on `device` and hands the tensors to `update_weights`.
     loads_cuda_ipc: bool = False
+    # True: `served_weights` returns the tensors the model serves, so an update may be a delta against them.
+    takes_deltas: bool = False
+    # Called (on the event loop) when the engine can generate no more, for good: the server reports NOT_SERVING.
+    on_failure: Callable[[BaseException | None], None] | None = None
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -115,6 +120,10 @@ class Backend(abc.ABC):
         """The GPU whose memory a trainer may share by CUDA IPC handles ("" if none): by default `device`'s."""
         device = self.device
         return device_uuid(device) if device is not None and device.type == "cuda" else ""
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors the model serves now, by name, read-only (where `takes_deltas`); by default none."""
+        return {}
 
     def adoptable(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether `adopt_weights` would take these tensors themselves rather than copy them; by default never."""

@@ -33,7 +33,6 @@ import os
 import queue
 import secrets
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -140,7 +139,6 @@ class HFBackend(Backend):
         self._batch: DynamicBatch | SlotBatch = DynamicBatch()
         self._use_slots = False  # the slot cache path (plain full-attention models under sdpa or eager)
         self._closed = False
-        self.on_failure: Callable[[BaseException | None], None] | None = None  # the decode loop died
         # Observability (and what the tests use to see continuous batching happen, by counting steps).
         self.steps = 0  # forward steps completed (each: one decode of the running rows and/or one prefill)
         self.num_batches = 0  # admissions: groups of requests prefilled together
@@ -184,6 +182,7 @@ class HFBackend(Backend):
             return
         logger.error("hf backend: decode loop failed", exc_info=worker.exception())
         self._closed = True
+        self.unusable = f"the hf decode loop failed: {worker.exception()!r}"
         if self.on_failure is not None:  # the server reports NOT_SERVING: it can generate nothing more
             self.on_failure(worker.exception())
         self._fail_outstanding(RuntimeError(f"HFBackend decode loop failed: {worker.exception()!r}"))
@@ -407,10 +406,12 @@ class HFBackend(Backend):
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return self._weights.specs()
 
+    takes_deltas = True
+
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The tensors the model serves now, by name (read-only for the caller: a delta update starts from them);
         detached, so each keeps pointing at these bytes after an update swaps a parameter's storage."""
-        return {name: t.detach() for name, t in self._state.items()}
+        return {name: t.detach() for name, t in self._weights.state.items()}
 
     def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Raise WeightsError on the first tensor that cannot be applied as is (the one validator)."""
