@@ -32,7 +32,7 @@ class PolicyWeights:
         self.last_weight_sync: SyncResult | None = None
         # Servers that join (a new address behind dns:///, or back after failing: maybe restarted with the base
         # weights) get the current weights before any work; a group of their own keeps the others' group intact.
-        self._join_sync = WeightSync()
+        self._join_sync = WeightSync(delta=False)  # a joiner serves another version: whole weights, no copy kept
         self._weights: Mapping[str, torch.Tensor] | None = None
         self._weights_stamp: tuple[int, ...] = ()  # the version counters of `_weights` when they were sent
         self._weights_lock = asyncio.Lock()
