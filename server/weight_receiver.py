@@ -56,6 +56,7 @@ from rewardmesh.common.weights import (
     finite,
     layout,
     parse_update_request,
+    scan,
 )
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -426,13 +427,16 @@ class WeightReceiver:
                 out[e.name], changes[e.name] = target, change
             tensors = out
         for e in entries:
-            t = tensors[e.name]
-            if e.digest is not None and digest(t) != e.digest:
+            t, made = tensors[e.name], changes[e.name]
+            if made is None:  # the whole tensor: digest and finiteness in one pass
+                got, ok = scan(t) if e.digest is not None else (None, finite(t))
+            else:  # a delta: the result's digest; only the new values can be new NaNs
+                got = digest(t) if e.digest is not None else None
+                ok = finite(torch.from_numpy(made.values).view(e.dtype))
+            if e.digest is not None and got != e.digest:
                 raise WeightsError(f"tensor {e.name!r}: digest mismatch, the bytes received are not the bytes sent; "
                                    "nothing applied")  # fmt: skip
-            made = changes[e.name]
-            probe = t if made is None else torch.from_numpy(made.values).view(e.dtype)
-            if not finite(probe):
+            if not ok:
                 raise WeightsError(f"tensor {e.name!r}: holds NaN or infinity; nothing applied")
         return tensors, extra, changes
 
