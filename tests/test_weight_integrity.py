@@ -31,6 +31,7 @@ from rewardmesh.common.weights import (
     finite,
     iter_update_requests,
     manifest,
+    scan,
 )
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
@@ -74,6 +75,8 @@ def test_digest_and_finiteness_checks_name_the_tensor() -> None:
             y = x.clone()
             y[69_999] = bad
             assert not finite(y)
+            assert scan(y) == (digest(y), False)
+        assert scan(x) == (digest(x), True)
     big = torch.full((10,), 65504.0, dtype=torch.float16)  # the largest finite fp16 value is finite
     assert finite(big)
     with pytest.raises(WeightsError, match="'w': holds NaN"):
