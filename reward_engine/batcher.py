@@ -170,6 +170,7 @@ class DynamicBatcher:
         self._on_batch = on_batch
         self._queue: FairQueue[Ticket] = FairQueue()
         self.service_s = 0.0  # how long a batch takes (moving average): a sample with less time left is hopeless
+        self._prune_timer: asyncio.TimerHandle | None = None  # when the next queued sample becomes hopeless
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.max_concurrent_batches)
         self._running: set[asyncio.Task[None]] = set()
@@ -257,7 +258,26 @@ class DynamicBatcher:
         self._admit(item)
         self._queue.push(item)
         item.tenant.in_flight += 1
+        if item.due is not None:
+            self._prune_when_hopeless(item.due)
         self._wake.set()
+
+    def _prune_when_hopeless(self, due: float) -> None:
+        """Fail the queued samples that cannot make their step deadline when the first of them becomes hopeless,
+        even while every batch slot is busy (the scheduler prunes only when a slot is free)."""
+        at = due - self.service_s
+        timer = self._prune_timer
+        if timer is not None and timer.when() <= at:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._prune_timer = asyncio.get_running_loop().call_at(at, self._on_prune_timer)
+
+    def _on_prune_timer(self) -> None:
+        self._prune_timer = None
+        self._prune()
+        if (due := self._queue.earliest_due()) is not None:
+            self._prune_when_hopeless(due)
 
     def _admit(self, item: Ticket) -> None:
         if self._closed:
@@ -325,6 +345,9 @@ class DynamicBatcher:
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
+        if self._prune_timer is not None:
+            self._prune_timer.cancel()
+            self._prune_timer = None
         if drain:
             while self._queue.depth or self._running or self._late:
                 self._wake.set()

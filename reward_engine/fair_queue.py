@@ -170,6 +170,8 @@ class FairQueue(Generic[Q]):
         """Return samples popped by `fair_order` and not used (newest first, so each lane keeps its order)."""
         for lane, item in reversed(taken):
             self._unpop(lane, item)
+        for lane, _ in taken:  # the clock goes back to the first start tag not served
+            self._vclock = min(self._vclock, lane.vtime)
 
     def remove(self, drop: set[int]) -> list[Q]:
         """Take out the samples whose id() is in `drop`; returns them."""
@@ -192,6 +194,10 @@ class FairQueue(Generic[Q]):
         for lane in self.lanes.values():
             yield from lane.items()
 
+    def earliest_due(self) -> float | None:
+        """The earliest step deadline queued (cancelled samples' included), if any."""
+        return min((lane.edf[0][0] for lane in self.lanes.values() if lane.edf), default=None)
+
     def share(self, tenant: Tenant) -> float:
         """The tenant's weighted share of the queued tenants (itself counted as queued)."""
         total = sum(lane.tenant.weight for lane in self.lanes.values() if lane.count and lane.tenant is not tenant)
@@ -199,7 +205,8 @@ class FairQueue(Generic[Q]):
 
     def most_over_share(self, capacity: int, besides: Tenant) -> Lane[Q] | None:
         """The lane (not `besides`'s) that holds the most over its weighted share of `capacity`, if any is over."""
-        total = sum(lane.tenant.weight for lane in self.lanes.values() if lane.count or lane.tenant is besides)
+        others = (lane.tenant.weight for lane in self.lanes.values() if lane.count and lane.tenant is not besides)
+        total = sum(others) + besides.weight
         worst, excess = None, 0.0
         for lane in self.lanes.values():
             if lane.tenant is besides or not lane.count:

@@ -1,0 +1,140 @@
+"""The batcher's fair share between tenants and its step deadlines, with a recording compute function held open
+by a gate (no gRPC, no timing): what goes into each batch is decided by the queue alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
+from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull
+from rewardmesh.reward_engine.fair_queue import Tenant
+from tests.support.waiting import eventually
+from tests.test_batcher import Recorder, inp
+
+
+async def held_batcher(rec: Recorder, **config: float) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:
+    """A batcher whose first batch (one 'blocker' sample) holds the model until rec.gate is set: whatever is
+    queued meanwhile is ordered by the queue alone."""
+    rec.gate = asyncio.Event()
+    b = DynamicBatcher(rec, BatcherConfig(**{"max_queue_delay_ms": 0, **config}))  # type: ignore[arg-type]
+    blocker = asyncio.create_task(b.submit(inp("blocker")))
+    await eventually(lambda: rec.batches, "the blocker computes")
+    return b, blocker
+
+
+def tenant_of(sid: str) -> str:
+    return sid.split("-")[0]
+
+
+async def test_a_saturated_pipeline_gives_tenants_batch_slots_by_weight() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=8)
+    a, c = Tenant("a", weight=3), Tenant("c", weight=1)
+    futures = [b.enqueue(inp(f"a-{i}"), tenant=a) for i in range(200)]
+    futures += [b.enqueue(inp(f"c-{i}"), tenant=c) for i in range(200)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    both_backlogged = rec.batches[1:21]  # 20 batches of 8: both tenants still had samples queued
+    counts = Counter(tenant_of(sid) for batch in both_backlogged for sid in batch)
+    assert counts == {"a": 120, "c": 40}, counts  # 3 : 1, exactly
+    assert all(Counter(map(tenant_of, batch)) == {"a": 6, "c": 2} for batch in both_backlogged)
+    assert sorted(sum(rec.batches, [])) == sorted(["blocker", *(f"a-{i}" for i in range(200)),
+                                                   *(f"c-{i}" for i in range(200))])  # fmt: skip
+    assert a.in_flight == c.in_flight == 0
+    await b.close()
+
+
+async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=4)
+    flood, late = Tenant("flood"), Tenant("late")
+    futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(400)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await eventually(lambda: len(rec.batches) >= 6, "the flood is being served")
+    rec.gate.clear()  # type: ignore[union-attr]
+    await eventually(lambda: len(rec.batches) >= 7 and rec.active, "a flood batch holds the model")
+    served = len(rec.batches)
+    futures += [b.enqueue(inp(f"late-{i}"), tenant=late) for i in range(2)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    assert Counter(map(tenant_of, rec.batches[served])) == {"late": 2, "flood": 2}  # not behind ~370 samples
+
+
+async def test_within_a_tenant_the_earliest_step_deadline_goes_first() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    now = time.monotonic()
+    futures = [b.enqueue(inp("none-0"))]
+    futures += [b.enqueue(inp(f"due{s}"), due=now + s) for s in (50, 10, 30, 20)]
+    futures += [b.enqueue(inp("none-1"))]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    # Each batch lists its samples in arrival order; the batches themselves follow the deadlines, and samples
+    # without one follow every sample that has one, in arrival order.
+    assert rec.batches[1:] == [["due10", "due20"], ["due50", "due30"], ["none-0", "none-1"]]
+    await b.close()
+
+
+async def test_a_full_queue_refuses_the_flooder_and_admits_its_neighbour() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=4, max_queue_size=10)
+    flood, neighbour = Tenant("flood"), Tenant("neighbour")
+    flooded = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(10)]
+    with pytest.raises(QueueFull, match="queue is full"):
+        b.enqueue(inp("flood-10"), tenant=flood)
+    # The neighbour is under its share (half of 10): each of its samples pushes out the flooder's newest.
+    mine = [b.enqueue(inp(f"neighbour-{i}"), tenant=neighbour) for i in range(5)]
+    with pytest.raises(QueueFull, match="tenant 'neighbour' holds its share"):
+        b.enqueue(inp("neighbour-5"), tenant=neighbour)
+    pushed_out = [f for f in flooded if f.done()]
+    assert len(pushed_out) == 5 and all(isinstance(f.exception(), QueueFull) for f in pushed_out)
+    assert "tenant 'flood' holds more than its weighted share" in str(pushed_out[0].exception())
+    assert [f for f in flooded if f.done()] == flooded[5:]  # the newest ones
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *mine, *flooded[:5])
+    assert flood.in_flight == neighbour.in_flight == 0
+    await b.close()
+
+
+async def test_queue_share_and_in_flight_limits_refuse_only_their_tenant() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=4, max_queue_size=100)
+    capped = Tenant("capped", max_queue_share=0.1)
+    counted = Tenant("counted", max_in_flight=3)
+    other = Tenant("other")
+    futures = [b.enqueue(inp(f"capped-{i}"), tenant=capped) for i in range(10)]
+    with pytest.raises(QueueFull, match=r"tenant 'capped' holds 10 samples .*max_queue_share 0.1 of 100"):
+        b.enqueue(inp("capped-10"), tenant=capped)
+    futures += [b.enqueue(inp(f"counted-{i}"), tenant=counted) for i in range(3)]
+    with pytest.raises(QueueFull, match=r"tenant 'counted' has 3 samples in flight .*max_in_flight"):
+        b.enqueue(inp("counted-3"), tenant=counted)
+    futures += [b.enqueue(inp(f"other-{i}"), tenant=other) for i in range(50)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    assert counted.in_flight == 0
+    await b.submit(inp("counted-again"), tenant=counted)  # room again once answered
+    await b.close()
+
+
+async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_never_computed() -> None:
+    rec = Recorder(delay=0.2)
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+    await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.2 s
+    assert b.service_s >= 0.2
+    with pytest.raises(DeadlineExceeded, match=r"step deadline cannot be met: .* takes about"):
+        b.enqueue(inp("hopeless"), due=time.monotonic() + 0.05)
+    # Queued behind a slow batch: dropped as soon as its time left is less than a batch, not computed late.
+    busy = b.enqueue(inp("busy"))
+    await eventually(lambda: rec.active, "the busy batch computes")
+    started = time.monotonic()
+    late = b.enqueue(inp("late"), due=started + 0.3)
+    with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
+        await late
+    assert time.monotonic() < started + 0.3  # reported before the deadline itself
+    await busy
+    assert "hopeless" not in sum(rec.batches, []) and "late" not in sum(rec.batches, [])
+    await b.close()
