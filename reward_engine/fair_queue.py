@@ -160,6 +160,8 @@ class FairQueue(Generic[Q]):
                     lane.vtime = self._vclock
                 out.extend(lane.items())
                 lane.vtime += lane.count / lane.tenant.weight
+                # the clock moves to the start tag of the last sample served, as if they had been taken one by one
+                self._vclock = max(self._vclock, lane.vtime - 1.0 / lane.tenant.weight)
                 lane.fifo.clear()
                 lane.edf.clear()
                 lane.count = 0
