@@ -106,9 +106,9 @@ class GrpcServer:
     ) -> None:
         self.options = options
         interceptors = [*server_interceptors(), ExceptionToStatusInterceptor()]
-        tokens = [t for t in (auth_token(options.auth_token_file), *tenant_tokens) if t]
-        if tokens:  # first: a refused call never reaches the others
-            interceptors.insert(0, BearerTokenInterceptor(tokens))
+        token = auth_token(options.auth_token_file)
+        if token:  # first: a refused call never reaches the others; a tenant's token passes too (server/tenants.py)
+            interceptors.insert(0, BearerTokenInterceptor([token, *tenant_tokens]))
         self.server = aio.server(interceptors=interceptors, options=options.channel_args())
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

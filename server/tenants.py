@@ -9,7 +9,8 @@ weight and its limits; callers without a tenant's token (no auth, or the shared 
       job-b: {token_env: JOB_B_TOKEN, weight: 1, max_queue_share: 0.5}
       default: {weight: 0.5}
 
-A tenant's token also passes the server's auth (server/auth.py), which is on once any tenant has one.
+With auth on (a shared token, server/auth.py), a tenant's token passes it too and any other token is refused;
+with auth off, tokens only tell tenants apart, and a caller with no tenant's token is the default tenant.
 Tokens are held as SHA-256 digests and looked up by digest, so a lookup's time says nothing about a token.
 """
 

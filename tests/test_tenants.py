@@ -94,8 +94,15 @@ def test_a_bad_tenant_table_names_the_field(config: Any, message: str, monkeypat
         TenantTable.from_config(config)
 
 
-async def test_each_caller_is_its_tokens_tenant_and_an_unknown_token_is_refused(tmp_path: Path) -> None:
+async def test_each_caller_is_its_tokens_tenant_and_with_auth_on_an_unknown_token_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     table = TenantTable.from_config(write_tokens(tmp_path, a="a-secret", b="b-secret"))
+    async with paced_server(table, batch_s=0.01) as server:  # auth off: a token only names the tenant
+        async with RewardClient([server.address], token="nobody") as client:
+            assert not (await client.submit(sample("x"), PIPELINE)).HasField("error")
+        assert table.default.in_flight == 0 and server.servicer.telemetry.queues()[0][0] == (PIPELINE, "default")
+    monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", "shared-secret")  # auth on: the shared token or a tenant's
     async with paced_server(table, batch_s=0.01) as server:
         async with (
             RewardClient([server.address], token="a-secret") as ca,
