@@ -292,17 +292,15 @@ class DynamicBatcher:
             raise DeadlineExceeded(self._hopeless(item, item.enqueued))
         size = self.config.max_queue_size
         queue = self._queue
-        if tenant is not DEFAULT_TENANT or len(queue.lanes) > 1:
+        if tenant.max_queue_share < 1:
             lane = queue.lanes.get(tenant)
             held = lane.count if lane is not None else 0
-            if tenant.max_queue_share < 1 and held >= tenant.max_queue_share * size:
+            if held >= tenant.max_queue_share * size:
                 raise QueueFull(
                     f"tenant '{tenant.name}' holds {held} samples in reward pipeline '{self.name}', its share of the "
                     f"queue (max_queue_share {tenant.max_queue_share:g} of {size}); retry later"
                 )
-            if queue.depth >= size and held < queue.share(tenant) * size and self._make_room(tenant):
-                return
-        if queue.depth >= size:
+        if queue.depth >= size and not self._make_room(tenant):
             raise QueueFull(
                 f"reward pipeline '{self.name}' queue is full ({size} samples"
                 + (f", tenant '{tenant.name}' holds its share" if len(queue.lanes) > 1 else "")
@@ -312,8 +310,12 @@ class DynamicBatcher:
             self.start()
 
     def _make_room(self, tenant: Tenant) -> bool:
-        """The queue is full and `tenant` is under its weighted share: refuse the newest sample of the tenant
-        furthest over its own share (the flooder pays, not its neighbours). False if no tenant is over."""
+        """The queue is full: if `tenant` is under its weighted share, refuse the newest sample of the tenant
+        furthest over its own share (the flooder pays, not its neighbours). False if none can make room."""
+        lane = self._queue.lanes.get(tenant)
+        held = lane.count if lane is not None else 0
+        if held >= self._queue.share(tenant) * self.config.max_queue_size:
+            return False
         victim_lane = self._queue.most_over_share(self.config.max_queue_size, tenant)
         if victim_lane is None:
             return False
@@ -432,7 +434,7 @@ class DynamicBatcher:
         cfg = self.config
         queue = self._queue
         if queue.depth <= cfg.max_batch_size and not cfg.max_batch_tokens:
-            return sorted(queue.take_all(), key=_arrival)
+            return queue.take_all()
         window = cfg.max_batch_size * 4
         candidates: list[tuple[Lane[Ticket], Ticket]] = []
         for lane, item in queue.fair_order(window):

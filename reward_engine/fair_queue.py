@@ -45,6 +45,10 @@ class Tenant:
 DEFAULT_TENANT = Tenant()
 
 
+def _arrival(item: Queued) -> float:
+    return item.enqueued
+
+
 class Queued(Protocol):
     """What the queue needs of a queued sample (the batcher's Ticket)."""
 
@@ -152,13 +156,20 @@ class FairQueue(Generic[Q]):
             yield lane, item
 
     def take_all(self) -> list[Q]:
-        """Every queued sample (the whole queue fits one batch), each lane charged for what it had."""
+        """Every queued sample in arrival order (the whole queue fits one batch), each lane charged for what it
+        had."""
         out: list[Q] = []
+        parts = 0
         for lane in self.lanes.values():
             if lane.count:
                 if lane.vtime < self._vclock:
                     lane.vtime = self._vclock
-                out.extend(lane.items())
+                if lane.edf:
+                    out.extend([entry[2] for entry in lane.edf])
+                    parts += 1
+                if lane.fifo:
+                    out.extend(lane.fifo)
+                    parts += 1
                 lane.vtime += lane.count / lane.tenant.weight
                 # the clock moves to the start tag of the last sample served, as if they had been taken one by one
                 self._vclock = max(self._vclock, lane.vtime - 1.0 / lane.tenant.weight)
@@ -166,6 +177,8 @@ class FairQueue(Generic[Q]):
                 lane.edf.clear()
                 lane.count = 0
         self.depth = 0
+        if parts > 1:  # one part (the usual: one tenant, no deadlines) is in arrival order already
+            out.sort(key=_arrival)
         return out
 
     def put_back(self, taken: list[tuple[Lane[Q], Q]]) -> None:
