@@ -12,6 +12,7 @@ import pytest
 from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
 from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull
 from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
 from tests.test_batcher import Recorder, inp
 
@@ -48,20 +49,34 @@ async def test_a_saturated_pipeline_gives_tenants_batch_slots_by_weight() -> Non
     await b.close()
 
 
+class Turnstile(Recorder):
+    """Each batch waits for a permit: the test lets batches through one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = asyncio.Semaphore(0)
+
+    async def __call__(self, batch: list[RewardInput]) -> BatchResult:
+        self.batches.append([x.sample_id for x in batch])
+        await self.permits.acquire()
+        return [RewardOutput(1.0) for _ in batch]
+
+
 async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch() -> None:
-    rec = Recorder()
-    b, blocker = await held_batcher(rec, max_batch_size=4)
+    turnstile = Turnstile()
+    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
     flood, late = Tenant("flood"), Tenant("late")
     futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(400)]
-    rec.gate.set()  # type: ignore[union-attr]
-    await eventually(lambda: len(rec.batches) >= 6, "the flood is being served")
-    rec.gate.clear()  # type: ignore[union-attr]
-    await eventually(lambda: len(rec.batches) >= 7 and rec.active, "a flood batch holds the model")
-    served = len(rec.batches)
+    for _ in range(10):  # the flood has been served a while: ten batches done, the eleventh computing
+        turnstile.permits.release()
+    await eventually(lambda: len(turnstile.batches) == 11, "ten flood batches done, the eleventh computing")
     futures += [b.enqueue(inp(f"late-{i}"), tenant=late) for i in range(2)]
-    rec.gate.set()  # type: ignore[union-attr]
-    await asyncio.gather(blocker, *futures)
-    assert Counter(map(tenant_of, rec.batches[served])) == {"late": 2, "flood": 2}  # not behind ~370 samples
+    for _ in range(200):
+        turnstile.permits.release()
+    await asyncio.gather(*futures)
+    assert Counter(map(tenant_of, turnstile.batches[11])) == {"late": 2, "flood": 2}  # not behind 356 samples
+    assert flood.in_flight == late.in_flight == 0
+    await b.close()
 
 
 async def test_within_a_tenant_the_earliest_step_deadline_goes_first() -> None:
@@ -121,20 +136,20 @@ async def test_queue_share_and_in_flight_limits_refuse_only_their_tenant() -> No
 
 
 async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_never_computed() -> None:
-    rec = Recorder(delay=0.2)
+    rec = Recorder(delay=0.5)
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
-    await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.2 s
-    assert b.service_s >= 0.2
+    await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.5 s
+    assert b.service_s >= 0.5
     with pytest.raises(DeadlineExceeded, match=r"step deadline cannot be met: .* takes about"):
-        b.enqueue(inp("hopeless"), due=time.monotonic() + 0.05)
+        b.enqueue(inp("hopeless"), due=time.monotonic() + 0.2)
     # Queued behind a slow batch: dropped as soon as its time left is less than a batch, not computed late.
     busy = b.enqueue(inp("busy"))
     await eventually(lambda: rec.active, "the busy batch computes")
     started = time.monotonic()
-    late = b.enqueue(inp("late"), due=started + 0.3)
+    late = b.enqueue(inp("late"), due=started + 0.8)  # hopeless from started + 0.3 on: less than a batch left
     with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
         await late
-    assert time.monotonic() < started + 0.3  # reported before the deadline itself
+    assert time.monotonic() < started + 0.8  # reported before the deadline itself, while the model is busy
     await busy
     assert "hopeless" not in sum(rec.batches, []) and "late" not in sum(rec.batches, [])
     await b.close()
