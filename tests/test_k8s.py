@@ -546,3 +546,5 @@ def test_the_queue_autoscaler_scales_on_metrics_a_reward_server_exports(tmp_path
     for name in series:
         lines = [line for line in body.splitlines() if line.startswith(name + "{")]
         assert any('pipeline="gsm8k"' in line and 'tenant="default"' in line for line in lines), (name, body[:3000])
+    in_flight = [line for line in body.splitlines() if line.startswith("rewardmesh_reward_in_flight{")]
+    assert any('tenant="default"' in line for line in in_flight), body[:3000]
