@@ -11,8 +11,8 @@ model on an accelerator, without spending this machine's CPU), so its capacity i
 second. Every server is a real reward server on 127.0.0.1 and every job a RewardClient with its tenant's token.
 
 Measured side by side in one run, for each number of jobs J:
-  dedicated  every job with one reward server of its own (J servers): the mean step time each job gets;
-  shared     the J jobs as tenants of m servers, m = 1, 2, ... until every job's mean step time is within
+  dedicated  every job with one reward server of its own (J servers): the median step time each job gets;
+  shared     the J jobs as tenants of m servers, m = 1, 2, ... until every job's median step time is within
              --tolerance of its dedicated one: the servers a shared fleet needs for the same step times.
 Then deadlines: J jobs of one tenant (one team's token) on one saturated server, each sending its steps back to
 back, half of them with tight step deadlines; the fraction of steps scored by their deadline in arrival order
@@ -99,7 +99,7 @@ async def _job(client: RewardClient, name: str, work: Workload, seed: int, deadl
 
 
 async def _run(jobs: int, servers_per_job: int | None, shared: int, work: Workload) -> list[float]:
-    """Mean step time of each job: with `servers_per_job` of its own, or all on `shared` servers."""
+    """Median step time of each job: with `servers_per_job` of its own, or all on `shared` servers."""
     table = _table(jobs)
     count = jobs * servers_per_job if servers_per_job else shared
     async with _fleet(count, work, table) as fleet:
@@ -112,7 +112,7 @@ async def _run(jobs: int, servers_per_job: int | None, shared: int, work: Worklo
         finally:
             for c in clients:
                 await c.close()
-    return [statistics.mean(t for t, _ in steps) for steps in runs]
+    return [statistics.median(t for t, _ in steps) for steps in runs]  # a stall of this busy machine is one step
 
 
 async def _deadlines(jobs: int, work: Workload) -> dict[str, float]:
