@@ -256,7 +256,6 @@ async def test_a_flooding_tenant_leaves_its_neighbours_latency_alone_and_gets_it
     assert scored_a >= 0.5 * capacity, (scored_a, capacity)
 
 
-@pytest.mark.slow
 async def test_under_saturation_earliest_deadline_first_finishes_more_steps_in_time_than_fifo() -> None:
     # 12 steps of 8 samples, all queued at once on a server that scores 8 per 100 ms (1.2 s of work): the first six
     # have loose deadlines (5 s), the last six tight ones (0.9 s). In arrival order (FIFO: no step deadlines sent)
@@ -282,10 +281,9 @@ async def test_under_saturation_earliest_deadline_first_finishes_more_steps_in_t
                 made[mode] = await asyncio.gather(*(step_done(s) for s in range(12)))
     assert sum(made["edf"]) > sum(made["fifo"]), made
     assert all(made["edf"][6:]), made  # every tight step made it
-    assert sum(made["fifo"][6:]) <= 2, made
+    assert sum(made["fifo"][6:]) <= 3, made  # in arrival order they end at 0.7, 0.8, ... 1.2 s
 
 
-@pytest.mark.slow
 async def test_a_scale_down_drains_without_losing_a_sample(tmp_path: Path) -> None:
     """Two reward servers share a tenant's load; one is stopped mid-load (the path SIGTERM takes when the autoscaler
     removes a pod): what it holds finishes, what comes later goes to the other; each sample answered once, scored."""
