@@ -419,15 +419,15 @@ class RewardTelemetry:
 
     def queues(self) -> list[tuple[tuple[str, str], int, float]]:
         """((pipeline, tenant), samples queued, seconds the longest-waiting one has waited), for every tenant
-        that has queued on each pipeline (a pipeline none has used: its default tenant's zeros)."""
-        out = []
+        that has queued on each pipeline, and the default tenant (zeros until it queues)."""
+        out: dict[tuple[str, str], tuple[int, float]] = {}
         default = self.tenants[0].name if self.tenants else DEFAULT_TENANT.name
         for name, pipeline in self.engine.pipelines.items():
-            lanes = pipeline.batcher.tenant_queues()
-            if not lanes:
-                out.append(((name, default), 0, 0.0))
-            out += [((name, tenant.name), depth, delay) for tenant, depth, delay in lanes]
-        return out
+            out[(name, default)] = (0, 0.0)
+            for tenant, depth, delay in pipeline.batcher.tenant_queues():  # one series per name: the gateway's
+                was = out.get((name, tenant.name), (0, 0.0))  # default tenant and the table's are one to a reader
+                out[(name, tenant.name)] = (was[0] + depth, max(was[1], delay))
+        return [(key, depth, delay) for key, (depth, delay) in out.items()]
 
     @property
     def tracing(self) -> bool:

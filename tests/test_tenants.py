@@ -115,7 +115,7 @@ async def test_each_caller_is_its_tokens_tenant_and_with_auth_on_an_unknown_toke
             assert all(not r.HasField("error") and r.score == 1.0 for r in results)
             # Every tenant that queued shows up in the gauges an autoscaler reads.
             seen = {tenant for (pipeline, tenant), _, _ in server.servicer.telemetry.queues() if pipeline == PIPELINE}
-            assert seen == {"a", "b"}
+            assert seen == {"a", "b", "default"}  # the default tenant's zeros are always there
         async with reward_stub(server.address) as stub:
             with pytest.raises(aio.AioRpcError) as refused:
                 await stub.ListRewards(reward_pb2.ListRewardsRequest(), metadata=[("authorization", "Bearer nope")])
