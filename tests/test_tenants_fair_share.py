@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
-from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull
+from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, Unavailable
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
@@ -153,3 +153,19 @@ async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_n
     await busy
     assert "hopeless" not in sum(rec.batches, []) and "late" not in sum(rec.batches, [])
     await b.close()
+
+
+async def test_cancelled_expired_and_shut_down_samples_leave_their_tenants_count() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    t = Tenant("t", max_in_flight=10)
+    cancelled = [b.enqueue(inp(f"c{i}"), tenant=t) for i in range(3)]
+    expired = b.enqueue(inp("x"), tenant=t, deadline=time.monotonic())
+    left = [b.enqueue(inp(f"l{i}"), tenant=t) for i in range(3)]
+    for f in cancelled:
+        f.cancel()
+    assert t.in_flight == 7
+    await b.close(drain=False)  # the blocker's batch is cancelled; what is queued is answered UNAVAILABLE
+    assert t.in_flight == 0
+    outcomes = await asyncio.gather(blocker, expired, *left, return_exceptions=True)
+    assert all(isinstance(o, Unavailable | DeadlineExceeded) for o in outcomes), outcomes
