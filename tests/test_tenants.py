@@ -302,3 +302,37 @@ async def test_a_scale_down_drains_without_losing_a_sample(tmp_path: Path) -> No
     assert sorted(r.sample_id for r in results) == sorted(f"s{i}" for i in range(300))
     assert all(not r.HasField("error") and r.score == 1.0 for r in results)
     assert leaving.servicer.results_sent > 0  # it scored some before leaving
+
+
+@pytest.mark.timeout(120)
+def test_serve_reward_reads_its_tenants_and_names_a_mistake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rewardmesh serve reward --config` as an operator runs it: the tenants: section's tokens pass auth beside the
+    shared one; a mistake in the section stops the server with the field named."""
+    import subprocess
+
+    from rewardmesh.demo.server_process import ServerProcess
+    from rewardmesh.v1 import reward_pb2_grpc
+    from tests.support.paths import CLI
+
+    token = tmp_path / "job-a.token"
+    token.write_text("a-secret\n")
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(f"tenants:\n  job-a:\n    token_file: {token}\n    weight: 2\n")
+    bad.write_text(f"tenants:\n  job-a:\n    token_file: {token}\n    wieght: 2\n")
+    monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", "shared-secret")
+    serve = [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1", "--config"]
+    failed = subprocess.run([*serve, str(bad)], capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 2 and "tenants.job-a: unknown option(s) ['wieght']" in failed.stderr, failed.stderr
+    server = ServerProcess("reward", [*serve, str(good)], tmp_path)
+    try:
+        port = server.start(timeout_s=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reward_pb2_grpc.RewardServiceStub(channel)
+            for sent, passes in (("a-secret", True), ("shared-secret", True), ("other", False)):
+                try:
+                    stub.ListRewards(reward_pb2.ListRewardsRequest(), metadata=(("authorization", f"Bearer {sent}"),))
+                    assert passes, sent
+                except grpc.RpcError as exc:
+                    assert not passes and exc.code() == grpc.StatusCode.UNAUTHENTICATED, sent
+    finally:
+        server.stop(timeout_s=30)
