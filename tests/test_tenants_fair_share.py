@@ -169,3 +169,19 @@ async def test_cancelled_expired_and_shut_down_samples_leave_their_tenants_count
     assert t.in_flight == 0
     outcomes = await asyncio.gather(blocker, expired, *left, return_exceptions=True)
     assert all(isinstance(o, Unavailable | DeadlineExceeded) for o in outcomes), outcomes
+
+
+async def test_a_sample_answered_apart_from_its_batch_stays_in_its_tenants_count_until_answered() -> None:
+    slow: asyncio.Future[RewardOutput] = asyncio.get_running_loop().create_future()
+
+    async def compute(batch: list[RewardInput]) -> BatchResult:
+        return [slow if x.sample_id == "slow" else RewardOutput(1.0) for x in batch]  # type: ignore[misc]
+
+    b = DynamicBatcher(compute, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50))
+    t = Tenant("t")
+    fast, late = b.enqueue(inp("fast"), tenant=t), b.enqueue(inp("slow"), tenant=t)
+    await fast
+    assert t.in_flight == 1 and not late.done()  # its batch is done; the sample is not
+    slow.set_result(RewardOutput(2.0))
+    assert (await late).output.score == 2.0 and t.in_flight == 0
+    await b.close()
