@@ -52,7 +52,7 @@ class _Pending:
     errors: list[str] = field(default_factory=list)
     stream: _TargetStream | None = None  # where it is pending now
 
-    def fill(self, req: reward_pb2.ScoreRequest) -> None:
+    def fill(self, req: reward_pb2.ScoreRequest, now: float) -> None:
         """Write this sample's request into `req` (an item of a message, or the message itself)."""
         req.sample.CopyFrom(self.sample)
         if self.wire_id is not self.sample_id:
@@ -63,7 +63,7 @@ class _Pending:
         if self.timeout_ns is not None:
             req.timeout.FromNanoseconds(self.timeout_ns)
         if self.due is not None:  # what is left of it now: each attempt sends less
-            req.step_time_left.FromNanoseconds(max(0, int((self.due - time.monotonic()) * 1e9)))
+            req.step_time_left.FromNanoseconds(max(0, int((self.due - now) * 1e9)))
 
 
 class _TargetStream(Member):
@@ -153,12 +153,13 @@ class _TargetStream(Member):
                 msg.cancel_sample_ids.extend(self._cancels[:MAX_ITEMS_PER_MESSAGE])
                 del self._cancels[:MAX_ITEMS_PER_MESSAGE]
             elif len(queued) == 1 and not self._cancels and not self._keeps:
-                queued.popleft().fill(msg)
+                queued.popleft().fill(msg, time.monotonic())
             else:
                 add, traced = msg.items.add, False
+                now = time.monotonic()  # once: samples of one step deadline keep one deadline (and their order)
                 for _ in range(min(len(queued), MAX_ITEMS_PER_MESSAGE)):
                     p = queued.popleft()
-                    p.fill(add())
+                    p.fill(add(), now)
                     if p.trace_context:
                         traced = True
                 if not traced:

@@ -49,6 +49,15 @@ def _arrival(item: Queued) -> float:
     return item.enqueued
 
 
+# Step deadlines this close count as one: the samples of one step (one deadline, carried as time left and turned
+# back into a time on arrival, so they differ by microseconds) stay in arrival order.
+DUE_TICK = 0.01
+
+
+def _due_key(due: float) -> int:
+    return round(due / DUE_TICK)
+
+
 class Queued(Protocol):
     """What the queue needs of a queued sample (the batcher's Ticket)."""
 
@@ -73,16 +82,17 @@ class Lane(Generic[Q]):
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
         self.fifo: deque[Q] = deque()
-        self.edf: list[tuple[float, int, Q]] = []
+        self.edf: list[tuple[int, int, Q]] = []  # (deadline in DUE_TICKs, arrival number, sample)
         self.vtime = 0.0  # virtual time of the next sample taken from this lane
         self.count = 0  # queued samples, cancelled ones included until they are dropped
 
-    def head(self) -> Q:
-        return self.edf[0][2] if self.edf else self.fifo[0]
-
-    def pop(self) -> Q:
+    def pop(self) -> tuple[Q, tuple[int, int, Q] | None]:
+        """The next sample, and its heap entry if it had a step deadline (to put it back where it was)."""
         self.count -= 1
-        return heapq.heappop(self.edf)[2] if self.edf else self.fifo.popleft()
+        if self.edf:
+            entry = heapq.heappop(self.edf)
+            return entry[2], entry
+        return self.fifo.popleft(), None
 
     def items(self) -> Iterator[Q]:
         for entry in self.edf:
@@ -105,6 +115,7 @@ class FairQueue(Generic[Q]):
         self.depth = 0
         self._vclock = 0.0  # virtual time of the last sample taken
         self._seq = itertools.count()  # ties between equal deadlines go to the earlier arrival
+        self._popped: dict[int, tuple[int, int, Q]] = {}  # heap entries `fair_order` took, for `put_back`
 
     def __len__(self) -> int:
         return self.depth
@@ -122,16 +133,17 @@ class FairQueue(Generic[Q]):
         if item.due is None:
             lane.fifo.append(item)
         else:
-            heapq.heappush(lane.edf, (item.due, next(self._seq), item))
+            heapq.heappush(lane.edf, (_due_key(item.due), next(self._seq), item))
         lane.count += 1
         self.depth += 1
 
     def _unpop(self, lane: Lane[Q], item: Q) -> None:
-        """Put back a sample taken but not used (its lane's charge refunded)."""
-        if item.due is None:
+        """Put back a sample taken but not used, where it was (its lane's charge refunded)."""
+        entry = self._popped.pop(id(item), None)
+        if entry is None:
             lane.fifo.appendleft(item)
         else:
-            heapq.heappush(lane.edf, (item.due, next(self._seq), item))
+            heapq.heappush(lane.edf, entry)
         lane.count += 1
         self.depth += 1
         lane.vtime -= 1.0 / lane.tenant.weight
@@ -140,10 +152,13 @@ class FairQueue(Generic[Q]):
         """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them)."""
         backlog = [(lane.vtime, i, lane) for i, lane in enumerate(self.lanes.values()) if lane.count]
         heapq.heapify(backlog)
+        self._popped = {}
         taken = 0
         while backlog and taken < n:
             vtime, i, lane = backlog[0]
-            item = lane.pop()
+            item, entry = lane.pop()
+            if entry is not None:
+                self._popped[id(item)] = entry
             self.depth -= 1
             if not item.finished:  # a cancelled sample costs its tenant nothing
                 self._vclock = vtime
@@ -164,9 +179,9 @@ class FairQueue(Generic[Q]):
             if lane.count:
                 if lane.vtime < self._vclock:
                     lane.vtime = self._vclock
-                if lane.edf:
+                if lane.edf:  # a heap: never in arrival order by itself
                     out.extend([entry[2] for entry in lane.edf])
-                    parts += 1
+                    parts += 2
                 if lane.fifo:
                     out.extend(lane.fifo)
                     parts += 1
@@ -210,8 +225,8 @@ class FairQueue(Generic[Q]):
             yield from lane.items()
 
     def earliest_due(self) -> float | None:
-        """The earliest step deadline queued (cancelled samples' included), if any."""
-        return min((lane.edf[0][0] for lane in self.lanes.values() if lane.edf), default=None)
+        """The earliest step deadline queued (to within DUE_TICK; cancelled samples' included), if any."""
+        return min((lane.edf[0][2].due for lane in self.lanes.values() if lane.edf), default=None)  # type: ignore[type-var]
 
     def share(self, tenant: Tenant) -> float:
         """The tenant's weighted share of the queued tenants (itself counted as queued)."""

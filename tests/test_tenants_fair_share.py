@@ -185,3 +185,16 @@ async def test_a_sample_answered_apart_from_its_batch_stays_in_its_tenants_count
     slow.set_result(RewardOutput(2.0))
     assert (await late).output.score == 2.0 and t.in_flight == 0
     await b.close()
+
+
+async def test_samples_of_one_step_deadline_keep_their_arrival_order() -> None:
+    """One deadline sent as time left and turned back into a time on arrival differs by microseconds per sample:
+    that must not reverse a step's samples (nor one step with another of the same deadline)."""
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    due = time.monotonic() + 10
+    futures = [b.enqueue(inp(f"s{i}"), due=due - i * 1e-6) for i in range(6)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    assert rec.batches[1:] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]
+    await b.close()
