@@ -100,7 +100,7 @@ class Lane(Generic[Q]):
         yield from self.fifo
 
     def oldest(self) -> float | None:
-        """Arrival time of the longest-waiting sample (the head of each part: the fifo's is its oldest)."""
+        """Arrival time of the longest-waiting sample (the fifo's head; the heap is searched)."""
         times = [self.fifo[0].enqueued] if self.fifo else []
         if self.edf:
             times.append(min(entry[2].enqueued for entry in self.edf))
@@ -108,7 +108,8 @@ class Lane(Generic[Q]):
 
 
 class FairQueue(Generic[Q]):
-    """Samples of many tenants; `take` hands out a batch in weighted-fair, earliest-deadline-first order."""
+    """Samples of many tenants, handed out in weighted-fair, earliest-deadline-first order (`fair_order`), or all
+    at once when they fit one batch (`take_all`)."""
 
     def __init__(self) -> None:
         self.lanes: dict[Tenant, Lane[Q]] = {}
