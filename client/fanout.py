@@ -84,10 +84,14 @@ class RolloutFanout:
         max_attempts: int,
         generate_timeout_s: float,
         policy_version: Callable[[], int],
+        step_deadline_s: float | None = None,
     ) -> None:
         self.pool = pool
         self.agent = agent
         self.reward_timeout = reward_timeout
+        # Each step's samples must be scored within this many seconds of its start: a shared reward fleet serves
+        # earlier step deadlines first and fails a sample that cannot make it early (DEADLINE_EXCEEDED). None: none.
+        self.step_deadline_s = step_deadline_s
         self.max_attempts = max_attempts
         # The deadline of each Generate call: a sample that never comes is DEADLINE_EXCEEDED, never a hang.
         self.generate_timeout_s = generate_timeout_s
@@ -97,11 +101,15 @@ class RolloutFanout:
         self.groups_started = 0
         self._step = 0
 
-    def _request(self, prompt: rollout_pb2.Prompt, n: int, reward: str, sampling: Sampling) -> Any:
+    def _request(
+        self, prompt: rollout_pb2.Prompt, n: int, reward: str, sampling: Sampling, step_deadline: float | None = None
+    ) -> Any:
         req = rollout_pb2.GenerateRequest(prompts=[prompt], n=n, reward=reward, sampling=sampling.to_proto(),
                                           agent=self.agent, max_samples_per_message=MAX_PER_MESSAGE)  # fmt: skip
         if self.reward_timeout is not None:
             req.reward_timeout.FromNanoseconds(int(self.reward_timeout * 1e9))
+        if step_deadline is not None:  # what is left of the step's deadline (a retry sends less)
+            req.step_time_left.FromNanoseconds(max(0, int((step_deadline - time.monotonic()) * 1e9)))
         return req
 
     async def _run_group(
@@ -113,6 +121,7 @@ class RolloutFanout:
         sampling: Sampling,
         out: asyncio.Queue[ScoredSample | BaseException],
         started: float,
+        step_deadline: float | None = None,
     ) -> None:
         remaining = list(sample_ids)
         errors: list[str] = []
@@ -127,7 +136,7 @@ class RolloutFanout:
                 target = self.pool.pick()
             if errors:
                 self.resent_samples += len(remaining)
-            request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling)
+            request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling, step_deadline)
             target.outstanding += len(remaining)
             call = target.stub.Generate(request, timeout=self.generate_timeout_s)
             try:
@@ -182,13 +191,14 @@ class RolloutFanout:
             "rewardmesh.step": self._step, "rewardmesh.num_prompts": len(prompts), "rewardmesh.n": n,
             "rewardmesh.policy_version": self._policy_version()})  # fmt: skip
         launched = Launched(asyncio.Queue(), [], len(prompts) * n, time.perf_counter(), span)
+        deadline = None if self.step_deadline_s is None else time.monotonic() + self.step_deadline_s
         token = otel_context.attach(trace.set_span_in_context(span))  # the tasks (and their RPCs) inherit it
         ratio = trace_config().head_ratio
         try:
             for i, spec in enumerate(prompts):
                 group = spec.group_id or f"{stamp}-{i}"
                 ids = [f"{group}/{k}" for k in range(n)]
-                run = self._run_group(spec, group, ids, reward, sampling, launched.out, launched.started)
+                run = self._run_group(spec, group, ids, reward, sampling, launched.out, launched.started, deadline)
                 # Head sampling per prompt group, decided here and carried in the trace flags.
                 ctx = group_context(span, random.random() < ratio)
                 group_token = otel_context.attach(ctx) if ctx is not None else None

@@ -46,12 +46,13 @@ class _Pending:
     wire_id: str  # the id it travels under: its own, unless another live sample of this client has it
     deadline: float  # time.monotonic() by which a result must have come (end to end, retries included)
     timeout_ns: int | None = None  # ScoreRequest.timeout
+    due: float | None = None  # time.monotonic() by which its step must be scored (ScoreRequest.step_time_left)
     trace_context: dict[str, str] | None = None
     attempts: int = 0
     errors: list[str] = field(default_factory=list)
     stream: _TargetStream | None = None  # where it is pending now
 
-    def fill(self, req: reward_pb2.ScoreRequest) -> None:
+    def fill(self, req: reward_pb2.ScoreRequest, now: float) -> None:
         """Write this sample's request into `req` (an item of a message, or the message itself)."""
         req.sample.CopyFrom(self.sample)
         if self.wire_id is not self.sample_id:
@@ -61,6 +62,8 @@ class _Pending:
             req.trace_context.update(self.trace_context)
         if self.timeout_ns is not None:
             req.timeout.FromNanoseconds(self.timeout_ns)
+        if self.due is not None:  # what is left of it now: each attempt sends less
+            req.step_time_left.FromNanoseconds(max(0, int((self.due - now) * 1e9)))
 
 
 class _TargetStream(Member):
@@ -71,11 +74,15 @@ class _TargetStream(Member):
     several results per message: nothing waits to fill a message, a message takes what is ready.
     """
 
-    def __init__(self, owner: RewardClient, address: str, server_name: str, max_message_mb: int) -> None:
+    def __init__(
+        self, owner: RewardClient, address: str, server_name: str, max_message_mb: int, token: str | None = None
+    ) -> None:
         super().__init__(address, server_name)
         self.owner = owner
         # No RPC spans: the Score stream is the hot path, and each sample carries its own trace context.
-        self.channel = open_channel(address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False)
+        self.channel = open_channel(
+            address, server_name=server_name, max_message_mb=max_message_mb, rpc_spans=False, token=token
+        )
         self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
         self.pending: dict[str, _Pending] = {}
         # Wire ids cancelled on the server and not yet answered: a late answer must not be taken for a new sample.
@@ -146,12 +153,13 @@ class _TargetStream(Member):
                 msg.cancel_sample_ids.extend(self._cancels[:MAX_ITEMS_PER_MESSAGE])
                 del self._cancels[:MAX_ITEMS_PER_MESSAGE]
             elif len(queued) == 1 and not self._cancels and not self._keeps:
-                queued.popleft().fill(msg)
+                queued.popleft().fill(msg, time.monotonic())
             else:
                 add, traced = msg.items.add, False
+                now = time.monotonic()  # once: samples of one step deadline keep one deadline (and their order)
                 for _ in range(min(len(queued), MAX_ITEMS_PER_MESSAGE)):
                     p = queued.popleft()
-                    p.fill(add())
+                    p.fill(add(), now)
                     if p.trace_context:
                         traced = True
                 if not traced:
@@ -248,7 +256,10 @@ class RewardClient:
         resolve: Resolve | None = None,
         resolve_interval_s: float = 30.0,
         result_timeout_s: float = 600.0,
+        token: str | None = None,
     ) -> None:
+        """`token`: the bearer token to send (a tenant's, naming the job on a shared reward fleet); default: the
+        one in the environment (REWARDMESH_AUTH_TOKEN_FILE, REWARDMESH_AUTH_TOKEN), if any."""
         if result_timeout_s <= 0:
             raise ValueError(f"result_timeout_s must be > 0, got {result_timeout_s}")
         # End to end, retries included: a result that never comes is DEADLINE_EXCEEDED, never a hang.
@@ -266,7 +277,7 @@ class RewardClient:
         self._waiting: dict[_Pending, asyncio.TimerHandle] = {}  # samples waiting for a target to come up
         self.pool: TargetPool[_TargetStream] = TargetPool(
             targets,
-            lambda address, name: _TargetStream(self, address, name, max_message_mb),
+            lambda address, name: _TargetStream(self, address, name, max_message_mb, token),
             kind="reward target",
             backoff_s=retry_backoff_s,
             interval_s=resolve_interval_s,
@@ -321,13 +332,16 @@ class RewardClient:
         *,
         timeout: float | None = None,
         trace_context: dict[str, str] | None = None,
+        step_deadline: float | None = None,
     ) -> asyncio.Future[reward_pb2.RewardResult]:
         """Send one sample now; the future resolves with its result (errors are in `result.error`).
 
         The sample is copied into the stream's next message when that is written (one copy, not two): leave
         it unchanged until the future resolves. Cancelling the future cancels the sample on the reward
         server. `timeout` bounds its wait in the server's queue; the client's own `result_timeout_s` bounds
-        the whole wait.
+        the whole wait. `step_deadline` (a time.monotonic() value): when the step it belongs to must be scored;
+        the server serves earlier step deadlines first and answers DEADLINE_EXCEEDED early for a sample that can
+        no longer make its own.
         """
         loop = asyncio.get_running_loop()
         sid = wire = sample.sample_id
@@ -343,6 +357,7 @@ class RewardClient:
             wire,
             time.monotonic() + self.result_timeout_s,
             None if timeout is None else int(timeout * 1e9),
+            step_deadline,
             trace_context,
         )
         p.future.add_done_callback(lambda fut: self._on_done(p, fut))
@@ -398,10 +413,15 @@ class RewardClient:
         )
 
     async def score(
-        self, samples: Iterable[common_pb2.Sample], reward: str, *, timeout: float | None = None
+        self,
+        samples: Iterable[common_pb2.Sample],
+        reward: str,
+        *,
+        timeout: float | None = None,
+        step_deadline: float | None = None,
     ) -> AsyncIterator[reward_pb2.RewardResult]:
         """Send every sample at once and yield results as they complete."""
-        futures = [self.submit(s, reward, timeout=timeout) for s in samples]
+        futures = [self.submit(s, reward, timeout=timeout, step_deadline=step_deadline) for s in samples]
         try:
             for fut in asyncio.as_completed(futures):
                 yield await fut
@@ -478,12 +498,19 @@ class RewardClient:
     # -- unary --------------------------------------------------------------------------------
 
     async def score_batch(
-        self, samples: Sequence[common_pb2.Sample], reward: str, *, timeout: float | None = None
+        self,
+        samples: Sequence[common_pb2.Sample],
+        reward: str,
+        *,
+        timeout: float | None = None,
+        step_deadline: float | None = None,
     ) -> list[reward_pb2.RewardResult]:
         """One ScoreBatch call on the least-loaded usable target, retried elsewhere on UNAVAILABLE."""
         request = reward_pb2.ScoreBatchRequest(reward=reward, samples=samples)
         if timeout is not None:
             request.timeout.FromNanoseconds(int(timeout * 1e9))
+        if step_deadline is not None:
+            request.step_time_left.FromNanoseconds(max(0, int((step_deadline - time.monotonic()) * 1e9)))
         last: aio.AioRpcError | None = None
         now = time.monotonic()
         order = sorted(await self.pool.wait_for_members(), key=lambda s: (not s.usable(now), len(s.pending)))

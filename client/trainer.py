@@ -50,7 +50,10 @@ class TrainerClient:
         resolve: Resolve | None = None,
         resolve_interval_s: float = 30.0,
         generate_timeout_s: float = 3600.0,
+        step_deadline_s: float | None = None,
     ) -> None:
+        """`step_deadline_s`: each step's samples must be scored within this many seconds of the step's start
+        (a shared reward fleet serves earlier deadlines first and fails a sample early that cannot make it)."""
         if generate_timeout_s <= 0:
             raise ValueError(f"generate_timeout_s must be > 0, got {generate_timeout_s}")
         self.pool: TargetPool[RolloutTarget] = TargetPool(
@@ -79,6 +82,7 @@ class TrainerClient:
             max_attempts=max_attempts,
             generate_timeout_s=generate_timeout_s,
             policy_version=lambda: self.policy.policy_version,
+            step_deadline_s=step_deadline_s,
         )
         self.traces = SlowestTraces(lambda: self.targets)
         self.pool.on_join(self._bring_up_to_date)

@@ -115,13 +115,14 @@ def token_interceptors(token: str) -> list[Any]:
 
 
 def open_channel(
-    address: str, *, server_name: str = "", max_message_mb: int = 64, rpc_spans: bool = True
+    address: str, *, server_name: str = "", max_message_mb: int = 64, rpc_spans: bool = True, token: str | None = None
 ) -> aio.Channel:
     """`rpc_spans=False`: no OpenTelemetry interceptors, for channels whose traffic is a hot stream (grpc.aio
-    routes every message of every call on an intercepted channel through extra Python, filtered or not)."""
+    routes every message of every call on an intercepted channel through extra Python, filtered or not).
+    `token`: this channel's bearer token (e.g. a tenant's), instead of the one from the environment."""
     options = channel_options(max_message_mb)
     interceptors = client_interceptors() if rpc_spans else []
-    token = auth_token()
+    token = token or auth_token()
     ca = _read("REWARDMESH_TLS_CA")
     if ca is None:
         if token:

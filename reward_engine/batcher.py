@@ -6,6 +6,11 @@ Knobs: `max_batch_size`, `max_batch_tokens` (padded: batch size x longest sample
 goes into the next batch (bounded latency), the rest of the batch is filled with the samples
 nearest to it in length (less padding). Expired samples are dropped before compute; cancelled ones
 are skipped. The next batch forms while the current one computes.
+
+Several tenants (training jobs sharing the server) queue side by side (`fair_queue.FairQueue`): a saturated
+pipeline gives them batch slots by weight, each tenant's samples earliest step deadline first; a sample that can
+no longer be scored by its step deadline (less time left than a batch takes) is answered DEADLINE_EXCEEDED at
+once instead of computing. With one tenant and no step deadlines the order is plain arrival order.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, FairQueue, Lane, Queued, Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 log = logging.getLogger(__name__)
@@ -86,7 +92,8 @@ class Ticket:
     """One queued sample (slots: thousands are created per second). Its outcome goes to a future (`enqueue`)
     or to a sink (`put`); `cancel()` drops it if it has not been answered yet."""
 
-    __slots__ = ("context", "deadline", "done", "enqueued", "future", "inp", "sink", "token", "tokens")
+    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "sink", "tenant", "token",
+                 "tokens")  # fmt: skip
 
     def __init__(
         self,
@@ -97,6 +104,8 @@ class Ticket:
         context: object = None,  # opaque per-sample context (a trace context), handed back in BatchInfo
         sink: Sink | None = None,
         token: Any = None,
+        due: float | None = None,  # step deadline (time.monotonic()): scored by then, or DEADLINE_EXCEEDED early
+        tenant: Tenant = DEFAULT_TENANT,
     ) -> None:
         self.inp = inp
         self.future = future
@@ -105,6 +114,8 @@ class Ticket:
         self.done = False  # answered or cancelled (sink tickets; a future keeps its own state)
         self.enqueued = enqueued
         self.deadline = deadline
+        self.due = due
+        self.tenant = tenant
         self.context = context
         self.tokens = inp.prompt_ids.shape[0] + inp.response_ids.shape[0]
 
@@ -157,7 +168,9 @@ class DynamicBatcher:
         self.name = name
         self._compute = compute
         self._on_batch = on_batch
-        self._queue: list[Ticket] = []
+        self._queue: FairQueue[Ticket] = FairQueue()
+        self.service_s = 0.0  # how long a batch takes (moving average): a sample with less time left is hopeless
+        self._prune_timer: asyncio.TimerHandle | None = None  # when the next queued sample becomes hopeless
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.config.max_concurrent_batches)
         self._running: set[asyncio.Task[None]] = set()
@@ -167,7 +180,16 @@ class DynamicBatcher:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return self._queue.depth
+
+    def tenant_queues(self) -> list[tuple[Tenant, int, float]]:
+        """Per tenant seen here: (tenant, samples queued, seconds its longest-waiting sample has waited)."""
+        now = time.monotonic()
+        out = []
+        for tenant, lane in self._queue.lanes.items():
+            oldest = lane.oldest()
+            out.append((tenant, lane.count, 0.0 if oldest is None else max(0.0, now - oldest)))
+        return out
 
     @property
     def in_flight_batches(self) -> int:
@@ -177,20 +199,34 @@ class DynamicBatcher:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name=f"batcher:{self.name}")
 
-    async def submit(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
-        """Queue one sample and wait for its result; `deadline` is a time.monotonic() value."""
+    async def submit(
+        self,
+        inp: RewardInput,
+        *,
+        deadline: float | None = None,
+        context: object = None,
+        due: float | None = None,
+        tenant: Tenant = DEFAULT_TENANT,
+    ) -> Scored:
+        """Queue one sample and wait for its result; `deadline` (start computing by) and `due` (step deadline:
+        scored by) are time.monotonic() values."""
         # Cancellation of the caller cancels the future; the scheduler then skips the item.
-        return await self.enqueue(inp, deadline=deadline, context=context)
+        return await self.enqueue(inp, deadline=deadline, context=context, due=due, tenant=tenant)
 
     def enqueue(
-        self, inp: RewardInput, *, deadline: float | None = None, context: object = None
+        self,
+        inp: RewardInput,
+        *,
+        deadline: float | None = None,
+        context: object = None,
+        due: float | None = None,
+        tenant: Tenant = DEFAULT_TENANT,
     ) -> asyncio.Future[Scored]:
         """Queue one sample; its future resolves with the result. Cancelling the future drops the sample
         if it has not computed yet. No task per sample: a stream can hand thousands over cheaply."""
-        self._admit()
-        item = Ticket(inp, asyncio.get_running_loop().create_future(), time.monotonic(), deadline, context)
-        self._queue.append(item)
-        self._wake.set()
+        loop = asyncio.get_running_loop()
+        item = Ticket(inp, loop.create_future(), time.monotonic(), deadline, context, due=due, tenant=tenant)
+        self.queue(item)
         assert item.future is not None
         return item.future
 
@@ -203,46 +239,128 @@ class DynamicBatcher:
         deadline: float | None = None,
         context: object = None,
         now: float | None = None,
+        due: float | None = None,
+        tenant: Tenant = DEFAULT_TENANT,
     ) -> Ticket:
         """Queue one sample whose outcome goes to `sink(token, outcome)` (no future, no loop hop per sample:
         the cheapest way in for a server that handles thousands per second). `now`: its arrival time, when
         the caller already read the clock for a whole message."""
-        item = Ticket(inp, None, time.monotonic() if now is None else now, deadline, context, sink, token)
+        arrived = time.monotonic() if now is None else now
+        item = Ticket(inp, None, arrived, deadline, context, sink, token, due=due, tenant=tenant)
         self.queue(item)
         return item
 
     def queue(self, item: Ticket) -> None:
         """Queue a ticket the caller built: a subclass may carry the caller's own per-sample fields (the reward
-        servicer's flight record is its sample's ticket), one object per sample instead of two."""
-        self._admit()
-        self._queue.append(item)
+        servicer's flight record is its sample's ticket), one object per sample instead of two. Raises (and
+        queues nothing) when the pipeline, the tenant's share or its in-flight limit is full, or the sample's
+        step deadline cannot be met."""
+        self._admit(item)
+        self._queue.push(item)
+        item.tenant.in_flight += 1
+        if item.due is not None:
+            self._prune_when_hopeless(item.due)
         self._wake.set()
 
-    def _admit(self) -> None:
+    def _prune_when_hopeless(self, due: float) -> None:
+        """Fail the queued samples that cannot make their step deadline when the first of them becomes hopeless,
+        even while every batch slot is busy (the scheduler prunes only when a slot is free)."""
+        at = due - self.service_s
+        timer = self._prune_timer
+        if timer is not None and timer.when() <= at:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._prune_timer = asyncio.get_running_loop().call_at(at, self._on_prune_timer)
+
+    def _on_prune_timer(self) -> None:
+        self._prune_timer = None
+        self._prune()
+        if (due := self._queue.earliest_due()) is not None:
+            self._prune_when_hopeless(due)
+
+    def _admit(self, item: Ticket) -> None:
         if self._closed:
             raise Unavailable(f"reward pipeline '{self.name}' is shutting down; send the sample elsewhere")
-        if len(self._queue) >= self.config.max_queue_size:
+        tenant = item.tenant
+        if tenant.max_in_flight and tenant.in_flight >= tenant.max_in_flight:
             raise QueueFull(
-                f"reward pipeline '{self.name}' queue is full ({self.config.max_queue_size} samples); "
-                "retry later or raise max_queue_size"
+                f"tenant '{tenant.name}' has {tenant.in_flight} samples in flight on this server, its limit "
+                "(max_in_flight); wait for results before sending more"
+            )
+        if item.due is not None and item.due - self.service_s <= item.enqueued:
+            raise DeadlineExceeded(self._hopeless(item, item.enqueued))
+        size = self.config.max_queue_size
+        queue = self._queue
+        if tenant.max_queue_share < 1:
+            lane = queue.lanes.get(tenant)
+            held = lane.count if lane is not None else 0
+            if held >= tenant.max_queue_share * size:
+                raise QueueFull(
+                    f"tenant '{tenant.name}' holds {held} samples in reward pipeline '{self.name}', its share of the "
+                    f"queue (max_queue_share {tenant.max_queue_share:g} of {size}); retry later"
+                )
+        if queue.depth >= size and not self._make_room(tenant):
+            raise QueueFull(
+                f"reward pipeline '{self.name}' queue is full ({size} samples"
+                + (f", tenant '{tenant.name}' holds its share" if len(queue.lanes) > 1 else "")
+                + "); retry later or raise max_queue_size"
             )
         if self._loop_task is None:
             self.start()
 
+    def _make_room(self, tenant: Tenant) -> bool:
+        """The queue is full: if `tenant` is under its weighted share, refuse the newest sample of the tenant
+        furthest over its own share (the flooder pays, not its neighbours). False if none can make room."""
+        lane = self._queue.lanes.get(tenant)
+        held = lane.count if lane is not None else 0
+        if held >= self._queue.share(tenant) * self.config.max_queue_size:
+            return False
+        victim_lane = self._queue.most_over_share(self.config.max_queue_size, tenant)
+        if victim_lane is None:
+            return False
+        victim = self._queue.evict_newest(victim_lane)
+        self._leave(victim)
+        victim.resolve(
+            QueueFull(
+                f"reward pipeline '{self.name}' queue is full and tenant '{victim_lane.tenant.name}' holds more than "
+                "its weighted share: its newest sample makes room for another tenant's; retry later"
+            )
+        )
+        if self._loop_task is None:
+            self.start()
+        return True
+
+    def _hopeless(self, item: Queued, now: float) -> str:
+        left = item.due - now  # type: ignore[operator]
+        if left <= 0:
+            return f"step deadline passed {-left:.3f}s ago, after {now - item.enqueued:.3f}s in the reward queue"
+        return (
+            f"step deadline cannot be met: {left:.3f}s left, and a batch of reward pipeline '{self.name}' takes "
+            f"about {self.service_s:.3f}s"
+        )
+
+    @staticmethod
+    def _leave(item: Queued) -> None:
+        item.tenant.in_flight -= 1
+
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
+        if self._prune_timer is not None:
+            self._prune_timer.cancel()
+            self._prune_timer = None
         if drain:
-            while self._queue or self._running or self._late:
+            while self._queue.depth or self._running or self._late:
                 self._wake.set()
                 await asyncio.sleep(0.005)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        for item in self._queue:
+        for item in self._queue.take_all():
+            self._leave(item)
             item.resolve(Unavailable(f"reward pipeline '{self.name}' shut down"))
-        self._queue.clear()
         for task in list(self._running):
             task.cancel()
 
@@ -265,13 +383,13 @@ class DynamicBatcher:
         delay = self.config.max_queue_delay_ms / 1000.0
         while True:
             self._prune()
-            if not self._queue:
+            if not self._queue.depth:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if self._batch_is_full() or delay == 0:
                 return self._take()
-            due = self._queue[0].enqueued + delay
+            due = min(t for lane in self._queue.lanes.values() if (t := lane.oldest()) is not None) + delay
             now = time.monotonic()
             if now >= due:
                 return self._take()
@@ -280,52 +398,67 @@ class DynamicBatcher:
                 await asyncio.wait_for(self._wake.wait(), due - now)
 
     def _prune(self) -> None:
-        """Drop cancelled samples and fail expired ones before they cost compute."""
-        if not self._queue:
+        """Drop cancelled samples, and fail expired ones and those that cannot make their step deadline, before
+        they cost compute."""
+        if not self._queue.depth:
             return
         now = time.monotonic()
-        keep: list[Ticket] = []
-        for item in self._queue:
+        soon = now + self.service_s
+        drop: dict[int, BaseException | None] = {}
+        for item in self._queue.items():
             if item.finished:
-                continue
-            if item.deadline is not None and now >= item.deadline:
+                drop[id(item)] = None
+            elif item.deadline is not None and now >= item.deadline:
                 waited = now - item.enqueued
-                item.resolve(DeadlineExceeded(f"sample deadline passed after {waited:.3f}s in the reward queue"))
-                continue
-            keep.append(item)
-        self._queue = keep
+                drop[id(item)] = DeadlineExceeded(f"sample deadline passed after {waited:.3f}s in the reward queue")
+            elif item.due is not None and item.due <= soon:
+                drop[id(item)] = DeadlineExceeded(self._hopeless(item, now))
+        if drop:
+            for item in self._queue.remove(set(drop)):
+                self._leave(item)
+                if (error := drop[id(item)]) is not None:
+                    item.resolve(error)
 
     def _batch_is_full(self) -> bool:
         cfg = self.config
-        if len(self._queue) >= cfg.max_batch_size:
+        if self._queue.depth >= cfg.max_batch_size:
             return True
         if cfg.max_batch_tokens:
-            longest = max(it.tokens for it in self._queue)
-            return longest * len(self._queue) >= cfg.max_batch_tokens
+            longest = max(it.tokens for it in self._queue.items())
+            return longest * self._queue.depth >= cfg.max_batch_tokens
         return False
 
     def _take(self) -> list[Ticket]:
-        """The oldest sample plus the samples nearest to it in length, within both limits."""
+        """The next sample in fair order (the oldest, with one tenant and no step deadlines) plus, within both
+        limits, the samples nearest to it in length among the next few batches' worth in fair order."""
         cfg = self.config
-        oldest = self._queue[0]
-        if len(self._queue) <= cfg.max_batch_size and not cfg.max_batch_tokens:
-            batch, self._queue = self._queue, []
-            return batch
-        rest = sorted(self._queue[1:], key=lambda it: (abs(it.tokens - oldest.tokens), it.enqueued))
-        batch = [oldest]
-        longest = oldest.tokens
-        for item in rest:
-            if len(batch) >= cfg.max_batch_size:
+        queue = self._queue
+        if queue.depth <= cfg.max_batch_size and not cfg.max_batch_tokens:
+            return queue.take_all()
+        window = cfg.max_batch_size * 4
+        candidates: list[tuple[Lane[Ticket], Ticket]] = []
+        for lane, item in queue.fair_order(window):
+            if item.finished:
+                self._leave(item)
+            else:
+                candidates.append((lane, item))
+        if not candidates:
+            return []
+        first = candidates[0][1]
+        order = sorted(range(1, len(candidates)), key=lambda k: (abs(candidates[k][1].tokens - first.tokens), k))
+        chosen = [0]
+        longest = first.tokens
+        for k in order:
+            if len(chosen) >= cfg.max_batch_size:
                 break
-            new_longest = max(longest, item.tokens)
-            if cfg.max_batch_tokens and new_longest * (len(batch) + 1) > cfg.max_batch_tokens:
+            new_longest = max(longest, candidates[k][1].tokens)
+            if cfg.max_batch_tokens and new_longest * (len(chosen) + 1) > cfg.max_batch_tokens:
                 continue
-            batch.append(item)
+            chosen.append(k)
             longest = new_longest
-        chosen = set(map(id, batch))
-        self._queue = [it for it in self._queue if id(it) not in chosen]
-        batch.sort(key=lambda it: it.enqueued)
-        return batch
+        picked = set(chosen)
+        queue.put_back([c for k, c in enumerate(candidates) if k not in picked])
+        return sorted((candidates[k][1] for k in chosen), key=_arrival)
 
     async def _run(self, batch: list[Ticket]) -> None:
         try:
@@ -357,6 +490,7 @@ class DynamicBatcher:
                     return
             end = time.monotonic()
             compute_s = end - start
+            self.service_s = compute_s if not self.service_s else 0.8 * self.service_s + 0.2 * compute_s
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
             if self._on_batch is not None:
@@ -381,6 +515,8 @@ class DynamicBatcher:
             for it, res, waited in zip(live, results, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
         finally:
+            for it in batch:
+                it.tenant.in_flight -= 1
             self._slots.release()
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
@@ -389,9 +525,11 @@ class DynamicBatcher:
         if not isinstance(res, asyncio.Future):
             return False
         self._late += 1
+        it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
             self._late -= 1
+            it.tenant.in_flight -= 1
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")
             else:
@@ -408,3 +546,7 @@ class DynamicBatcher:
 
         res.add_done_callback(done)
         return True
+
+
+def _arrival(item: Ticket) -> float:
+    return item.enqueued

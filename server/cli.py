@@ -208,7 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         reward_cfg = resolve(RewardServerConfig, args, section)
         cfg: ServerOptions = reward_cfg
-        run = functools.partial(serve_reward, reward_cfg, file_cfg.get("pipelines"))
+        run = functools.partial(serve_reward, reward_cfg, file_cfg.get("pipelines"), file_cfg.get("tenants"))
     else:
         from rewardmesh.server.rollout_server import RolloutServerConfig, serve_rollout
 

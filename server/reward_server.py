@@ -11,6 +11,7 @@ from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.server.reward_service import RewardServicer
 from rewardmesh.server.sample_split import add_reward_service
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
+from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
@@ -64,17 +65,27 @@ def load_tokenizer(path: str) -> Any:
 class RewardServer(MeshServer):
     """Owns the engine and the gRPC server; `stop()` drains in-flight samples first."""
 
-    def __init__(self, engine: RewardEngine, options: ServerOptions | None = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        engine: RewardEngine,
+        options: ServerOptions | None = None,
+        tokenizer: Any = None,
+        tenants: TenantTable | None = None,
+    ) -> None:
         self.engine = engine
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
         bound = getattr(self.options, "max_stream_unanswered", RewardServerConfig.max_stream_unanswered)
-        self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=bound, limits=self.options)
+        self.tenants = tenants or TenantTable()
+        self.servicer = RewardServicer(
+            engine, tokenizer, max_stream_unanswered=bound, limits=self.options, tenants=self.tenants
+        )
         self.gateway: Any = None  # rewardmesh.server.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
             [(add_reward_service, self.servicer, SERVICE_NAME)],
             on_drain=self._drain,
             on_stopped=self._release,
+            tenant_tokens=self.tenants.tokens,
         )
 
     async def start(self, *, ready: bool = True) -> int:
@@ -102,11 +113,15 @@ class RewardServer(MeshServer):
         await self.engine.close(drain=False)
 
 
-async def serve_reward(cfg: RewardServerConfig, pipelines: dict[str, Any] | None) -> None:
-    """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains."""
+async def serve_reward(
+    cfg: RewardServerConfig, pipelines: dict[str, Any] | None, tenants: dict[str, Any] | None = None
+) -> None:
+    """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains. `tenants`: the YAML
+    file's `tenants:` section (server/tenants.py)."""
+    table = TenantTable.from_config(tenants)
     rule_options = {"timeout_s": cfg.rule_timeout_s, "memory_mb": cfg.rule_memory_mb, "workers": cfg.rule_workers}
     engine = build_engine(pipelines, builtin_rules=cfg.builtin_rules, rule_options=rule_options)
-    server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer))
+    server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer), table)
     if cfg.http_port:
         from rewardmesh.server.http_gateway import HttpGateway, gateway_token, server_ssl_context
 

@@ -16,11 +16,13 @@ from rewardmesh.common.tensors import duration_seconds, ids_checked, ids_from
 from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.errors import Cancelled, InvalidInput, Unavailable
+from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import RewardInput, WireInput
 from rewardmesh.server.decoding import decoder
 from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info
 from rewardmesh.server.reward_telemetry import RewardTelemetry
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
+from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,7 @@ class _Flight(Ticket):
         self.arrival_ns = arrival_ns
         self.parent = parent
 
-    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None) -> None:
+    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None, due: float | None, tenant: Tenant) -> None:
         """Fill in the ticket half: the batcher answers `sink(self, outcome)`."""
         self.inp = inp
         self.future = None
@@ -178,6 +180,8 @@ class _Flight(Ticket):
         self.done = False
         self.enqueued = self.arrived
         self.deadline = deadline
+        self.due = due
+        self.tenant = tenant
         self.context = self.parent
         self.tokens = inp.num_tokens  # a WireInput counts its ids without making arrays
 
@@ -192,13 +196,15 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         *,
         max_stream_unanswered: int = 2048,
         limits: Limits = DEFAULT_LIMITS,
+        tenants: TenantTable | None = None,
     ) -> None:
         if max_stream_unanswered < 1:
             raise ValueError(f"max_stream_unanswered must be >= 1, got {max_stream_unanswered}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
-        self.telemetry = RewardTelemetry(engine)
+        self.tenants = tenants or TenantTable()  # who each call is (its token), for fair share and limits
+        self.telemetry = RewardTelemetry(engine, self.tenants.tenants)
         self._sink: Sink = self._settle  # bound once: a bound method per sample is an allocation per sample
         # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
         # so gRPC flow control pushes back on a client that writes and never reads.
@@ -234,13 +240,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         owner: _Outbox | _Owner,
         refused: BaseException | None = None,
         arrived: tuple[float, int] | None = None,
+        step_left_s: float | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
         """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
         stream's next message when `owner` is a stream's outbox, else handed to `deliver`. Its id is scoped to
         `owner`: the same id on another stream or call is another sample.
         ``refused``: answer the sample with this error without looking at it (its message was over a limit).
         ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
-        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch."""
+        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch.
+        ``step_left_s``: time left until its step must be scored (ScoreRequest.step_time_left); ``tenant``: whose
+        it is (the call's token), default: the default tenant."""
         sid = sample.sample_id
         mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
         f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
@@ -258,8 +268,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer, self.limits)
             deadline = mono + timeout_s if timeout_s is not None else None
+            due = mono + step_left_s if step_left_s is not None else None
             # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.arm(inp, self._sink, deadline)
+            f.arm(inp, self._sink, deadline, due, tenant or self.tenants.default)
             pipeline.queue(f)
         except SAMPLE_ERRORS as exc:
             self._finish(f, error=exc)
@@ -340,13 +351,25 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
         return duration_seconds(msg.timeout) if msg.HasField("timeout") else None
 
+    @staticmethod
+    def _step_left(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
+        return duration_seconds(msg.step_time_left) if msg.HasField("step_time_left") else None
+
     async def score_one(
-        self, sample: common_pb2.Sample, reward: str, timeout_s: float | None = None, trace_context: Any = None
+        self,
+        sample: common_pb2.Sample,
+        reward: str,
+        timeout_s: float | None = None,
+        trace_context: Any = None,
+        *,
+        step_left_s: float | None = None,
+        tenant: Tenant | None = None,
     ) -> reward_pb2.RewardResult:
         """One sample, awaited (for in-process callers and tests)."""
         done: asyncio.Future[reward_pb2.RewardResult] = asyncio.get_running_loop().create_future()
         owner = _Owner()
-        self._begin(sample, reward, timeout_s, self.telemetry.begin(trace_context), done.set_result, owner)
+        parent = self.telemetry.begin(trace_context)
+        self._begin(sample, reward, timeout_s, parent, done.set_result, owner, step_left_s=step_left_s, tenant=tenant)
         try:
             return await done
         finally:
@@ -367,7 +390,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
         begin = self._begin
         timeout = self._timeout
+        step_left = self._step_left
         telemetry = self.telemetry
+        tenant = self.tenants.of(context)
 
         async def read() -> None:
             nonlocal per_message, room, unanswered
@@ -398,6 +423,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                 box,
                                 refused or (unparsed.get(k) if unparsed else None),
                                 arrived,
+                                step_left(item),
+                                tenant,
                             )
                     elif req.HasField("sample"):
                         unanswered += 1
@@ -411,6 +438,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                             None,
                             box,
                             unparsed.get(-1) if unparsed else None,
+                            None,
+                            step_left(req),
+                            tenant,
                         )
                     if req.cancel_sample_ids:  # after the items: a message may cancel its own
                         self._cancel_ids(box, req.cancel_sample_ids)
@@ -483,6 +513,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         if error is not None:
             raise error
         timeout = self._timeout(request)
+        step_left = self._step_left(request)
+        tenant = self.tenants.of(context)
         slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
         left = len(request.samples)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -499,7 +531,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             return deliver
 
         for i, s in enumerate(request.samples):
-            self._begin(s, request.reward, timeout, None, deliver_to(i), owner, unparsed.get(i))
+            refused = unparsed.get(i)
+            self._begin(s, request.reward, timeout, None, deliver_to(i), owner, refused, None, step_left, tenant)
         try:
             if left:
                 await done

@@ -3,8 +3,11 @@
 Scored samples cost telemetry nothing one by one: the batcher hands over each executed batch with every
 sample's queue time and outcome (`BatchInfo`), and that batch is the record.
 
-Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms and
-`rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, collected per batch as float arrays and
+Metrics: `rewardmesh.reward.{latency,queue_time,compute_time,batch_size}` histograms,
+`rewardmesh.reward.{scored,failed,rejected,timed_out}` counters, and the gauges an autoscaler reads, observed
+at each collection: `rewardmesh.reward.queue_depth` (samples queued) and `rewardmesh.reward.queue_delay` (seconds
+the longest-waiting queued sample has waited), per pipeline and tenant, and `rewardmesh.reward.in_flight` per
+tenant (queued or computing). The histograms and counters are collected per batch as float arrays and
 handed to the SDK in one call per instrument at each metric collection (`rewardmesh.common.batched_metrics`): exact
 counts and bucket shape at a fraction of the per-sample cost. Latency is arrival to result (queue + compute).
 
@@ -42,6 +45,7 @@ from rewardmesh.common.flight_recorder import (
 from rewardmesh.common.telemetry import meter, metrics_enabled, recorder, trace_config
 from rewardmesh.reward_engine.batcher import BatchInfo
 from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, Tenant
 from rewardmesh.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
@@ -349,16 +353,27 @@ def _observe_all(options: CallbackOptions) -> list[Observation]:
     out = []
     for t in list(_LIVE):
         t.pending.flush()
-        out += [Observation(p.batcher.queue_depth, {"pipeline": name}) for name, p in t.engine.pipelines.items()]
+        for name, depth, _ in t.queues():
+            out.append(Observation(depth, {"pipeline": name[0], "tenant": name[1]}))
     return out
+
+
+def _observe_delays(options: CallbackOptions) -> list[Observation]:
+    queues = [q for t in list(_LIVE) for q in t.queues()]
+    return [Observation(delay, {"pipeline": pipeline, "tenant": tenant}) for (pipeline, tenant), _, delay in queues]
+
+
+def _observe_in_flight(options: CallbackOptions) -> list[Observation]:
+    return [Observation(tenant.in_flight, {"tenant": tenant.name}) for t in list(_LIVE) for tenant in t.tenants]
 
 
 class RewardTelemetry:
     """Hook points: `begin` when a sample arrives, `on_batch` (the engine's) when its batch ran, `on_failure` when
     it is answered with an error, `keep` when a KeepTraces names it."""
 
-    def __init__(self, engine: RewardEngine) -> None:
+    def __init__(self, engine: RewardEngine, tenants: Sequence[Tenant] = (DEFAULT_TENANT,)) -> None:
         self.engine = engine
+        self.tenants = list(tenants)  # the server's tenants, the first the default (for per-tenant gauges)
         m = meter()
         self.latency = m.create_histogram(
             "rewardmesh.reward.latency",
@@ -381,6 +396,15 @@ class RewardTelemetry:
         self.timed_out = m.create_counter("rewardmesh.reward.timed_out", unit="{sample}")
         # One callback per process (a second registration of the name is ignored), for every live server.
         m.create_observable_gauge("rewardmesh.reward.queue_depth", [_observe_all], unit="{sample}")
+        m.create_observable_gauge(
+            "rewardmesh.reward.queue_delay",
+            [_observe_delays],
+            unit="s",
+            description="how long the longest-waiting queued sample has waited",
+        )
+        m.create_observable_gauge(
+            "rewardmesh.reward.in_flight", [_observe_in_flight], unit="{sample}", description="queued or computing"
+        )
         self._timings = (self.latency, self.queue_time, self.compute_time)
         self.pending = HistogramBatch()
         self._recent = _Recent(trace_config().ring_size)  # for a later KeepTraces or a failure's batch span
@@ -392,6 +416,18 @@ class RewardTelemetry:
         self._deferred: SpanQueue | None = None  # made, and registered with the recorder, at the first kept sample
         engine.batch_listeners.append(self.on_batch)
         _LIVE.add(self)
+
+    def queues(self) -> list[tuple[tuple[str, str], int, float]]:
+        """((pipeline, tenant), samples queued, seconds the longest-waiting one has waited), for every tenant
+        that has queued on each pipeline, and the default tenant (zeros until it queues)."""
+        out: dict[tuple[str, str], tuple[int, float]] = {}
+        default = self.tenants[0].name if self.tenants else DEFAULT_TENANT.name
+        for name, pipeline in self.engine.pipelines.items():
+            out[(name, default)] = (0, 0.0)
+            for tenant, depth, delay in pipeline.batcher.tenant_queues():  # one series per name: the gateway's
+                was = out.get((name, tenant.name), (0, 0.0))  # default tenant and the table's are one to a reader
+                out[(name, tenant.name)] = (was[0] + depth, max(was[1], delay))
+        return [(key, depth, delay) for key, (depth, delay) in out.items()]
 
     @property
     def tracing(self) -> bool:

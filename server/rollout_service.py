@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -157,7 +158,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             tools=list(request.agent.tools),
         )
         timeout = duration_seconds(request.reward_timeout) if request.HasField("reward_timeout") else None
-        return RunSettings(sampling, agent, request.reward, timeout)
+        step = None
+        if request.HasField("step_time_left"):  # a deadline on this host's clock, handed on as what is left of it
+            step = time.monotonic() + duration_seconds(request.step_time_left)
+        return RunSettings(sampling, agent, request.reward, timeout, step)
 
     def _jobs(self, request: rollout_pb2.GenerateRequest, max_tokens: int) -> list[Job]:
         """The checked request's samples (prompts decoded); run in a thread, off the event loop."""

@@ -63,6 +63,7 @@ class RunSettings:
     agent: AgentSettings
     reward: str  # pipeline name; empty: unscored
     reward_timeout: float | None
+    step_deadline: float | None = None  # time.monotonic() by which the call's samples must be scored
 
 
 class RolloutWorker:
@@ -146,7 +147,11 @@ class RolloutWorker:
         try:
             ctx = span.reward_context(settings.reward)
             result = await self.rewards.submit(
-                sample, settings.reward, timeout=settings.reward_timeout, trace_context=ctx
+                sample,
+                settings.reward,
+                timeout=settings.reward_timeout,
+                trace_context=ctx,
+                step_deadline=settings.step_deadline,
             )
             span.reward_done(result)
             if result.HasField("error") and ctx is None and isinstance(span, SampleTrace):

@@ -102,12 +102,13 @@ class GrpcServer:
         *,
         on_drain: Callable[[], Awaitable[None]] | None = None,
         on_stopped: Callable[[], Awaitable[None]] | None = None,
+        tenant_tokens: Sequence[str] = (),
     ) -> None:
         self.options = options
         interceptors = [*server_interceptors(), ExceptionToStatusInterceptor()]
         token = auth_token(options.auth_token_file)
-        if token:  # first: a refused call never reaches the others
-            interceptors.insert(0, BearerTokenInterceptor(token))
+        if token:  # first: a refused call never reaches the others; a tenant's token passes too (server/tenants.py)
+            interceptors.insert(0, BearerTokenInterceptor([token, *tenant_tokens]))
         self.server = aio.server(interceptors=interceptors, options=options.channel_args())
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -480,3 +480,71 @@ def test_wait_for_dns_script_returns_once_the_name_resolves(tmp_path: Path) -> N
     proc = subprocess.run([sys.executable, str(script), "localhost", "5"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "localhost resolves to" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------ shared fleet
+
+QUEUE_AUTOSCALING = K8S / "components" / "queue-autoscaling"
+
+
+def test_the_shared_fleet_tells_its_jobs_apart_by_the_tokens_it_mounts(tmp_path: Path) -> None:
+    from rewardmesh.server.tenants import TenantTable
+
+    objects = CHECK.render(KUSTOMIZATIONS["shared-fleet"])
+    reward = the_server(objects, "reward")
+    tenants = reward.file_config["tenants"]
+    for name, spec in tenants.items():
+        if "token_file" in spec:  # each token file lies on the Secret's mount; read here from a stand-in
+            assert reward.container.mounted(spec["token_file"]) is not None, f"tenants.{name}: token not mounted"
+            (tmp_path / name).write_text(f"{name}-token")
+            spec["token_file"] = str(tmp_path / name)
+    table = TenantTable.from_config(tenants)
+    assert {t.name for t in table.tenants} == {"default", "job-a", "job-b"}
+    assert table.of_metadata([("authorization", "Bearer job-a-token")]).weight == 2
+
+
+@pytest.mark.timeout(120)
+def test_the_queue_autoscaler_scales_on_metrics_a_reward_server_exports(tmp_path: Path) -> None:
+    """The HPA's metrics are the adapter's rules' names, and each rule's series is what a real reward server's
+    Prometheus endpoint serves (`rewardmesh serve reward --prometheus-port`, as the collector re-exports it), per
+    pipeline and tenant."""
+    import socket
+    import urllib.request
+
+    import grpc
+
+    from rewardmesh.demo.server_process import ServerProcess
+    from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
+    from tests.support.servers import sample
+
+    objects = CHECK.render(KUSTOMIZATIONS["shared-fleet"])
+    hpa = find(objects, "HorizontalPodAutoscaler", "reward")
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted == {"rewardmesh_reward_queue_delay_seconds", "rewardmesh_reward_queue_depth"}
+    rules = yaml.safe_load((QUEUE_AUTOSCALING / "prometheus-adapter-rules.yaml").read_text())["rules"]["custom"]
+    assert {r["name"]["as"] for r in rules} == wanted
+    series = {r["seriesQuery"].split("{")[0] for r in rules}
+    for rule in rules:  # the pod labels the collector adds from each pod's resource attributes
+        assert set(rule["resources"]["overrides"]) == {"k8s_namespace_name", "k8s_pod_name"}
+    collector = (K8S / "base" / "config" / "otel-collector.yaml").read_text()
+    assert yaml.safe_load(collector)["exporters"]["prometheus"]["resource_to_telemetry_conversion"]["enabled"]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        prom_port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "rewardmesh.server.cli"]
+    server = ServerProcess("reward", [*cli, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
+                                      "--prometheus-port", str(prom_port)], tmp_path)  # fmt: skip
+    try:
+        port = server.start(timeout_s=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward="gsm8k", samples=[sample("a")]))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/metrics", timeout=10).read().decode()
+    finally:
+        server.stop(timeout_s=30)
+    for name in series:
+        lines = [line for line in body.splitlines() if line.startswith(name + "{")]
+        assert any('pipeline="gsm8k"' in line and 'tenant="default"' in line for line in lines), (name, body[:3000])
+    in_flight = [line for line in body.splitlines() if line.startswith("rewardmesh_reward_in_flight{")]
+    assert any('tenant="default"' in line for line in in_flight), body[:3000]

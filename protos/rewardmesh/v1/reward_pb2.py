@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from rewardmesh.v1 import common_pb2 as rewardmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arewardmesh/v1/reward.proto\x12\rrewardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1arewardmesh/v1/common.proto\"\xe1\x03\n\x0cScoreRequest\x12%\n\x06sample\x18\x01 \x01(\x0b\x32\x15.rewardmesh.v1.Sample\x12\x0e\n\x06reward\x18\x02 \x01(\t\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x44\n\rtrace_context\x18\x04 \x03(\x0b\x32-.rewardmesh.v1.ScoreRequest.TraceContextEntry\x12*\n\x05items\x18\x05 \x03(\x0b\x32\x1b.rewardmesh.v1.ScoreRequest\x12\x19\n\x11\x63\x61ncel_sample_ids\x18\x06 \x03(\t\x12\x1f\n\x17max_results_per_message\x18\x07 \x01(\x05\x12@\n\x0bkeep_traces\x18\x08 \x03(\x0b\x32+.rewardmesh.v1.ScoreRequest.KeepTracesEntry\x12\x16\n\x0eitems_untraced\x18\t \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fKeepTracesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\rScoreResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardResult\x12,\n\x07results\x18\x02 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardResult\"w\n\x11ScoreBatchRequest\x12\x0e\n\x06reward\x18\x01 \x01(\t\x12&\n\x07samples\x18\x02 \x03(\x0b\x32\x15.rewardmesh.v1.Sample\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"B\n\x12ScoreBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardResult\"=\n\x0cRewardTiming\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07\x63ompute\x18\x02 \x01(\x01\x12\r\n\x05total\x18\x03 \x01(\x01\"\x8f\x02\n\x0cRewardResult\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x37\n\x06\x65xtras\x18\x03 \x03(\x0b\x32\'.rewardmesh.v1.RewardResult.ExtrasEntry\x12+\n\x06timing\x18\x04 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardTiming\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.rewardmesh.v1.Status\x12\x0e\n\x06reward\x18\x07 \x01(\t\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ListRewardsRequest\"G\n\x13ListRewardsResponse\x12\x30\n\tpipelines\x18\x01 \x03(\x0b\x32\x1d.rewardmesh.v1.RewardPipeline\"k\n\x0cRewardSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rewardmesh.v1.RewardSourceKind\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06target\x18\x04 \x01(\t\"\x96\x01\n\x0e\x42\x61tchingConfig\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12max_queue_delay_ms\x18\x03 \x01(\x01\x12\x16\n\x0emax_queue_size\x18\x04 \x01(\x05\x12\x1e\n\x16max_concurrent_batches\x18\x05 \x01(\x05\"\xa6\x01\n\x0eRewardPipeline\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x07sources\x18\x02 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardSource\x12/\n\x08\x62\x61tching\x18\x03 \x01(\x0b\x32\x1d.rewardmesh.v1.BatchingConfig\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x12\n\nextra_keys\x18\x05 \x03(\t\"\xa6\x01\n\x11KeepTracesRequest\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12H\n\x0ctraceparents\x18\x02 \x03(\x0b\x32\x32.rewardmesh.v1.KeepTracesRequest.TraceparentsEntry\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x12KeepTracesResponse\x12\x14\n\x0ckept_samples\x18\x01 \x01(\x05\x12\x16\n\x0e\x65xported_spans\x18\x02 \x01(\x05*\xcd\x01\n\x10RewardSourceKind\x12\"\n\x1eREWARD_SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17REWARD_SOURCE_KIND_RULE\x10\x01\x12\x1f\n\x1bREWARD_SOURCE_KIND_FUNCTION\x10\x02\x12\x1c\n\x18REWARD_SOURCE_KIND_MODEL\x10\x03\x12\x1c\n\x18REWARD_SOURCE_KIND_JUDGE\x10\x04\x12\x1b\n\x17REWARD_SOURCE_KIND_CODE\x10\x05\x32\xd3\x02\n\rRewardService\x12\x46\n\x05Score\x12\x1b.rewardmesh.v1.ScoreRequest\x1a\x1c.rewardmesh.v1.ScoreResponse(\x01\x30\x01\x12Q\n\nScoreBatch\x12 .rewardmesh.v1.ScoreBatchRequest\x1a!.rewardmesh.v1.ScoreBatchResponse\x12T\n\x0bListRewards\x12!.rewardmesh.v1.ListRewardsRequest\x1a\".rewardmesh.v1.ListRewardsResponse\x12Q\n\nKeepTraces\x12 .rewardmesh.v1.KeepTracesRequest\x1a!.rewardmesh.v1.KeepTracesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arewardmesh/v1/reward.proto\x12\rrewardmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1arewardmesh/v1/common.proto\"\x94\x04\n\x0cScoreRequest\x12%\n\x06sample\x18\x01 \x01(\x0b\x32\x15.rewardmesh.v1.Sample\x12\x0e\n\x06reward\x18\x02 \x01(\t\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x44\n\rtrace_context\x18\x04 \x03(\x0b\x32-.rewardmesh.v1.ScoreRequest.TraceContextEntry\x12*\n\x05items\x18\x05 \x03(\x0b\x32\x1b.rewardmesh.v1.ScoreRequest\x12\x19\n\x11\x63\x61ncel_sample_ids\x18\x06 \x03(\t\x12\x1f\n\x17max_results_per_message\x18\x07 \x01(\x05\x12@\n\x0bkeep_traces\x18\x08 \x03(\x0b\x32+.rewardmesh.v1.ScoreRequest.KeepTracesEntry\x12\x16\n\x0eitems_untraced\x18\t \x01(\x08\x12\x31\n\x0estep_time_left\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x31\n\x0fKeepTracesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\rScoreResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardResult\x12,\n\x07results\x18\x02 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardResult\"\xaa\x01\n\x11ScoreBatchRequest\x12\x0e\n\x06reward\x18\x01 \x01(\t\x12&\n\x07samples\x18\x02 \x03(\x0b\x32\x15.rewardmesh.v1.Sample\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x31\n\x0estep_time_left\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"B\n\x12ScoreBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardResult\"=\n\x0cRewardTiming\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07\x63ompute\x18\x02 \x01(\x01\x12\r\n\x05total\x18\x03 \x01(\x01\"\x8f\x02\n\x0cRewardResult\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x37\n\x06\x65xtras\x18\x03 \x03(\x0b\x32\'.rewardmesh.v1.RewardResult.ExtrasEntry\x12+\n\x06timing\x18\x04 \x01(\x0b\x32\x1b.rewardmesh.v1.RewardTiming\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12$\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x15.rewardmesh.v1.Status\x12\x0e\n\x06reward\x18\x07 \x01(\t\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ListRewardsRequest\"G\n\x13ListRewardsResponse\x12\x30\n\tpipelines\x18\x01 \x03(\x0b\x32\x1d.rewardmesh.v1.RewardPipeline\"k\n\x0cRewardSource\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.rewardmesh.v1.RewardSourceKind\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06target\x18\x04 \x01(\t\"\x96\x01\n\x0e\x42\x61tchingConfig\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\x02 \x01(\x03\x12\x1a\n\x12max_queue_delay_ms\x18\x03 \x01(\x01\x12\x16\n\x0emax_queue_size\x18\x04 \x01(\x05\x12\x1e\n\x16max_concurrent_batches\x18\x05 \x01(\x05\"\xa6\x01\n\x0eRewardPipeline\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x07sources\x18\x02 \x03(\x0b\x32\x1b.rewardmesh.v1.RewardSource\x12/\n\x08\x62\x61tching\x18\x03 \x01(\x0b\x32\x1d.rewardmesh.v1.BatchingConfig\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x12\n\nextra_keys\x18\x05 \x03(\t\"\xa6\x01\n\x11KeepTracesRequest\x12\x12\n\nsample_ids\x18\x01 \x03(\t\x12H\n\x0ctraceparents\x18\x02 \x03(\x0b\x32\x32.rewardmesh.v1.KeepTracesRequest.TraceparentsEntry\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x12KeepTracesResponse\x12\x14\n\x0ckept_samples\x18\x01 \x01(\x05\x12\x16\n\x0e\x65xported_spans\x18\x02 \x01(\x05*\xcd\x01\n\x10RewardSourceKind\x12\"\n\x1eREWARD_SOURCE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17REWARD_SOURCE_KIND_RULE\x10\x01\x12\x1f\n\x1bREWARD_SOURCE_KIND_FUNCTION\x10\x02\x12\x1c\n\x18REWARD_SOURCE_KIND_MODEL\x10\x03\x12\x1c\n\x18REWARD_SOURCE_KIND_JUDGE\x10\x04\x12\x1b\n\x17REWARD_SOURCE_KIND_CODE\x10\x05\x32\xd3\x02\n\rRewardService\x12\x46\n\x05Score\x12\x1b.rewardmesh.v1.ScoreRequest\x1a\x1c.rewardmesh.v1.ScoreResponse(\x01\x30\x01\x12Q\n\nScoreBatch\x12 .rewardmesh.v1.ScoreBatchRequest\x1a!.rewardmesh.v1.ScoreBatchResponse\x12T\n\x0bListRewards\x12!.rewardmesh.v1.ListRewardsRequest\x1a\".rewardmesh.v1.ListRewardsResponse\x12Q\n\nKeepTraces\x12 .rewardmesh.v1.KeepTracesRequest\x1a!.rewardmesh.v1.KeepTracesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,42 +41,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDRESULT_EXTRASENTRY']._serialized_options = b'8\001'
   _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._loaded_options = None
   _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._serialized_options = b'8\001'
-  _globals['_REWARDSOURCEKIND']._serialized_start=1987
-  _globals['_REWARDSOURCEKIND']._serialized_end=2192
+  _globals['_REWARDSOURCEKIND']._serialized_start=2090
+  _globals['_REWARDSOURCEKIND']._serialized_end=2295
   _globals['_SCOREREQUEST']._serialized_start=106
-  _globals['_SCOREREQUEST']._serialized_end=587
-  _globals['_SCOREREQUEST_TRACECONTEXTENTRY']._serialized_start=485
-  _globals['_SCOREREQUEST_TRACECONTEXTENTRY']._serialized_end=536
-  _globals['_SCOREREQUEST_KEEPTRACESENTRY']._serialized_start=538
-  _globals['_SCOREREQUEST_KEEPTRACESENTRY']._serialized_end=587
-  _globals['_SCORERESPONSE']._serialized_start=589
-  _globals['_SCORERESPONSE']._serialized_end=695
-  _globals['_SCOREBATCHREQUEST']._serialized_start=697
-  _globals['_SCOREBATCHREQUEST']._serialized_end=816
-  _globals['_SCOREBATCHRESPONSE']._serialized_start=818
-  _globals['_SCOREBATCHRESPONSE']._serialized_end=884
-  _globals['_REWARDTIMING']._serialized_start=886
-  _globals['_REWARDTIMING']._serialized_end=947
-  _globals['_REWARDRESULT']._serialized_start=950
-  _globals['_REWARDRESULT']._serialized_end=1221
-  _globals['_REWARDRESULT_EXTRASENTRY']._serialized_start=1176
-  _globals['_REWARDRESULT_EXTRASENTRY']._serialized_end=1221
-  _globals['_LISTREWARDSREQUEST']._serialized_start=1223
-  _globals['_LISTREWARDSREQUEST']._serialized_end=1243
-  _globals['_LISTREWARDSRESPONSE']._serialized_start=1245
-  _globals['_LISTREWARDSRESPONSE']._serialized_end=1316
-  _globals['_REWARDSOURCE']._serialized_start=1318
-  _globals['_REWARDSOURCE']._serialized_end=1425
-  _globals['_BATCHINGCONFIG']._serialized_start=1428
-  _globals['_BATCHINGCONFIG']._serialized_end=1578
-  _globals['_REWARDPIPELINE']._serialized_start=1581
-  _globals['_REWARDPIPELINE']._serialized_end=1747
-  _globals['_KEEPTRACESREQUEST']._serialized_start=1750
-  _globals['_KEEPTRACESREQUEST']._serialized_end=1916
-  _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._serialized_start=1865
-  _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._serialized_end=1916
-  _globals['_KEEPTRACESRESPONSE']._serialized_start=1918
-  _globals['_KEEPTRACESRESPONSE']._serialized_end=1984
-  _globals['_REWARDSERVICE']._serialized_start=2195
-  _globals['_REWARDSERVICE']._serialized_end=2534
+  _globals['_SCOREREQUEST']._serialized_end=638
+  _globals['_SCOREREQUEST_TRACECONTEXTENTRY']._serialized_start=536
+  _globals['_SCOREREQUEST_TRACECONTEXTENTRY']._serialized_end=587
+  _globals['_SCOREREQUEST_KEEPTRACESENTRY']._serialized_start=589
+  _globals['_SCOREREQUEST_KEEPTRACESENTRY']._serialized_end=638
+  _globals['_SCORERESPONSE']._serialized_start=640
+  _globals['_SCORERESPONSE']._serialized_end=746
+  _globals['_SCOREBATCHREQUEST']._serialized_start=749
+  _globals['_SCOREBATCHREQUEST']._serialized_end=919
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=921
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=987
+  _globals['_REWARDTIMING']._serialized_start=989
+  _globals['_REWARDTIMING']._serialized_end=1050
+  _globals['_REWARDRESULT']._serialized_start=1053
+  _globals['_REWARDRESULT']._serialized_end=1324
+  _globals['_REWARDRESULT_EXTRASENTRY']._serialized_start=1279
+  _globals['_REWARDRESULT_EXTRASENTRY']._serialized_end=1324
+  _globals['_LISTREWARDSREQUEST']._serialized_start=1326
+  _globals['_LISTREWARDSREQUEST']._serialized_end=1346
+  _globals['_LISTREWARDSRESPONSE']._serialized_start=1348
+  _globals['_LISTREWARDSRESPONSE']._serialized_end=1419
+  _globals['_REWARDSOURCE']._serialized_start=1421
+  _globals['_REWARDSOURCE']._serialized_end=1528
+  _globals['_BATCHINGCONFIG']._serialized_start=1531
+  _globals['_BATCHINGCONFIG']._serialized_end=1681
+  _globals['_REWARDPIPELINE']._serialized_start=1684
+  _globals['_REWARDPIPELINE']._serialized_end=1850
+  _globals['_KEEPTRACESREQUEST']._serialized_start=1853
+  _globals['_KEEPTRACESREQUEST']._serialized_end=2019
+  _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._serialized_start=1968
+  _globals['_KEEPTRACESREQUEST_TRACEPARENTSENTRY']._serialized_end=2019
+  _globals['_KEEPTRACESRESPONSE']._serialized_start=2021
+  _globals['_KEEPTRACESRESPONSE']._serialized_end=2087
+  _globals['_REWARDSERVICE']._serialized_start=2298
+  _globals['_REWARDSERVICE']._serialized_end=2637
 # @@protoc_insertion_point(module_scope)

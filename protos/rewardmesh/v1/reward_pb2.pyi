@@ -27,7 +27,7 @@ REWARD_SOURCE_KIND_JUDGE: RewardSourceKind
 REWARD_SOURCE_KIND_CODE: RewardSourceKind
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces", "items_untraced")
+    __slots__ = ("sample", "reward", "timeout", "trace_context", "items", "cancel_sample_ids", "max_results_per_message", "keep_traces", "items_untraced", "step_time_left")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class ScoreRequest(_message.Message):
     MAX_RESULTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KEEP_TRACES_FIELD_NUMBER: _ClassVar[int]
     ITEMS_UNTRACED_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_LEFT_FIELD_NUMBER: _ClassVar[int]
     sample: _common_pb2.Sample
     reward: str
     timeout: _duration_pb2.Duration
@@ -60,7 +61,8 @@ class ScoreRequest(_message.Message):
     max_results_per_message: int
     keep_traces: _containers.ScalarMap[str, str]
     items_untraced: bool
-    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_traces: _Optional[_Mapping[str, str]] = ..., items_untraced: _Optional[bool] = ...) -> None: ...
+    step_time_left: _duration_pb2.Duration
+    def __init__(self, sample: _Optional[_Union[_common_pb2.Sample, _Mapping]] = ..., reward: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., items: _Optional[_Iterable[_Union[ScoreRequest, _Mapping]]] = ..., cancel_sample_ids: _Optional[_Iterable[str]] = ..., max_results_per_message: _Optional[int] = ..., keep_traces: _Optional[_Mapping[str, str]] = ..., items_untraced: _Optional[bool] = ..., step_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("result", "results")
@@ -71,14 +73,16 @@ class ScoreResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[RewardResult, _Mapping]] = ..., results: _Optional[_Iterable[_Union[RewardResult, _Mapping]]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
-    __slots__ = ("reward", "samples", "timeout")
+    __slots__ = ("reward", "samples", "timeout", "step_time_left")
     REWARD_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_LEFT_FIELD_NUMBER: _ClassVar[int]
     reward: str
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.Sample]
     timeout: _duration_pb2.Duration
-    def __init__(self, reward: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    step_time_left: _duration_pb2.Duration
+    def __init__(self, reward: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.Sample, _Mapping]]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., step_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ScoreBatchResponse(_message.Message):
     __slots__ = ("results",)

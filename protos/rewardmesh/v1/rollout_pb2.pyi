@@ -98,7 +98,7 @@ class AgentLoopConfig(_message.Message):
     def __init__(self, max_turns: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "n", "sampling", "reward", "agent", "reward_timeout", "max_samples_per_message")
+    __slots__ = ("prompts", "n", "sampling", "reward", "agent", "reward_timeout", "max_samples_per_message", "step_time_left")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GenerateRequest(_message.Message):
     AGENT_FIELD_NUMBER: _ClassVar[int]
     REWARD_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_LEFT_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     n: int
     sampling: SamplingParams
@@ -113,7 +114,8 @@ class GenerateRequest(_message.Message):
     agent: AgentLoopConfig
     reward_timeout: _duration_pb2.Duration
     max_samples_per_message: int
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ..., agent: _Optional[_Union[AgentLoopConfig, _Mapping]] = ..., reward_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_samples_per_message: _Optional[int] = ...) -> None: ...
+    step_time_left: _duration_pb2.Duration
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ..., agent: _Optional[_Union[AgentLoopConfig, _Mapping]] = ..., reward_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_samples_per_message: _Optional[int] = ..., step_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample", "result", "trace_context", "items")

@@ -1,0 +1,262 @@
+"""One pipeline's queue, shared fairly by tenants (the training jobs that share a reward fleet).
+
+Across tenants: weighted fair queuing (start-time fair queuing on a virtual clock). Every sample taken advances
+its tenant's virtual time by 1/weight and the next sample comes from the backlogged tenant whose virtual time is
+least, so while the queue holds more than a batch, tenants get batch slots in proportion to their weights, and a
+tenant that has just arrived starts at the current virtual time: it is served next, never behind a flooder's
+backlog. When the queue is full, the tenant furthest over its weighted share loses its newest sample to make room
+for a tenant under its share: the flooder is the one that is refused. Within a tenant: earliest step deadline
+first, then arrival order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+
+@dataclass(eq=False)
+class Tenant:
+    """Who a sample is scored for, with its share of the server and its limits (compared by identity)."""
+
+    name: str = "default"
+    # Share of a saturated pipeline, relative to the other tenants queued there.
+    weight: float = 1.0
+    # Most samples of this tenant queued or computing on this server, over all pipelines; 0: no limit.
+    max_in_flight: int = 0
+    # Most of a pipeline's max_queue_size this tenant's samples may hold (0 < share <= 1).
+    max_queue_share: float = 1.0
+    # Samples of this tenant the server's batchers hold now (queued or computing).
+    in_flight: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"tenant '{self.name}': weight must be > 0, got {self.weight}")
+        if self.max_in_flight < 0:
+            raise ValueError(f"tenant '{self.name}': max_in_flight must be >= 0, got {self.max_in_flight}")
+        if not 0 < self.max_queue_share <= 1:
+            raise ValueError(f"tenant '{self.name}': max_queue_share must be in (0, 1], got {self.max_queue_share}")
+
+
+DEFAULT_TENANT = Tenant()
+
+
+def _arrival(item: Queued) -> float:
+    return item.enqueued
+
+
+# Step deadlines this close count as one: the samples of one step (one deadline, carried as time left and turned
+# back into a time on arrival, so they differ by microseconds) stay in arrival order.
+DUE_TICK = 0.01
+
+
+def _due_key(due: float) -> int:
+    return round(due / DUE_TICK)
+
+
+class Queued(Protocol):
+    """What the queue needs of a queued sample (the batcher's Ticket)."""
+
+    tenant: Tenant
+    due: float | None  # step deadline, time.monotonic(); None: none
+    enqueued: float
+    tokens: int
+
+    @property
+    def finished(self) -> bool: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+class Lane(Generic[Q]):
+    """One tenant's samples in one pipeline: those with a step deadline in a heap (earliest first), the others
+    in arrival order after them."""
+
+    __slots__ = ("count", "edf", "fifo", "tenant", "vtime")
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self.fifo: deque[Q] = deque()
+        self.edf: list[tuple[int, int, Q]] = []  # (deadline in DUE_TICKs, arrival number, sample)
+        self.vtime = 0.0  # virtual time of the next sample taken from this lane
+        self.count = 0  # queued samples, cancelled ones included until they are dropped
+
+    def pop(self) -> tuple[Q, tuple[int, int, Q] | None]:
+        """The next sample, and its heap entry if it had a step deadline (to put it back where it was)."""
+        self.count -= 1
+        if self.edf:
+            entry = heapq.heappop(self.edf)
+            return entry[2], entry
+        return self.fifo.popleft(), None
+
+    def items(self) -> Iterator[Q]:
+        for entry in self.edf:
+            yield entry[2]
+        yield from self.fifo
+
+    def oldest(self) -> float | None:
+        """Arrival time of the longest-waiting sample (the fifo's head; the heap is searched)."""
+        times = [self.fifo[0].enqueued] if self.fifo else []
+        if self.edf:
+            times.append(min(entry[2].enqueued for entry in self.edf))
+        return min(times) if times else None
+
+
+class FairQueue(Generic[Q]):
+    """Samples of many tenants, handed out in weighted-fair, earliest-deadline-first order (`fair_order`), or all
+    at once when they fit one batch (`take_all`)."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[Tenant, Lane[Q]] = {}
+        self.depth = 0
+        self._vclock = 0.0  # virtual time of the last sample taken
+        self._seq = itertools.count()  # ties between equal deadlines go to the earlier arrival
+        self._popped: dict[int, tuple[int, int, Q]] = {}  # heap entries `fair_order` took, for `put_back`
+
+    def __len__(self) -> int:
+        return self.depth
+
+    def lane(self, tenant: Tenant) -> Lane[Q]:
+        lane = self.lanes.get(tenant)
+        if lane is None:
+            lane = self.lanes[tenant] = Lane(tenant)
+        return lane
+
+    def push(self, item: Q) -> None:
+        lane = self.lanes.get(item.tenant) or self.lane(item.tenant)
+        if not lane.count and lane.vtime < self._vclock:  # back from idle: no credit for the time away
+            lane.vtime = self._vclock
+        if item.due is None:
+            lane.fifo.append(item)
+        else:
+            heapq.heappush(lane.edf, (_due_key(item.due), next(self._seq), item))
+        lane.count += 1
+        self.depth += 1
+
+    def _unpop(self, lane: Lane[Q], item: Q) -> None:
+        """Put back a sample taken but not used, where it was (its lane's charge refunded)."""
+        entry = self._popped.pop(id(item), None)
+        if entry is None:
+            lane.fifo.appendleft(item)
+        else:
+            heapq.heappush(lane.edf, entry)
+        lane.count += 1
+        self.depth += 1
+        lane.vtime -= 1.0 / lane.tenant.weight
+
+    def fair_order(self, n: int) -> Iterator[tuple[Lane[Q], Q]]:
+        """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them)."""
+        backlog = [(lane.vtime, i, lane) for i, lane in enumerate(self.lanes.values()) if lane.count]
+        heapq.heapify(backlog)
+        self._popped = {}
+        taken = 0
+        while backlog and taken < n:
+            vtime, i, lane = backlog[0]
+            item, entry = lane.pop()
+            if entry is not None:
+                self._popped[id(item)] = entry
+            self.depth -= 1
+            if not item.finished:  # a cancelled sample costs its tenant nothing
+                self._vclock = vtime
+                lane.vtime = vtime + 1.0 / lane.tenant.weight
+                taken += 1
+            if lane.count:
+                heapq.heapreplace(backlog, (lane.vtime, i, lane))
+            else:
+                heapq.heappop(backlog)
+            yield lane, item
+
+    def take_all(self) -> list[Q]:
+        """Every queued sample in arrival order (the whole queue fits one batch), each lane charged for what it
+        had."""
+        out: list[Q] = []
+        parts = 0
+        for lane in self.lanes.values():
+            if lane.count:
+                if lane.vtime < self._vclock:
+                    lane.vtime = self._vclock
+                if lane.edf:  # a heap: never in arrival order by itself
+                    out.extend([entry[2] for entry in lane.edf])
+                    parts += 2
+                if lane.fifo:
+                    out.extend(lane.fifo)
+                    parts += 1
+                lane.vtime += lane.count / lane.tenant.weight
+                # the clock moves to the start tag of the last sample served, as if they had been taken one by one
+                self._vclock = max(self._vclock, lane.vtime - 1.0 / lane.tenant.weight)
+                lane.fifo.clear()
+                lane.edf.clear()
+                lane.count = 0
+        self.depth = 0
+        if parts > 1:  # one part (the usual: one tenant, no deadlines) is in arrival order already
+            out.sort(key=_arrival)
+        return out
+
+    def put_back(self, taken: list[tuple[Lane[Q], Q]]) -> None:
+        """Return samples popped by `fair_order` and not used (newest first, so each lane keeps its order)."""
+        for lane, item in reversed(taken):
+            self._unpop(lane, item)
+        for lane, _ in taken:  # the clock goes back to the first start tag not served
+            self._vclock = min(self._vclock, lane.vtime)
+
+    def remove(self, drop: set[int]) -> list[Q]:
+        """Take out the samples whose id() is in `drop`; returns them."""
+        removed: list[Q] = []
+        for lane in self.lanes.values():
+            if not lane.count:
+                continue
+            if any(id(e[2]) in drop for e in lane.edf):
+                removed += [e[2] for e in lane.edf if id(e[2]) in drop]
+                lane.edf = [e for e in lane.edf if id(e[2]) not in drop]
+                heapq.heapify(lane.edf)
+            if any(id(it) in drop for it in lane.fifo):
+                removed += [it for it in lane.fifo if id(it) in drop]
+                lane.fifo = deque(it for it in lane.fifo if id(it) not in drop)
+            lane.count = len(lane.edf) + len(lane.fifo)
+        self.depth -= len(removed)
+        return removed
+
+    def items(self) -> Iterator[Q]:
+        for lane in self.lanes.values():
+            yield from lane.items()
+
+    def earliest_due(self) -> float | None:
+        """The earliest step deadline queued (to within DUE_TICK; cancelled samples' included), if any."""
+        return min((lane.edf[0][2].due for lane in self.lanes.values() if lane.edf), default=None)  # type: ignore[type-var]
+
+    def share(self, tenant: Tenant) -> float:
+        """The tenant's weighted share of the queued tenants (itself counted as queued)."""
+        total = sum(lane.tenant.weight for lane in self.lanes.values() if lane.count and lane.tenant is not tenant)
+        return tenant.weight / (total + tenant.weight)
+
+    def most_over_share(self, capacity: int, besides: Tenant) -> Lane[Q] | None:
+        """The lane (not `besides`'s) that holds the most over its weighted share of `capacity`, if any is over."""
+        others = (lane.tenant.weight for lane in self.lanes.values() if lane.count and lane.tenant is not besides)
+        total = sum(others) + besides.weight
+        worst, excess = None, 0.0
+        for lane in self.lanes.values():
+            if lane.tenant is besides or not lane.count:
+                continue
+            over = lane.count - capacity * lane.tenant.weight / total
+            if over > excess:
+                worst, excess = lane, over
+        return worst
+
+    def evict_newest(self, lane: Lane[Q]) -> Q:
+        """Remove the lane's least urgent sample: its newest without a deadline, else its latest deadline."""
+        if lane.fifo:
+            item = lane.fifo.pop()
+        else:
+            k = max(range(len(lane.edf)), key=lambda j: (lane.edf[j][0], lane.edf[j][1]))
+            item = lane.edf[k][2]
+            lane.edf[k] = lane.edf[-1]
+            lane.edf.pop()
+            heapq.heapify(lane.edf)
+        lane.count -= 1
+        self.depth -= 1
+        return item

@@ -1,0 +1,200 @@
+"""The batcher's fair share between tenants and its step deadlines, with a recording compute function held open
+by a gate (no gRPC, no timing): what goes into each batch is decided by the queue alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+
+from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
+from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, Unavailable
+from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from tests.support.waiting import eventually
+from tests.test_batcher import Recorder, inp
+
+
+async def held_batcher(rec: Recorder, **config: float) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:
+    """A batcher whose first batch (one 'blocker' sample) holds the model until rec.gate is set: whatever is
+    queued meanwhile is ordered by the queue alone."""
+    rec.gate = asyncio.Event()
+    b = DynamicBatcher(rec, BatcherConfig(**{"max_queue_delay_ms": 0, **config}))  # type: ignore[arg-type]
+    blocker = asyncio.create_task(b.submit(inp("blocker")))
+    await eventually(lambda: rec.batches, "the blocker computes")
+    return b, blocker
+
+
+def tenant_of(sid: str) -> str:
+    return sid.split("-")[0]
+
+
+async def test_a_saturated_pipeline_gives_tenants_batch_slots_by_weight() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=8)
+    a, c = Tenant("a", weight=3), Tenant("c", weight=1)
+    futures = [b.enqueue(inp(f"a-{i}"), tenant=a) for i in range(200)]
+    futures += [b.enqueue(inp(f"c-{i}"), tenant=c) for i in range(200)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    both_backlogged = rec.batches[1:21]  # 20 batches of 8: both tenants still had samples queued
+    counts = Counter(tenant_of(sid) for batch in both_backlogged for sid in batch)
+    assert counts == {"a": 120, "c": 40}, counts  # 3 : 1, exactly
+    assert all(Counter(map(tenant_of, batch)) == {"a": 6, "c": 2} for batch in both_backlogged)
+    assert sorted(sum(rec.batches, [])) == sorted(["blocker", *(f"a-{i}" for i in range(200)),
+                                                   *(f"c-{i}" for i in range(200))])  # fmt: skip
+    assert a.in_flight == c.in_flight == 0
+    await b.close()
+
+
+class Turnstile(Recorder):
+    """Each batch waits for a permit: the test lets batches through one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = asyncio.Semaphore(0)
+
+    async def __call__(self, batch: list[RewardInput]) -> BatchResult:
+        self.batches.append([x.sample_id for x in batch])
+        await self.permits.acquire()
+        return [RewardOutput(1.0) for _ in batch]
+
+
+async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch() -> None:
+    turnstile = Turnstile()
+    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+    flood, late = Tenant("flood"), Tenant("late")
+    futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(400)]
+    for _ in range(10):  # the flood has been served a while: ten batches done, the eleventh computing
+        turnstile.permits.release()
+    await eventually(lambda: len(turnstile.batches) == 11, "ten flood batches done, the eleventh computing")
+    futures += [b.enqueue(inp(f"late-{i}"), tenant=late) for i in range(2)]
+    for _ in range(200):
+        turnstile.permits.release()
+    await asyncio.gather(*futures)
+    assert Counter(map(tenant_of, turnstile.batches[11])) == {"late": 2, "flood": 2}  # not behind 356 samples
+    assert flood.in_flight == late.in_flight == 0
+    await b.close()
+
+
+async def test_within_a_tenant_the_earliest_step_deadline_goes_first() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    now = time.monotonic()
+    futures = [b.enqueue(inp("none-0"))]
+    futures += [b.enqueue(inp(f"due{s}"), due=now + s) for s in (50, 10, 30, 20)]
+    futures += [b.enqueue(inp("none-1"))]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    # Each batch lists its samples in arrival order; the batches themselves follow the deadlines, and samples
+    # without one follow every sample that has one, in arrival order.
+    assert rec.batches[1:] == [["due10", "due20"], ["due50", "due30"], ["none-0", "none-1"]]
+    await b.close()
+
+
+async def test_a_full_queue_refuses_the_flooder_and_admits_its_neighbour() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=4, max_queue_size=10)
+    flood, neighbour = Tenant("flood"), Tenant("neighbour")
+    flooded = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(10)]
+    with pytest.raises(QueueFull, match="queue is full"):
+        b.enqueue(inp("flood-10"), tenant=flood)
+    # The neighbour is under its share (half of 10): each of its samples pushes out the flooder's newest.
+    mine = [b.enqueue(inp(f"neighbour-{i}"), tenant=neighbour) for i in range(5)]
+    with pytest.raises(QueueFull, match="tenant 'neighbour' holds its share"):
+        b.enqueue(inp("neighbour-5"), tenant=neighbour)
+    pushed_out = [f for f in flooded if f.done()]
+    assert len(pushed_out) == 5 and all(isinstance(f.exception(), QueueFull) for f in pushed_out)
+    assert "tenant 'flood' holds more than its weighted share" in str(pushed_out[0].exception())
+    assert [f for f in flooded if f.done()] == flooded[5:]  # the newest ones
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *mine, *flooded[:5])
+    assert flood.in_flight == neighbour.in_flight == 0
+    await b.close()
+
+
+async def test_queue_share_and_in_flight_limits_refuse_only_their_tenant() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=4, max_queue_size=100)
+    capped = Tenant("capped", max_queue_share=0.1)
+    counted = Tenant("counted", max_in_flight=3)
+    other = Tenant("other")
+    futures = [b.enqueue(inp(f"capped-{i}"), tenant=capped) for i in range(10)]
+    with pytest.raises(QueueFull, match=r"tenant 'capped' holds 10 samples .*max_queue_share 0.1 of 100"):
+        b.enqueue(inp("capped-10"), tenant=capped)
+    futures += [b.enqueue(inp(f"counted-{i}"), tenant=counted) for i in range(3)]
+    with pytest.raises(QueueFull, match=r"tenant 'counted' has 3 samples in flight .*max_in_flight"):
+        b.enqueue(inp("counted-3"), tenant=counted)
+    futures += [b.enqueue(inp(f"other-{i}"), tenant=other) for i in range(50)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    assert counted.in_flight == 0
+    await b.submit(inp("counted-again"), tenant=counted)  # room again once answered
+    await b.close()
+
+
+async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_never_computed() -> None:
+    rec = Recorder(delay=0.5)
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+    await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.5 s
+    assert b.service_s >= 0.5
+    with pytest.raises(DeadlineExceeded, match=r"step deadline cannot be met: .* takes about"):
+        b.enqueue(inp("hopeless"), due=time.monotonic() + 0.2)
+    # Queued behind a slow batch: dropped as soon as its time left is less than a batch, not computed late.
+    busy = b.enqueue(inp("busy"))
+    await eventually(lambda: rec.active, "the busy batch computes")
+    started = time.monotonic()
+    late = b.enqueue(inp("late"), due=started + 0.8)  # hopeless from started + 0.3 on: less than a batch left
+    with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
+        await late
+    assert time.monotonic() < started + 0.8  # reported before the deadline itself, while the model is busy
+    await busy
+    assert "hopeless" not in sum(rec.batches, []) and "late" not in sum(rec.batches, [])
+    await b.close()
+
+
+async def test_cancelled_expired_and_shut_down_samples_leave_their_tenants_count() -> None:
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    t = Tenant("t", max_in_flight=10)
+    cancelled = [b.enqueue(inp(f"c{i}"), tenant=t) for i in range(3)]
+    expired = b.enqueue(inp("x"), tenant=t, deadline=time.monotonic())
+    left = [b.enqueue(inp(f"l{i}"), tenant=t) for i in range(3)]
+    for f in cancelled:
+        f.cancel()
+    assert t.in_flight == 7
+    await b.close(drain=False)  # the blocker's batch is cancelled; what is queued is answered UNAVAILABLE
+    assert t.in_flight == 0
+    outcomes = await asyncio.gather(blocker, expired, *left, return_exceptions=True)
+    assert all(isinstance(o, Unavailable | DeadlineExceeded) for o in outcomes), outcomes
+
+
+async def test_a_sample_answered_apart_from_its_batch_stays_in_its_tenants_count_until_answered() -> None:
+    slow: asyncio.Future[RewardOutput] = asyncio.get_running_loop().create_future()
+
+    async def compute(batch: list[RewardInput]) -> BatchResult:
+        return [slow if x.sample_id == "slow" else RewardOutput(1.0) for x in batch]  # type: ignore[misc]
+
+    b = DynamicBatcher(compute, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50))
+    t = Tenant("t")
+    fast, late = b.enqueue(inp("fast"), tenant=t), b.enqueue(inp("slow"), tenant=t)
+    await fast
+    assert t.in_flight == 1 and not late.done()  # its batch is done; the sample is not
+    slow.set_result(RewardOutput(2.0))
+    assert (await late).output.score == 2.0 and t.in_flight == 0
+    await b.close()
+
+
+async def test_samples_of_one_step_deadline_keep_their_arrival_order() -> None:
+    """One deadline sent as time left and turned back into a time on arrival differs by microseconds per sample:
+    that must not reverse a step's samples (nor one step with another of the same deadline)."""
+    rec = Recorder()
+    b, blocker = await held_batcher(rec, max_batch_size=2)
+    due = time.monotonic() + 10
+    futures = [b.enqueue(inp(f"s{i}"), due=due - i * 1e-6) for i in range(6)]
+    rec.gate.set()  # type: ignore[union-attr]
+    await asyncio.gather(blocker, *futures)
+    assert rec.batches[1:] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]
+    await b.close()
