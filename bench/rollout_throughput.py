@@ -14,8 +14,9 @@ round by round and medians are reported. CPU time per sample is read from /proc 
 - `hf`: the tiny policy on the CPU through `rewardmesh serve rollout --backend hf` against a bare
   transformers `generate` of the same batch in this process (same prompts, n, max_tokens, sampling,
   torch threads); tokens/s and the ratio.
-- `vllm`: written for a GPU, skipped without CUDA or vllm: `rewardmesh serve rollout --backend vllm`
-  against vLLM's offline `LLM.generate` and against `AsyncLLM` with every request in flight at once.
+- `vllm`: `rewardmesh serve rollout --backend vllm` against vLLM's offline `LLM.generate` and a bare `AsyncLLM`
+  with every request in flight, on the same engine arguments (scheduler limits explicit on every path), every
+  sample to max_tokens; on vLLM's CPU build (`.venv-vllm`) or a GPU; skipped where vLLM is not installed.
 
 The rollout server with the instant engine is this module run as
 `python -m bench.rollout_throughput serve-instant --reward-target HOST:PORT`.
@@ -419,52 +420,73 @@ def render_hf(res: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def vllm_available() -> str:
-    """Empty when the vLLM mode can run here, else why not."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+    """Empty when the vLLM mode can run here (vLLM's CPU build or a GPU build), else why not."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return "vllm is not installed (`pip install -e '.[vllm]'`)"
+        return "vllm is not installed (CPU: `make test-vllm` builds .venv-vllm; GPU: `make install-gpu`)"
     return ""
 
 
+def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The engine arguments every path gets: the same model, seed and memory, the scheduler limits made explicit
+    (by default the ones vLLM's offline ``LLM`` picks for this machine), and any --vllm-engine-arg."""
+    from vllm import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
+
+    from rewardmesh.server.backends.vllm_engine import llm_usage_context, parse_engine_args
+
+    extra = parse_engine_args([*os.environ.get("REWARDMESH_ENGINE_ARG", "").split(","), *args.vllm_engine_arg])
+    extra.pop("", None)
+    kwargs: dict[str, Any] = {"model": model, "seed": args.seed, "disable_log_stats": True,
+                              "gpu_memory_utilization": args.vllm_gpu_memory_utilization, **extra}  # fmt: skip
+    if args.vllm_max_num_seqs:
+        kwargs["max_num_seqs"] = args.vllm_max_num_seqs
+    if args.vllm_max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.vllm_max_num_batched_tokens
+    if "max_num_seqs" not in kwargs or "max_num_batched_tokens" not in kwargs:
+        scheduler = AsyncEngineArgs(**kwargs).create_engine_config(llm_usage_context()).scheduler_config
+        kwargs.setdefault("max_num_seqs", scheduler.max_num_seqs)
+        kwargs.setdefault("max_num_batched_tokens", scheduler.max_num_batched_tokens)
+    return kwargs
+
+
 async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Mesh vs vLLM offline `LLM.generate` vs `AsyncLLM` with every request in flight (GPU only)."""
-    from vllm import LLM, SamplingParams  # type: ignore[import-not-found,unused-ignore]
-    from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
-    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found,unused-ignore]
+    """Mesh vs vLLM offline `LLM.generate` vs bare `AsyncLLM` with every request in flight, on the same engine
+    arguments; every sample runs to max_tokens (ignore_eos). Each path runs in its own phase (one engine at a
+    time: on a GPU they could not share the memory)."""
+    from vllm import LLM, AsyncEngineArgs, SamplingParams  # type: ignore[import-not-found,unused-ignore]
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
 
     from rewardmesh.client.trainer import Sampling, TrainerClient
+    from rewardmesh.demo.tiny_models import build_tiny_models
+    from rewardmesh.server.backends.vllm_outputs import token_prompt
 
-    model = str(args.vllm_model)
+    model = str(args.vllm_model or build_tiny_models(args.models).policy)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     prompts = prompt_specs(args.vllm_prompts, args.prompt_tokens, len(tokenizer), args.seed)
-    params = SamplingParams(n=args.vllm_n, temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed)
-    token_prompts = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts]
-    sampling = Sampling(temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed)
+    kwargs = vllm_engine_args(args, model)
+    params = SamplingParams(n=args.vllm_n, temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed,
+                            ignore_eos=True, detokenize=False)  # fmt: skip
+    token_prompts = [token_prompt(list(p.token_ids)) for p in prompts]
+    sampling = Sampling(temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed, ignore_eos=True)
     results: dict[str, list[float]] = {"offline": [], "async": [], "mesh": []}
-    mem = args.vllm_gpu_memory_utilization
+    progress(f"vllm: engine arguments on every path: {kwargs}")
 
-    # The three engines must not share the GPU at once: each path runs in its own phase.
-    llm = LLM(model=model, gpu_memory_utilization=mem, seed=args.seed)
+    llm = LLM(**kwargs)
     llm.generate(token_prompts[:4], params, use_tqdm=False)
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         t = time.perf_counter()
         outs = llm.generate(token_prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         results["offline"].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
+        progress(f"vllm offline round {r + 1}: {results['offline'][-1]:,.0f} tokens/s")
+    llm.llm_engine.engine_core.shutdown()
     del llm
-    _free_gpu()
+    _free_memory()
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, gpu_memory_utilization=mem, seed=args.seed))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:
 
         async def one(i: int, prompt: Any) -> int:
@@ -474,84 +496,76 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             return sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
 
         await one(-1, token_prompts[0])
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             t = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
             results["async"].append(tokens / (time.perf_counter() - t))
+            progress(f"vllm AsyncLLM round {r + 1}: {results['async'][-1]:,.0f} tokens/s")
     finally:
         engine.shutdown()
-    _free_gpu()
+    _free_memory()
 
     reward = ServerProcess("reward-vllm", reward_argv(), workdir)
     reward.start()
     rollout: ServerProcess | None = None
+    engine_flags = [f"--engine-arg={k}={json.dumps(v)}" for k, v in kwargs.items() if k != "model"]
     try:
         await reward.wait_serving(REWARD_SERVICE)
-        rollout = ServerProcess(
-            "rollout-vllm",
-            [
-                sys.executable,
-                "-m",
-                "rewardmesh.server.cli",
-                "serve",
-                "rollout",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--backend",
-                "vllm",
-                "--model",
-                model,
-                "--reward-target",
-                reward.address,
-                "--grace-s",
-                "2",
-            ],
-            workdir,
-        )
+        rollout = ServerProcess("rollout-vllm", [*rollout_argv("vllm", model, reward.address), *engine_flags], workdir)
         rollout.start(timeout_s=900)
         await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
+        pids = {"trainer": 0, "rollout": rollout.pid, "reward": reward.pid}
         async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
             await mesh_pass(client, prompts[:4], args.vllm_n, "noop", sampling)
-            for _ in range(args.rounds):
-                t = time.perf_counter()
-                _, tokens, _ = await mesh_pass(client, prompts, args.vllm_n, "noop", sampling)
-                results["mesh"].append(tokens / (time.perf_counter() - t))
+            for r in range(args.rounds):
+                mesh = await timed("mesh", lambda: mesh_pass(client, prompts, args.vllm_n, "noop", sampling), pids)
+                results["mesh"].append(mesh.tokens_per_s)
+                progress(f"vllm mesh round {r + 1}: {mesh.tokens_per_s:,.0f} tokens/s, CPU s {mesh.cpu_s}")
     finally:
         if rollout is not None:
             rollout.stop()
         reward.stop()
-    best = {k: max(v) for k, v in results.items()}
+    mid = {k: med(v) for k, v in results.items()}
     return {
-        "tokens_per_s": best,
-        "mesh_vs_offline": best["mesh"] / best["offline"],
-        "mesh_vs_async": best["mesh"] / best["async"],
+        "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+        "tokens_per_s": mid,
+        "rounds": results,
+        "mesh_vs_offline": mid["mesh"] / mid["offline"],
+        "mesh_vs_async": mid["mesh"] / mid["async"],
     }
 
 
-def _free_gpu() -> None:
+def rollout_argv(backend: str, model: str, reward_target: str) -> list[str]:
+    return [sys.executable, "-m", "rewardmesh.server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+            "--backend", backend, "--model", model, "--reward-target", reward_target, "--grace-s", "2"]  # fmt: skip
+
+
+def _free_memory() -> None:
     import gc
 
     import torch
 
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
-    tps = res["tokens_per_s"]
+    tps, eargs, rounds = res["tokens_per_s"], res["engine_args"], res["rounds"]
     rows = [
         ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", ""],
         ["vLLM `AsyncLLM`, all requests in flight", f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", ""],
         ["mesh: TrainerClient -> `serve rollout --backend vllm` -> `serve reward` (`noop`)", f"{tps['mesh']:,.0f}",
-         f"{res['mesh_vs_offline']:.2f}", f"{res['mesh_vs_async']:.2f} of AsyncLLM; target >= {TARGET_MESH_VS_BARE}"],
+         f"{res['mesh_vs_offline']:.2f}", f"{res['mesh_vs_async']:.2f} of AsyncLLM"],
     ]  # fmt: skip
     return "\n".join([
-        f"### vLLM on {machine_info()['device']} ({args.vllm_prompts} prompts x n={args.vllm_n}, "
-        f"max_tokens {args.vllm_max_tokens}, best of {args.rounds})",
+        f"### vLLM on {machine_info()['device']} ({args.vllm_prompts} prompts x n={args.vllm_n}, every sample "
+        f"{args.vllm_max_tokens} tokens, max_num_seqs {eargs.get('max_num_seqs')}, max_num_batched_tokens "
+        f"{eargs.get('max_num_batched_tokens')}, {args.rounds} rounds, medians)",
         "",
         markdown_table(["path", "tokens/s", "vs offline", "notes"], rows),
+        "",
+        "Per-round tokens/s: " + "; ".join(f"{k} " + ", ".join(f"{x:,.0f}" for x in v) for k, v in rounds.items()),
     ])  # fmt: skip
 
 
@@ -585,11 +599,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--models", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         / "rewardmesh" / "models", help="hf mode: where the tiny models are built (reused)",
     )  # fmt: skip
-    p.add_argument("--vllm-model", type=Path, help="vllm mode: local model directory (a policy checkpoint)")
+    p.add_argument("--vllm-model", type=Path, help="vllm mode: local model directory (default: the tiny policy)")
     p.add_argument("--vllm-prompts", type=int, default=64)
     p.add_argument("--vllm-n", type=int, default=8)
-    p.add_argument("--vllm-max-tokens", type=int, default=128)
+    p.add_argument("--vllm-max-tokens", type=int, default=64, help="vllm mode: tokens in every sample (ignore_eos)")
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--vllm-max-num-seqs", type=int, default=0, help="vllm mode: 0: what offline LLM picks here")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, default=0, help="vllm mode: 0: what LLM picks here")
+    p.add_argument("--vllm-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="vllm mode: an engine argument for every path (also REWARDMESH_ENGINE_ARG)")  # fmt: skip
     p.add_argument("--json-out", type=Path, help="also write every number to this JSON file")
     return p
 
@@ -608,7 +626,7 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                 report["hf"] = await run_hf(args, work)
                 tables.append(render_hf(report["hf"], args))
             elif mode == "vllm":
-                why = vllm_available() or ("" if args.vllm_model else "no --vllm-model given")
+                why = vllm_available()
                 if why:
                     progress(f"vllm mode skipped: {why}")
                     tables.append(f"### vLLM: skipped ({why})")

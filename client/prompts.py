@@ -49,10 +49,13 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     logprobs: bool = False  # return each token's log-prob (RolloutBatch.rollout_log_probs), for off-policy correction
+    ignore_eos: bool = False  # run every sample to max_tokens (the model's eos does not end it), as benchmarks need
+    min_tokens: int = 0  # the model's eos cannot end a turn before this many tokens
 
     def to_proto(self) -> rollout_pb2.SamplingParams:
         p = rollout_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                       max_tokens=self.max_tokens, stop=self.stop, logprobs=self.logprobs)  # fmt: skip
+                                       max_tokens=self.max_tokens, stop=self.stop, logprobs=self.logprobs,
+                                       ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)  # fmt: skip
         if self.seed is not None:
             p.seed = self.seed
         return p

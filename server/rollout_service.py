@@ -133,6 +133,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             check(len(stop), lim.max_stop_chars, f"sampling.stop[{j}] length", "max_stop_chars")
         check(len(sp.stop_token_ids), lim.max_stop_token_ids, "sampling.stop_token_ids count", "max_stop_token_ids")
         check(len(request.agent.tools), len(TOOLS), "agent.tools count", "the number of registered tools")
+        if not 0 <= sp.min_tokens <= max_tokens:
+            raise InvalidInput(f"sampling.min_tokens must be in [0, max_tokens={max_tokens}], got {sp.min_tokens}")
         for j, name in enumerate(request.agent.tools):
             if name not in TOOLS:
                 raise InvalidInput(f"agent.tools[{j}]: unknown tool '{name}' (registered: {', '.join(sorted(TOOLS))})")
@@ -151,6 +153,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             stop_token_ids=list(sp.stop_token_ids),
             stop=list(sp.stop),
             logprobs=sp.logprobs,
+            ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_tokens,
         )
         agent = AgentSettings(
             max_turns=max(1, request.agent.max_turns),

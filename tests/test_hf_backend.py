@@ -271,6 +271,23 @@ async def test_stop_token_ids_are_honoured(backend: HFBackend) -> None:
     assert out.token_ids == tokens[: k + 1]  # the stop token itself is returned, like eos
 
 
+async def test_min_tokens_holds_back_stop_tokens_and_ignore_eos_keeps_going(backend: HFBackend) -> None:
+    request, tokens = await a_sample_without_eos(backend, PROMPTS[1])
+    k = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    request.stop_token_ids, request.min_tokens = [tokens[k]], k + 6
+    held = await backend.generate(request)
+    assert len(held.token_ids) >= k + 6 and tokens[k] not in held.token_ids[: k + 5]  # never drawn early, as vLLM
+    eos = backend.tokenizer.eos_token_id
+    for seed in range(200):
+        ended = await backend.generate(sampled(backend, PROMPTS[0], seed=seed, max_tokens=24))
+        if ended.finish_reason == "stop" and ended.token_ids[-1] == eos and len(ended.token_ids) < 24:
+            break
+    else:
+        pytest.skip("no seed drew eos")
+    going = await backend.generate(sampled(backend, PROMPTS[0], seed=seed, max_tokens=24, ignore_eos=True))
+    assert going.finish_reason == "length" and going.token_ids[: len(ended.token_ids)] == ended.token_ids
+
+
 async def test_stop_strings_are_honoured_and_not_returned(backend: HFBackend) -> None:
     request, tokens = await a_sample_without_eos(backend, PROMPTS[2])
     tok: Any = backend.tokenizer
@@ -389,6 +406,7 @@ async def test_prompt_plus_max_tokens_beyond_max_model_len_is_rejected(
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"min_tokens": 13}, "min_tokens"),
         ({"prompt_ids": [1, 100000]}, "vocabulary"),
     ],
 )

@@ -1,7 +1,5 @@
-"""VLLMBackend: the parts that need no vLLM run everywhere; the engine tests need vLLM and a CUDA GPU.
-
-The GPU tests run on a copy of the tiny policy with 64-wide attention heads (the shared tiny policy's 16-wide
-heads are below what vLLM's attention kernels accept).
+"""VLLMBackend: the parts that need no vLLM run everywhere (with a stand-in for vLLM's API); the engine tests run
+on vLLM itself wherever it is installed: its CPU build (`make test-vllm`, every CI run) or a GPU build.
 """
 
 from __future__ import annotations
@@ -25,8 +23,11 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.demo.tiny_models import TinyModelPaths, build_policy, build_tokenizer
+from rewardmesh.demo.mesh import reward_server
+from rewardmesh.demo.server_process import ServerProcess
+from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends import make_backend
 from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError, WeightsNotApplied
 from rewardmesh.server.backends.requests import trim_at_stop
@@ -206,7 +207,14 @@ async def test_engine_args_reach_the_engine_and_unknown_ones_are_named(
     assert args is not None and args.attention_backend == "TRITON_ATTN" and args.max_num_seqs == 8
     assert args.gpu_memory_utilization == 0.3 and args.logprobs_mode == "processed_logprobs"
     assert args.worker_extension_cls.endswith("RewardMeshWorkerExtension")
+    # offline LLM's defaults: its usage context (the scheduler limits it picks for the machine), no stats logging
+    assert fake_vllm.last is not None and fake_vllm.last.usage_context.name == "LLM_CLASS"
+    assert args.disable_log_stats is True
     await backend.close()
+    stats = VLLMBackend(str(tiny_models.policy), engine_args={"disable_log_stats": False})
+    await stats.start()
+    assert fake_vllm.last is not None and fake_vllm.last.args.disable_log_stats is False  # asked for: on
+    await stats.close()
     bad = VLLMBackend(str(tiny_models.policy), engine_args={"gpu_memory_utilisation": 0.5, "no_such_arg": 1})
     with pytest.raises(
         ValueError, match=r"'gpu_memory_utilisation' \(did you mean 'gpu_memory_utilization'\?\).*'no_such_arg'"
@@ -250,6 +258,8 @@ async def test_generation_maps_logprobs_versions_preemptions_and_errors(
     assert out.token_versions == [0, 0, 0, 0] and out.policy_version == 0
     plain = await backend.generate(GenerationRequest([5], max_tokens=2))
     assert plain.logprobs is None and engine.params[-1].logprobs is None
+    await backend.generate(GenerationRequest([5], max_tokens=6, ignore_eos=True, min_tokens=4))
+    assert (engine.params[-1].ignore_eos, engine.params[-1].min_tokens) == (True, 4)
 
     def split(ids: list[int], params: Any, eng: FakeEngine) -> dict[str, Any]:
         spans = [SimpleNamespace(version="3", start=0, end=2), SimpleNamespace(version="4", start=2, end=5)]
@@ -288,6 +298,7 @@ async def test_weight_update_follows_the_async_rl_sequence(
     assert engine.calls[stages + 3] == ("update_weight_version", "7")
     assert backend.policy_version == 7
     assert all(torch.equal(engine.model.state[k], new[k]) for k in new if k != "lm_head.weight")
+    assert engine.worker.model_runner.reloads == 1  # through the runner's in-place reload, in one call
     out = await backend.generate(GenerationRequest([1, 2], max_tokens=3))
     assert out.token_versions == [7, 7, 7] and out.policy_version == 7
 
@@ -425,7 +436,14 @@ async def test_quantized_models_refuse_in_place_updates(
     await backend.close()
 
 
-# ----------------------------------------------------------------------------------- vLLM on a GPU
+# ----------------------------------------------------------------------------------- vLLM itself (CPU or GPU)
+# vLLM's CPU build (`make test-vllm`) or a GPU with vLLM: one engine, booted once behind a real rollout server,
+# serves every test below. REWARDMESH_ENGINE_ARG (KEY=VALUE,...) adds engine arguments as it does for
+# `rewardmesh serve rollout`, e.g. attention_backend=TRITON_ATTN for a vLLM build without flash-attention.
+
+
+def engine_args_from_env() -> dict[str, Any]:
+    return parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
 
 
 def per_request_preemptions() -> bool:
@@ -436,27 +454,44 @@ def per_request_preemptions() -> bool:
 
 
 @pytest.fixture(scope="module")
-def gpu_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vllm_policy(tiny_models: TinyModelPaths) -> Path:
     pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a CUDA GPU")
-    return build_policy(tmp_path_factory.mktemp("vllm-policy") / "policy", build_tokenizer(), hidden=128, heads=2)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU build takes several by default
+    return tiny_models.policy
+
+
+@dataclasses.dataclass
+class Served:
+    server: RolloutServer
+    backend: VLLMBackend
+    boot_health: list[int]  # RolloutService's health status, polled while the engine booted
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(gpu_policy: Path) -> AsyncIterator[VLLMBackend]:
-    # REWARDMESH_ENGINE_ARG (KEY=VALUE,...) is honoured as by `rewardmesh serve rollout`, e.g.
-    # attention_backend=TRITON_ATTN for a vLLM build without flash-attention kernels.
-    extra = parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
-    backend = VLLMBackend(
-        str(gpu_policy), gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512, engine_args=extra
-    )
-    await backend.start()
-    yield backend
-    await backend.close()
+async def served(vllm_policy: Path) -> AsyncIterator[Served]:
+    backend = VLLMBackend(str(vllm_policy), gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512,
+                          engine_args={"max_logprobs": 3, **engine_args_from_env()})  # fmt: skip
+    server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0, grace_s=0.5))
+    await server.start(wait_ready=False)
+    seen: list[int] = []
+    try:
+        async with aio.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while not backend.ready:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=ROLLOUT_SERVICE), timeout=5)
+                seen.append(int(reply.status))
+                await asyncio.sleep(0.2)
+            await server.ready()
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=ROLLOUT_SERVICE), timeout=5)
+            seen.append(int(reply.status))
+        yield Served(server, backend, seen)
+    finally:
+        await server.stop(0)
 
 
-gpu = pytest.mark.asyncio(loop_scope="module")
+@pytest.fixture
+def engine(served: Served) -> VLLMBackend:
+    return served.backend
 
 
 def greedy(prompt: list[int], max_tokens: int = 16, **kw: Any) -> GenerationRequest:
@@ -468,8 +503,42 @@ def prompts(engine: VLLMBackend) -> list[list[int]]:
     return [list(engine.tokenizer.encode(t)) for t in texts]
 
 
-@gpu
+async def greedy_outputs(engine: VLLMBackend) -> list[list[int]]:
+    return [o.token_ids for o in await asyncio.gather(*(engine.generate(greedy(p)) for p in prompts(engine)))]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_rollout_server_is_not_serving_until_the_engine_has_booted(served: Served) -> None:
+    not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    assert served.boot_health[0] == not_serving and served.boot_health[-1] == serving
+    assert set(served.boot_health[:-1]) == {not_serving}
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_engine_gets_offline_scheduler_limits_engine_args_and_no_stats_logging(
+    engine: VLLMBackend, vllm_policy: Path
+) -> None:
+    """The scheduler limits a user of offline ``LLM`` gets on this machine, unless set; stats logging off."""
+    from vllm import AsyncEngineArgs
+
+    from rewardmesh.server.backends.vllm_engine import llm_usage_context
+
+    core: Any = engine._engine
+    offline = AsyncEngineArgs(model=str(vllm_policy), max_model_len=512, enforce_eager=True,
+                              **engine_args_from_env()).create_engine_config(llm_usage_context())  # fmt: skip
+    mine = core.vllm_config.scheduler_config
+    want = offline.scheduler_config
+    assert (mine.max_num_seqs, mine.max_num_batched_tokens) == (want.max_num_seqs, want.max_num_batched_tokens)
+    assert core.model_config.max_logprobs == 3  # an engine argument reaches the engine
+    assert not core.log_stats
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
 async def test_vllm_generates_deterministically(engine: VLLMBackend) -> None:
+    counted = per_request_preemptions() and engine._engine.log_stats  # vLLM counts them only with stats on
     ps = prompts(engine)
     first = await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))
     second = await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))
@@ -478,13 +547,14 @@ async def test_vllm_generates_deterministically(engine: VLLMBackend) -> None:
         assert out.finish_reason in ("stop", "length") and 1 <= len(out.token_ids) <= 16
         assert out.finish_reason == "stop" or len(out.token_ids) == 16
         assert out.policy_version == engine.policy_version
-        assert out.num_preempted >= 0 if per_request_preemptions() else out.num_preempted == -1
+        assert out.num_preempted >= 0 if counted else out.num_preempted == -1
     seeded = GenerationRequest(ps[1], max_tokens=24, temperature=1.0, seed=7)
     assert (await engine.generate(seeded)).token_ids == (await engine.generate(seeded)).token_ids
     assert engine.running == 0
 
 
-@gpu
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
 async def test_vllm_honours_stop_tokens_and_strings(engine: VLLMBackend) -> None:
     tok: Any = engine.tokenizer
     for seed in range(30):
@@ -515,15 +585,31 @@ async def test_vllm_honours_stop_tokens_and_strings(engine: VLLMBackend) -> None
     assert stop not in kept and len(kept) <= pos
 
 
-@gpu
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_min_tokens_holds_back_stop_tokens_and_ignore_eos_runs_to_max_tokens(engine: VLLMBackend) -> None:
+    request = GenerationRequest(prompts(engine)[2], max_tokens=30, temperature=1.0, seed=5)
+    tokens = (await engine.generate(request)).token_ids
+    k = next((i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i]), None)
+    if k is None or k > 20:
+        pytest.skip("no fresh token early in this sample")
+    request.stop_token_ids = [tokens[k]]
+    assert (await engine.generate(request)).token_ids == tokens[: k + 1]
+    request.min_tokens = k + 6
+    held = await engine.generate(request)
+    assert len(held.token_ids) >= k + 6 and tokens[k] not in held.token_ids[: k + 5]
+    runs = await engine.generate(greedy(prompts(engine)[2], max_tokens=40, ignore_eos=True, min_tokens=3))
+    assert runs.finish_reason == "length" and len(runs.token_ids) == 40
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
 async def test_vllm_cancellation_aborts(engine: VLLMBackend) -> None:
-    task = asyncio.create_task(engine.generate(greedy(prompts(engine)[3], max_tokens=480)))
-    deadline = time.monotonic() + 5
+    task = asyncio.create_task(engine.generate(greedy(prompts(engine)[3], max_tokens=480, ignore_eos=True)))
+    deadline = time.monotonic() + 10
     while engine.running == 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.001)
-    await asyncio.sleep(0.05)
-    if task.done():
-        pytest.skip("the request finished (eos) before it could be cancelled")
+    assert engine.running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -532,31 +618,55 @@ async def test_vllm_cancellation_aborts(engine: VLLMBackend) -> None:
     assert (await engine.generate(greedy(prompts(engine)[0], max_tokens=4))).token_ids
 
 
-@gpu
-async def test_vllm_update_weights(engine: VLLMBackend, gpu_policy: Path) -> None:
-    ps = prompts(engine)
-    before = [o.token_ids for o in await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))]
-    original = state_dict(gpu_policy)
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_update_weights(engine: VLLMBackend, vllm_policy: Path) -> None:
+    before = await greedy_outputs(engine)
+    original = state_dict(vllm_policy)
+    version = engine.policy_version
 
     with pytest.raises(WeightsError, match=r"model\.norm\.weight"):
         await engine.update_weights({**original, "model.norm.weight": torch.zeros(3)}, version=99)
-    assert engine.policy_version == 0
-    assert [o.token_ids for o in await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))] == before
+    assert engine.policy_version == version
+    assert await greedy_outputs(engine) == before
 
-    await engine.update_weights(perturbed(original), version=5)
-    after = await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))
-    assert engine.policy_version == 5 and all(o.policy_version == 5 for o in after)
+    await engine.update_weights(perturbed(original), version=version + 1)
+    after = await asyncio.gather(*(engine.generate(greedy(p)) for p in prompts(engine)))
+    assert engine.policy_version == version + 1 and all(o.policy_version == version + 1 for o in after)
     assert [o.token_ids for o in after] != before
 
-    await engine.update_weights(original, version=6)
-    restored = await asyncio.gather(*(engine.generate(greedy(p)) for p in ps))
-    assert [o.token_ids for o in restored] == before
+    await engine.update_weights(original, version=version + 2)  # the layerwise reload takes a second update
+    assert await greedy_outputs(engine) == before
 
 
-@gpu
-async def test_vllm_logprobs_match_a_separate_forward_pass(engine: VLLMBackend, gpu_policy: Path) -> None:
-    lm = AutoModelForCausalLM.from_pretrained(gpu_policy, dtype=torch.float32).eval()
-    state = state_dict(gpu_policy)
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_an_incomplete_staged_update_applies_nothing(engine: VLLMBackend, vllm_policy: Path) -> None:
+    """The worker checks the staged set before loading: a missing tensor fails the commit with nothing applied,
+    the server keeps serving the old weights (not marked torn), and the next whole update works."""
+    before = await greedy_outputs(engine)
+    version = engine.policy_version
+    core: Any = engine._engine
+    state = perturbed(state_dict(vllm_policy))
+    names = [n for n in state if n != "lm_head.weight"]
+    for chunk in iter_chunks({n: state[n] for n in names[:-1]}, chunk_bytes=64 << 10):
+        await core.collective_rpc("rewardmesh_stage_weights", args=(chunk,))
+    with pytest.raises(Exception, match="nothing applied"):
+        await core.collective_rpc("rewardmesh_commit_weights", args=(names,))
+    assert await greedy_outputs(engine) == before and engine.unusable is None and engine.policy_version == version
+    await engine.update_weights(state, version=version + 1)
+    assert await greedy_outputs(engine) != before
+    await engine.update_weights(state_dict(vllm_policy), version=version + 2)
+    assert await greedy_outputs(engine) == before
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_logprobs_and_token_versions_match_a_separate_forward_pass(
+    engine: VLLMBackend, vllm_policy: Path
+) -> None:
+    lm = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
+    state = state_dict(vllm_policy)
     await engine.update_weights(state, version=engine.policy_version + 1)  # the checkpoint's own weights
     for temperature, top_k in ((1.0, 0), (0.7, 20)):
         for p in prompts(engine):
@@ -569,18 +679,40 @@ async def test_vllm_logprobs_match_a_separate_forward_pass(engine: VLLMBackend, 
                 kth = logits.topk(top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
-            # the engine computes in half precision: close, not equal
-            torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.05, rtol=0.02)
+            # the engine computes in half precision (bf16 on CPU): close, not equal
+            torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.1, rtol=0.05)
             assert out.token_versions == [engine.policy_version] * len(out.token_ids)
 
 
-@gpu
-async def test_vllm_weight_specs(engine: VLLMBackend, gpu_policy: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_weight_specs(engine: VLLMBackend, vllm_policy: Path) -> None:
     specs = engine.weight_specs()
-    state = state_dict(gpu_policy)
+    state = state_dict(vllm_policy)
     assert set(specs) == set(state)
     assert all(specs[n][0] == tuple(t.shape) for n, t in state.items())
     assert {dtype for _, dtype in specs.values()} <= {torch.bfloat16, torch.float16, torch.float32}
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("transport", ["grpc", "shm", "dist"])
+async def test_vllm_weight_transports_change_greedy_output(served: Served, vllm_policy: Path, transport: str) -> None:
+    """A trainer's update over each data plane (dist: gloo on CPU, NCCL on a GPU) reaches vLLM: greedy output
+    changes with the weights and comes back with the checkpoint's."""
+    engine = served.backend
+    before = await greedy_outputs(engine)
+    original = state_dict(vllm_policy)
+    async with TrainerClient([served.server.address]) as client:
+        client.policy_version = engine.policy_version
+        version = await client.update_weights(perturbed(original, 0.3), transport=transport)
+        assert client.last_weight_sync is not None and client.last_weight_sync.transport == transport
+        assert engine.policy_version == version and await greedy_outputs(engine) != before
+        request = [PromptSpec(token_ids=p) for p in prompts(engine)]
+        batch = await client.generate_batch(request, n=2, sampling=Sampling(temperature=0.0, max_tokens=8))
+        assert {s.policy_version for s in batch.samples} == {version}
+        await client.update_weights(original, transport=transport)
+    assert await greedy_outputs(engine) == before
 
 
 def test_tokenizer_is_the_policy_tokenizer(tiny_models: TinyModelPaths) -> None:
@@ -689,3 +821,45 @@ async def test_cuda_ipc_updates_go_through_vllms_weight_transfer_engine(
         await backend.update_weights_ipc(entries, source, 7)
     assert backend.policy_version == 6 and backend.unusable and engine.calls[-1] == ("resume_generation",)
     await backend.close()
+
+
+# --------------------------------------------------------------------------- `rewardmesh serve rollout --backend vllm`
+
+CLI = [sys.executable, "-m", "rewardmesh.server.cli"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+async def test_vllm_serve_rollout_cli_scores_samples_and_takes_weight_updates(
+    vllm_policy: Path, tmp_path: Path
+) -> None:
+    """The process a user starts: `rewardmesh serve rollout --backend vllm` streaming to a reward server, driven by
+    TrainerClient; every sample is scored, and a weight update changes the greedy output."""
+    extra = [f"--engine-arg={a}" for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a]
+    async with reward_server() as reward:
+        rollout = ServerProcess("rollout", [*CLI, "serve", "rollout", "--backend", "vllm", "--model", str(vllm_policy),
+                                            "--host", "127.0.0.1", "--port", "0", "--reward-target", reward.address,
+                                            "--enforce-eager", "--max-model-len", "512", "--gpu-memory-utilization",
+                                            "0.25", "--engine-arg", "max_num_seqs=64", *extra], tmp_path)  # fmt: skip
+        try:
+            rollout.start(timeout_s=120)
+            await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=480)
+            tok: Any = AutoTokenizer.from_pretrained(vllm_policy)
+            specs = [PromptSpec(token_ids=tok.encode(f"{a} + {b} ="), ground_truth=str(a + b), data_source="demo")
+                     for a, b in ((1, 2), (3, 4), (2, 5), (4, 4))]  # fmt: skip
+            async with TrainerClient([rollout.address], reward="first_number") as client:
+                batch = await client.generate_batch(specs, n=4, sampling=Sampling(max_tokens=8, temperature=1.0))
+                assert len(batch.samples) == 16 and not [s.error for s in batch.samples if s.error]
+                assert all(s.score in (0.0, 0.1, 1.0) and "acc" in s.extras for s in batch.samples)
+                greedy_run = Sampling(max_tokens=12, temperature=0.0)
+                before = [
+                    s.response_ids.tolist() for s in (await client.generate_batch(specs, sampling=greedy_run)).samples
+                ]
+                assert await client.update_weights(perturbed(state_dict(vllm_policy), 0.3), transport="grpc") == 1
+                after = await client.generate_batch(specs, sampling=greedy_run)
+                assert {s.policy_version for s in after.samples} == {1}
+                assert sorted(s.response_ids.tolist() for s in after.samples) != sorted(before)
+                assert [i.policy_version for i in await client.info()] == [1]
+        finally:
+            assert rollout.stop(timeout_s=120) == 0, rollout.log_tail()

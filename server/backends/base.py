@@ -36,6 +36,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)  # stop strings; the matched text is not returned
     seed: int | None = None
     logprobs: bool = False  # return the log-prob of each sampled token (GenerationOutput.logprobs)
+    ignore_eos: bool = False  # the model's eos tokens do not end the turn (stop_token_ids and stop strings do)
+    min_tokens: int = 0  # eos and stop_token_ids cannot end the turn before this many tokens
 
 
 @dataclass

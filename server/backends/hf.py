@@ -394,7 +394,7 @@ class HFBackend(Backend):
         return Row(
             slot=slot,
             generator=generator,
-            stop_ids=self._eos | frozenset(request.stop_token_ids),
+            stop_ids=(frozenset() if request.ignore_eos else self._eos) | frozenset(request.stop_token_ids),
             stops=stops,
             tail_tokens=max((len(s) for s in stops), default=0) + 8,
             reserve=len(request.prompt_ids) + request.max_tokens,

@@ -84,6 +84,9 @@ class Decoder:
         finished: list[Row],
     ) -> torch.Tensor:
         """Draw every row's next token, record it (and its log-prob and version), collect the rows that end."""
+        early = [(i, row.stop_ids) for i, row in enumerate(rows) if len(row.tokens) < row.slot.request.min_tokens]
+        for i, stop_ids in early:  # below min_tokens a stop token cannot be drawn, as in vLLM
+            logits[i, list(stop_ids)] = float("-inf")
         uniforms = torch.tensor([next_uniform(row) for row in rows], dtype=torch.float32)
         want = any(row.logprobs is not None for row in rows)
         tokens, logprobs = sample_with_logprobs(logits, temps, top_ks, top_ps, uniforms, want_logprobs=want)
@@ -104,7 +107,7 @@ class Decoder:
         if token in row.stop_ids:
             row.finish_reason = "stop"
             return True
-        if row.stops:
+        if row.stops and len(row.tokens) >= row.slot.request.min_tokens:
             tail = self._decode_tokenizer.decode(row.tokens[-row.tail_tokens :], skip_special_tokens=True)
             if any(s in tail for s in row.stops):
                 kept = trim_at_stop(self._decode_tokenizer, row.tokens, row.stops)

@@ -56,6 +56,8 @@ def validate_request(request: GenerationRequest, *, max_model_len: int, vocab_si
             f"prompt length {n} + max_tokens {request.max_tokens} = {n + request.max_tokens} exceeds "
             f"max_model_len {max_model_len}; lower max_tokens to at most {max(max_model_len - n, 0)}"
         )
+    if not 0 <= request.min_tokens <= request.max_tokens:
+        raise InvalidInput(f"min_tokens must be in [0, max_tokens={request.max_tokens}], got {request.min_tokens}")
     if request.temperature < 0:
         raise InvalidInput(f"temperature must be >= 0, got {request.temperature}")
     if not 0 < request.top_p <= 1:

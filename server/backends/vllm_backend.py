@@ -25,7 +25,6 @@ import asyncio
 import base64
 import contextlib
 import logging
-import os
 import pickle
 import uuid
 from collections.abc import Awaitable, Callable
@@ -38,7 +37,15 @@ from rewardmesh.common.weights import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
 from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
 from rewardmesh.server.backends.requests import validate_request
-from rewardmesh.server.backends.vllm_engine import check_engine_args, engine_arg_names, parse_engine_args
+from rewardmesh.server.backends.vllm_engine import (
+    build_engine,
+    check_engine_args,
+    complete_engine_args,
+    engine_arg_names,
+    parse_engine_args,
+    shutdown_engine,
+    uses_ipc_transfer,
+)
 from rewardmesh.server.backends.vllm_outputs import sampling_params, to_output, token_prompt
 from rewardmesh.server.backends.vllm_weights import (
     CHUNK_BYTES,
@@ -149,31 +156,9 @@ class VLLMBackend(Backend):
 
     def _build_engine(self) -> Any:
         """Create the engine; blocking (vLLM loads and profiles the model), so it runs in a worker thread."""
-        from vllm import AsyncEngineArgs
-
-        try:
-            from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
-        except ImportError:  # older releases: the V0 async engine has the same generate/abort API
-            from vllm import AsyncLLMEngine as engine_cls
-
-        known = engine_arg_names()
-        kwargs = self.engine_kwargs()
-        check_engine_args(kwargs, known)
-        if "logprobs_mode" in known and "logprobs_mode" not in kwargs:
-            # the log-prob of the distribution actually sampled from (after temperature, top-k, top-p)
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        if "weight_transfer_config" in known and "weight_transfer_config" not in kwargs:
-            from vllm.config import WeightTransferConfig
-
-            # CUDA IPC updates from a colocated trainer. The handles reach the workers as a pickle this server
-            # builds itself from checked fields (update_weights_ipc); vLLM unpickles them only with this set.
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
-        config = kwargs.get("weight_transfer_config")
-        self._ipc = getattr(config, "backend", None) == "ipc" or (
-            isinstance(config, dict) and config.get("backend") == "ipc"
-        )
-        return engine_cls.from_engine_args(AsyncEngineArgs(**kwargs))
+        kwargs = complete_engine_args(self.engine_kwargs(), engine_arg_names())
+        self._ipc = uses_ipc_transfer(kwargs)
+        return build_engine(kwargs)
 
     async def start(self) -> None:
         """Boot the engine off the event loop (minutes for a large model); the loop keeps serving meanwhile."""
@@ -194,7 +179,7 @@ class VLLMBackend(Backend):
                     await engine.update_weight_version(str(self.policy_version))
             self._engine = engine
             if self._closed:  # closed while booting
-                await self._shutdown(engine)
+                await shutdown_engine(engine)
                 self._engine = None
                 raise RuntimeError("VLLMBackend is closed")
             logger.info(
@@ -217,15 +202,7 @@ class VLLMBackend(Backend):
             await asyncio.gather(*self._tasks, return_exceptions=True)
         engine, self._engine = self._engine, None
         if engine is not None:
-            await self._shutdown(engine)
-
-    @staticmethod
-    async def _shutdown(engine: Any) -> None:
-        shutdown = getattr(engine, "shutdown", None) or getattr(engine, "shutdown_background_loop", None)
-        if shutdown is not None:
-            result = shutdown()
-            if asyncio.iscoroutine(result):
-                await result
+            await shutdown_engine(engine)
 
     # --------------------------------------------------------------------------------------------- serving
 

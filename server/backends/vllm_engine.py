@@ -1,10 +1,14 @@
-"""vLLM engine options: ``KEY=VALUE`` engine arguments parsed and checked against the installed vLLM's
-``AsyncEngineArgs``, so a misspelt option fails at once, naming it, instead of after minutes of booting."""
+"""vLLM engine construction: ``KEY=VALUE`` engine arguments parsed and checked against the installed vLLM's
+``AsyncEngineArgs`` (a misspelt option fails at once, naming it, not after minutes of booting), the backend's
+defaults, and the engine built and shut down."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import difflib
+import inspect
+import os
 from typing import Any
 
 
@@ -50,3 +54,69 @@ def engine_arg_names() -> set[str]:
     from vllm import AsyncEngineArgs
 
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def complete_engine_args(kwargs: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """The backend's defaults for what the caller left unset (checked first; the caller's values win):
+    processed log-probs, vLLM's "ipc" weight transfer where the release has it, and stats logging off, as the
+    offline ``LLM`` class has it (``disable_log_stats=False`` turns it on)."""
+    check_engine_args(kwargs, known)
+    out = dict(kwargs)
+    if "logprobs_mode" in known and "logprobs_mode" not in out:
+        # the log-prob of the distribution actually sampled from (after temperature, top-k, top-p)
+        out["logprobs_mode"] = "processed_logprobs"
+    if "weight_transfer_config" in known and "weight_transfer_config" not in out:
+        from vllm.config import WeightTransferConfig
+
+        # CUDA IPC updates from a colocated trainer. The handles reach the workers as a pickle this server
+        # builds itself from checked fields (update_weights_ipc); vLLM unpickles them only with this set.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        out["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+    if "disable_log_stats" in known and "disable_log_stats" not in out:
+        out["disable_log_stats"] = True
+    return out
+
+
+def uses_ipc_transfer(kwargs: dict[str, Any]) -> bool:
+    """Whether the engine arguments choose vLLM's "ipc" weight-transfer backend."""
+    config = kwargs.get("weight_transfer_config")
+    return getattr(config, "backend", None) == "ipc" or (isinstance(config, dict) and config.get("backend") == "ipc")
+
+
+def build_engine(kwargs: dict[str, Any]) -> Any:
+    """vLLM's async engine from complete engine arguments; blocking (it loads and profiles the model).
+
+    The engine is created with the offline ``LLM`` class's usage context, so the scheduler limits the caller
+    left unset (``max_num_seqs``, ``max_num_batched_tokens``) are the ones ``LLM`` picks for this machine, not
+    the smaller defaults of a bare ``AsyncLLM``.
+    """
+    from vllm import AsyncEngineArgs
+
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM as engine_cls
+    except ImportError:  # older releases: the V0 async engine has the same generate/abort API
+        from vllm import AsyncLLMEngine as engine_cls
+
+    args = AsyncEngineArgs(**kwargs)
+    context = llm_usage_context()
+    if context is not None and "usage_context" in inspect.signature(engine_cls.from_engine_args).parameters:
+        return engine_cls.from_engine_args(args, usage_context=context)
+    return engine_cls.from_engine_args(args)
+
+
+def llm_usage_context() -> Any:
+    """``UsageContext.LLM_CLASS`` of the installed vLLM (None where it has none)."""
+    try:
+        from vllm.usage.usage_lib import UsageContext
+    except ImportError:
+        return None
+    return getattr(UsageContext, "LLM_CLASS", None)
+
+
+async def shutdown_engine(engine: Any) -> None:
+    """Stop the engine and its worker processes (``shutdown`` or the V0 engine's ``shutdown_background_loop``)."""
+    shutdown = getattr(engine, "shutdown", None) or getattr(engine, "shutdown_background_loop", None)
+    if shutdown is not None:
+        result = shutdown()
+        if asyncio.iscoroutine(result):
+            await result

@@ -25,6 +25,8 @@ def sampling_params(request: GenerationRequest) -> Any:
         stop_token_ids=list(request.stop_token_ids) or None,
         detokenize=bool(request.stop),  # stop strings are matched on text; otherwise skip the work
         logprobs=0 if request.logprobs else None,  # 0: only the sampled token's
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
 

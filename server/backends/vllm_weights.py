@@ -7,6 +7,7 @@ module imports vLLM only inside functions, so it loads on machines without vLLM.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ PART_SEP = "#"  # "name#i/n#d0xd1...": piece i of n of a tensor split to fit a c
 
 
 class RewardMeshWorkerExtension:
-    """Mixed into vLLM's GPU worker; each method runs inside a worker process, next to the model.
+    """Mixed into vLLM's worker (GPU or CPU); each method runs inside a worker process, next to the model.
 
     vLLM requires the methods not to clash with the worker's own, hence the prefix.
     """
@@ -75,13 +76,29 @@ class RewardMeshWorkerExtension:
         staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
         tensors = _complete(join_parts(staged), expected)
         if tensors:
-            # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
-            getter = getattr(self, "get_model", None)
-            model = getter() if callable(getter) else self.model_runner.model
-            model.load_weights(list(tensors.items()))
+            self._rewardmesh_load(list(tensors.items()))
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         return len(tensors)
+
+    def _rewardmesh_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place (layerwise) reload where the release has it, else the model's own ``load_weights``.
+
+        After loading, vLLM processes weights into kernel formats (on CPU it repacks every linear weight and
+        leaves an empty parameter behind), so a second plain ``load_weights`` would fail there; the layerwise
+        reload puts checkpoint-format tensors back through that processing. Releases whose runner has no
+        ``reload_weights(weights_iterator=...)`` keep their weights as loaded and take ``load_weights``.
+        """
+        runner_reload = getattr(self.model_runner, "reload_weights", None)
+        if callable(runner_reload) and "weights_iterator" in inspect.signature(runner_reload).parameters:
+            worker_reload = getattr(self, "reload_weights", None)  # sets vLLM's current config around the call
+            reload = worker_reload if callable(worker_reload) else runner_reload
+            reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+            return
+        # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
+        getter = getattr(self, "get_model", None)
+        model = getter() if callable(getter) else self.model_runner.model
+        model.load_weights(weights)
 
     def rewardmesh_discard_weights(self) -> int:
         staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})

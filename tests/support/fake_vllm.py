@@ -1,11 +1,13 @@
 """A CPU stand-in for the few vLLM APIs VLLMBackend calls, installed into ``sys.modules`` by a fixture.
 
-vLLM cannot run here (it needs CUDA), so this stand-in lets the backend's own logic run for real: engine
-argument validation, booting off the event loop, prompt construction, log-prob / version / preemption
-extraction, error finishes, and the weight-update sequence with the real worker extension and a real model
-state dict. The API shapes follow vLLM 0.33's source (``AsyncEngineArgs``, ``AsyncLLM``, ``RequestOutput``,
-``CompletionOutput.weight_versions``, ``pause_generation(mode=..., clear_cache=...)``, the weight-transfer engine's
-requests and its IPC backend's ``update_info``).
+Beside the tests on vLLM itself, this stand-in runs everywhere (no vLLM installed) and reaches what one
+engine on one machine cannot show (injected failures, CUDA IPC, per-token version spans): engine argument
+validation and defaults, booting off the event loop, prompt construction, log-prob / version / preemption
+extraction, error finishes, and the weight-update sequence with the real worker extension (through the model
+runner's in-place reload, as vLLM 0.32 has it) and a real model state dict. The API shapes follow vLLM 0.33's
+source (``AsyncEngineArgs``, ``AsyncLLM``, ``RequestOutput``, ``CompletionOutput.weight_versions``,
+``pause_generation(mode=..., clear_cache=...)``, the weight-transfer engine's requests and its IPC backend's
+``update_info``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class AsyncEngineArgs:
     quantization: str | None = None
     compilation_config: dict[str, Any] = field(default_factory=dict)
     weight_transfer_config: Any = None
+    disable_log_stats: bool = False
+    max_logprobs: int = 20
 
 
 @dataclass
@@ -65,6 +69,11 @@ class WeightTransferUpdateRequest:
 
 class RequestOutputKind(Enum):
     FINAL_ONLY = 2
+
+
+class UsageContext(Enum):
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"
+    LLM_CLASS = "LLM_CLASS"
 
 
 class SamplingParams(SimpleNamespace):
@@ -95,9 +104,27 @@ class FakeModel:
             self.state[name].copy_(tensor)
 
 
+class FakeRunner:
+    """The model runner's in-place reload (vLLM 0.32's ``reload_weights``), over the stand-in model."""
+
+    def __init__(self, model: FakeModel) -> None:
+        self.model = model
+        self.reloads = 0
+
+    def reload_weights(
+        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
+        assert weights_iterator is not None and is_checkpoint_format
+        self.reloads += 1
+        self.model.load_weights(list(weights_iterator))
+
+
 class FakeWorker(RewardMeshWorkerExtension):
     def __init__(self, model: FakeModel) -> None:
-        self.model_runner = SimpleNamespace(model=model)
+        self.model_runner = FakeRunner(model)
+
+    def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+        self.model_runner.reload_weights(*args, **kwargs)
 
 
 # respond(prompt_ids, params, engine) -> dict with token_ids, finish_reason, stop_reason, logprob, preemptions
@@ -126,6 +153,7 @@ class FakeEngine:
         self.respond: Respond = echo
         self.label: str | None = None
         self.paused = False
+        self.usage_context = UsageContext.ENGINE_CONTEXT
         self.model = FakeModel({k: v.clone() for k, v in self.state.items()})
         self.worker = FakeWorker(self.model)
         self.model_config = SimpleNamespace(
@@ -136,9 +164,12 @@ class FakeEngine:
         )
 
     @classmethod
-    def from_engine_args(cls, args: AsyncEngineArgs) -> FakeEngine:
+    def from_engine_args(
+        cls, args: AsyncEngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT
+    ) -> FakeEngine:
         time.sleep(cls.boot_seconds)  # vLLM's boot blocks its thread for a long while
         cls.last = cls(args)
+        cls.last.usage_context = usage_context
         return cls.last
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
@@ -238,6 +269,8 @@ def installed(state: dict[str, torch.Tensor]) -> Iterator[type[FakeEngine]]:
     async_llm.AsyncLLM = FakeEngine  # type: ignore[attr-defined]
     config = types.ModuleType("vllm.config")
     config.WeightTransferConfig = WeightTransferConfig  # type: ignore[attr-defined]
+    usage = types.ModuleType("vllm.usage.usage_lib")
+    usage.UsageContext = UsageContext  # type: ignore[attr-defined]
     transfer = types.ModuleType("vllm.distributed.weight_transfer.base")
     transfer.WeightTransferInitRequest = WeightTransferInitRequest  # type: ignore[attr-defined]
     transfer.WeightTransferUpdateRequest = WeightTransferUpdateRequest  # type: ignore[attr-defined]
@@ -249,6 +282,8 @@ def installed(state: dict[str, torch.Tensor]) -> Iterator[type[FakeEngine]]:
         "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
         "vllm.v1.engine.async_llm": async_llm,
         "vllm.config": config,
+        "vllm.usage": types.ModuleType("vllm.usage"),
+        "vllm.usage.usage_lib": usage,
         "vllm.distributed": types.ModuleType("vllm.distributed"),
         "vllm.distributed.weight_transfer": types.ModuleType("vllm.distributed.weight_transfer"),
         "vllm.distributed.weight_transfer.base": transfer,
