@@ -435,8 +435,8 @@ def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
     from rewardmesh.server.backends.vllm_engine import llm_usage_context, parse_engine_args
 
-    extra = parse_engine_args([*os.environ.get("REWARDMESH_ENGINE_ARG", "").split(","), *args.vllm_engine_arg])
-    extra.pop("", None)
+    env = [a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a]
+    extra = parse_engine_args([*env, *args.vllm_engine_arg])
     kwargs: dict[str, Any] = {"model": model, "seed": args.seed, "disable_log_stats": True,
                               "gpu_memory_utilization": args.vllm_gpu_memory_utilization, **extra}  # fmt: skip
     if args.vllm_max_num_seqs:
@@ -475,14 +475,16 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     progress(f"vllm: engine arguments on every path: {kwargs}")
 
     llm = LLM(**kwargs)
-    llm.generate(token_prompts[:4], params, use_tqdm=False)
+    llm.generate(token_prompts, params, use_tqdm=False)  # warm up: one whole pass, as on every path
     for r in range(args.rounds):
         t = time.perf_counter()
         outs = llm.generate(token_prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         results["offline"].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
         progress(f"vllm offline round {r + 1}: {results['offline'][-1]:,.0f} tokens/s")
-    llm.llm_engine.engine_core.shutdown()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:  # stop its processes now, not when the garbage collector gets to it
+        core.shutdown()
     del llm
     _free_memory()
 
@@ -495,7 +497,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 last = out
             return sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
 
-        await one(-1, token_prompts[0])
+        await asyncio.gather(*(one(-1 - i, p) for i, p in enumerate(token_prompts)))
         for r in range(args.rounds):
             t = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
@@ -516,7 +518,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
         pids = {"trainer": 0, "rollout": rollout.pid, "reward": reward.pid}
         async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
-            await mesh_pass(client, prompts[:4], args.vllm_n, "noop", sampling)
+            await mesh_pass(client, prompts, args.vllm_n, "noop", sampling)
             for r in range(args.rounds):
                 mesh = await timed("mesh", lambda: mesh_pass(client, prompts, args.vllm_n, "noop", sampling), pids)
                 results["mesh"].append(mesh.tokens_per_s)

@@ -7,6 +7,7 @@ server is built or stopped is made once.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,20 +80,30 @@ async def local_mesh(
     batch_wait_ms: float | None = None,
     reward_targets: bool = True,
     tokenizer: Any = None,
+    backend_name: str = "hf",
 ) -> AsyncIterator[Mesh]:
-    """One reward server and `rollout_servers` hf rollout servers on the policy at `policy`.
+    """One reward server and `rollout_servers` rollout servers (hf, or vllm) on the policy at `policy`.
 
-    One torch thread per decode loop by default: two threads each on a loaded 2-core machine slow every step.
+    hf: one torch thread per decode loop by default: two threads each on a loaded 2-core machine slow every step.
+    vllm: the engine computes in float32, as the learner does, so its log-probs match the learner's; further
+    engine arguments come from REWARDMESH_ENGINE_ARG (KEY=VALUE,...), as for `rewardmesh serve rollout`.
     """
-    from rewardmesh.server.backends.hf import HFBackend
-
     async with contextlib.AsyncExitStack() as stack:
         reward = await stack.enter_async_context(reward_server(pipelines, tokenizer, grace_s=2.0, stop_grace_s=1.0))
         rollouts = []
         for _ in range(rollout_servers):
-            options: dict[str, Any] = {"batch_wait_ms": batch_wait_ms} if batch_wait_ms is not None else {}
-            backend = HFBackend(str(policy), device="cpu", max_batch_size=max_batch_size, num_threads=num_threads,
-                                **options)  # fmt: skip
+            backend: Backend
+            if backend_name == "vllm":
+                from rewardmesh.server.backends.vllm_backend import VLLMBackend, parse_engine_args
+
+                extra = parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
+                backend = VLLMBackend(str(policy), dtype="float32", enforce_eager=True, engine_args=extra)
+            else:
+                from rewardmesh.server.backends.hf import HFBackend
+
+                options: dict[str, Any] = {"batch_wait_ms": batch_wait_ms} if batch_wait_ms is not None else {}
+                backend = HFBackend(str(policy), device="cpu", max_batch_size=max_batch_size, num_threads=num_threads,
+                                    **options)  # fmt: skip
             targets = [reward.address] if reward_targets else None
             rollouts.append(await stack.enter_async_context(rollout_server(backend, targets, stop_grace_s=1.0)))
         yield Mesh(reward, rollouts)

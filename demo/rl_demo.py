@@ -130,10 +130,11 @@ async def run_demo(args: argparse.Namespace) -> int:
         for _ in range(args.steps):
             yield TASKS[args.task](tokenizer, args.prompts_per_step, rng)
 
+    servers = args.rollout_servers or (1 if args.backend == "vllm" else 2)
     mesh: Any = (
         contextlib.nullcontext()
         if args.rollout_target
-        else local_mesh(policy, rollout_servers=args.rollout_servers, max_batch_size=args.max_batch_size)
+        else local_mesh(policy, rollout_servers=servers, max_batch_size=args.max_batch_size, backend_name=args.backend)
     )
     history: list[dict[str, float]] = []
     started = time.perf_counter()

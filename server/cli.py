@@ -156,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default %(default)s)")  # fmt: skip
     demo.add_argument("--off-policy-steps", dest="off_policy_steps", type=int, default=1,
                       help="step k+1 rolls out while step k trains (default %(default)s; 0: synchronous)")  # fmt: skip
-    demo.add_argument("--rollout-servers", dest="rollout_servers", type=int, default=2,
-                      help="in-process hf rollout servers (default %(default)s)")  # fmt: skip
+    demo.add_argument("--rollout-servers", dest="rollout_servers", type=int, default=0,
+                      help="in-process rollout servers (default: 2 hf, 1 vllm)")  # fmt: skip
+    demo.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                      help="engine of the in-process rollout servers (default %(default)s)")  # fmt: skip
     demo.add_argument("--rollout-target", dest="rollout_target",
                       help="use these rollout servers instead (HOST:PORT,... or dns:///name:port)")  # fmt: skip
     demo.add_argument("--reward", default="first_number", help="reward pipeline name (default %(default)s)")

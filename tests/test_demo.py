@@ -37,7 +37,7 @@ def test_demo_defaults_are_the_tuned_recipe() -> None:
     args = build_parser().parse_args(["demo"])
     assert (args.task, args.n, args.steps, args.lr, args.min_lr_ratio) == ("count", 16, 150, 5e-3, 0.2)
     assert (args.entropy_coeff, args.norm_adv_by_std) == (0.02, False)
-    assert args.off_policy_steps == 1 and args.rollout_servers == 2
+    assert args.off_policy_steps == 1 and args.rollout_servers == 0 and args.backend == "hf"  # 0: 2 hf servers
     args = build_parser().parse_args(["demo", "--task", "addition", "--norm-adv-by-std", "--reward", "near_number"])
     assert (args.task, args.norm_adv_by_std, args.reward) == ("addition", True, "near_number")
     with pytest.raises(SystemExit):

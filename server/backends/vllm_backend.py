@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import logging
 import pickle
 import uuid
@@ -135,6 +136,8 @@ class VLLMBackend(Backend):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         self._closed = False
+        self._id_prefix = f"rm-{uuid.uuid4().hex[:12]}-"  # request ids: this prefix and a counter (no uuid each)
+        self._ids = itertools.count()
         self._ipc = False  # the engine runs vLLM's "ipc" weight transfer (set when it is built)
         self._ipc_ready = False  # init_weight_transfer_engine done
 
@@ -225,7 +228,7 @@ class VLLMBackend(Backend):
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         if self._engine is None:
             await self.start()
-        request_id = f"rm-{uuid.uuid4().hex}"
+        request_id = f"{self._id_prefix}{next(self._ids)}"
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = future
         task = asyncio.create_task(self._consume(request_id, request, future), name=f"vllm-{request_id}")

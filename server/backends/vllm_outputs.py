@@ -3,6 +3,7 @@ final RequestOutput back to a GenerationOutput (log-probs, per-token versions, p
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
@@ -10,25 +11,74 @@ from rewardmesh.server.backends.requests import trim_at_stop
 
 
 def sampling_params(request: GenerationRequest) -> Any:
-    """vLLM's SamplingParams for one sample (n=1): the final output only, text detokenized only for stop strings."""
+    """vLLM's SamplingParams for one sample (n=1): the final output only, text detokenized only for stop strings.
+
+    One object per distinct setting, shared by every request that has it: building SamplingParams validates
+    every field (a measurable share of the front end's CPU at thousands of short samples per second), and vLLM
+    copies the params per request before it changes any of them.
+    """
     from vllm import SamplingParams
+
+    return _sampling_params(
+        SamplingParams,  # part of the key: the objects belong to the vLLM that made them
+        request.max_tokens,
+        request.temperature,
+        request.top_p,
+        request.top_k,
+        request.seed,
+        tuple(request.stop),
+        tuple(request.stop_token_ids),
+        request.logprobs,
+        request.ignore_eos,
+        request.min_tokens,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _sampling_params(
+    params_cls: Any,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: tuple[str, ...],
+    stop_token_ids: tuple[int, ...],
+    logprobs: bool,
+    ignore_eos: bool,
+    min_tokens: int,
+) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(
+    options: dict[str, Any] = {}
+    if "skip_clone" in _fields(params_cls):
+        # Each request's copy may be shallow: what vLLM changes on it per request is assigned, not mutated,
+        # except the set of stop ids, to which it adds the same model's eos ids each time.
+        options["skip_clone"] = True
+    return params_cls(
         n=1,
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k if request.top_k > 0 else -1,  # -1: off, in every vLLM version
-        seed=request.seed,
-        stop=list(request.stop) or None,
-        stop_token_ids=list(request.stop_token_ids) or None,
-        detokenize=bool(request.stop),  # stop strings are matched on text; otherwise skip the work
-        logprobs=0 if request.logprobs else None,  # 0: only the sampled token's
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else -1,  # -1: off, in every vLLM version
+        seed=seed,
+        stop=list(stop) or None,
+        stop_token_ids=list(stop_token_ids) or None,
+        detokenize=bool(stop),  # stop strings are matched on text; otherwise skip the work
+        logprobs=0 if logprobs else None,  # 0: only the sampled token's
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        **options,
     )
+
+
+def _fields(cls: type) -> set[str]:
+    """Constructor fields of a msgspec struct or dataclass (SamplingParams is one or the other by release)."""
+    names = getattr(cls, "__struct_fields__", None)
+    if names is None:
+        names = getattr(cls, "__dataclass_fields__", {})
+    return set(names)
 
 
 def token_prompt(prompt_ids: list[int]) -> Any:
