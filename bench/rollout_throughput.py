@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,8 +453,11 @@ def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Mesh vs vLLM offline `LLM.generate` vs bare `AsyncLLM` with every request in flight, on the same engine
-    arguments; every sample runs to max_tokens (ignore_eos). Each path runs in its own phase (one engine at a
-    time: on a GPU they could not share the memory)."""
+    arguments; every sample runs to max_tokens (ignore_eos). On a CPU the three engines stay up together and the
+    paths alternate round by round (each engine idles while another runs); on a GPU, whose memory they could not
+    share, each path runs in its own phase."""
+    import torch
+    from transformers import AutoTokenizer
     from vllm import LLM, AsyncEngineArgs, SamplingParams  # type: ignore[import-not-found,unused-ignore]
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
 
@@ -462,8 +466,6 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from rewardmesh.server.backends.vllm_outputs import token_prompt
 
     model = str(args.vllm_model or build_tiny_models(args.models).policy)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     prompts = prompt_specs(args.vllm_prompts, args.prompt_tokens, len(tokenizer), args.seed)
     kwargs = vllm_engine_args(args, model)
@@ -474,22 +476,25 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     results: dict[str, list[float]] = {"offline": [], "async": [], "mesh": []}
     progress(f"vllm: engine arguments on every path: {kwargs}")
 
-    llm = LLM(**kwargs)
-    llm.generate(token_prompts, params, use_tqdm=False)  # warm up: one whole pass, as on every path
-    for r in range(args.rounds):
-        t = time.perf_counter()
-        outs = llm.generate(token_prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t
-        results["offline"].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
-        progress(f"vllm offline round {r + 1}: {results['offline'][-1]:,.0f} tokens/s")
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None:  # stop its processes now, not when the garbage collector gets to it
-        core.shutdown()
-    del llm
-    _free_memory()
+    @contextlib.asynccontextmanager
+    async def offline() -> AsyncIterator[Callable[[], Awaitable[int]]]:
+        llm = LLM(**kwargs)
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    try:
+        async def run() -> int:
+            outs = llm.generate(token_prompts, params, use_tqdm=False)
+            return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+        try:
+            yield run
+        finally:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None:  # stop its processes now, not when the garbage collector gets to it
+                core.shutdown()
+            _free_memory()
+
+    @contextlib.asynccontextmanager
+    async def bare_async() -> AsyncIterator[Callable[[], Awaitable[int]]]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
         async def one(i: int, prompt: Any) -> int:
             last = None
@@ -497,39 +502,67 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 last = out
             return sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
 
-        await asyncio.gather(*(one(-1 - i, p) for i, p in enumerate(token_prompts)))
-        for r in range(args.rounds):
-            t = time.perf_counter()
-            tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
-            results["async"].append(tokens / (time.perf_counter() - t))
-            progress(f"vllm AsyncLLM round {r + 1}: {results['async'][-1]:,.0f} tokens/s")
-    finally:
-        engine.shutdown()
-    _free_memory()
+        async def run() -> int:
+            return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(token_prompts))))
 
-    reward = ServerProcess("reward-vllm", reward_argv(), workdir)
-    reward.start()
-    rollout: ServerProcess | None = None
-    engine_flags = [f"--engine-arg={k}={json.dumps(v)}" for k, v in kwargs.items() if k != "model"]
-    try:
-        await reward.wait_serving(REWARD_SERVICE)
-        rollout = ServerProcess("rollout-vllm", [*rollout_argv("vllm", model, reward.address), *engine_flags], workdir)
-        rollout.start(timeout_s=900)
-        await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
-        pids = {"trainer": 0, "rollout": rollout.pid, "reward": reward.pid}
-        async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
-            await mesh_pass(client, prompts, args.vllm_n, "noop", sampling)
+        try:
+            yield run
+        finally:
+            engine.shutdown()
+            _free_memory()
+
+    @contextlib.asynccontextmanager
+    async def mesh() -> AsyncIterator[Callable[[], Awaitable[int]]]:
+        reward = ServerProcess("reward-vllm", reward_argv(), workdir)
+        reward.start()
+        rollout: ServerProcess | None = None
+        flags = [f"--engine-arg={k}={json.dumps(v)}" for k, v in kwargs.items() if k != "model"]
+        try:
+            await reward.wait_serving(REWARD_SERVICE)
+            rollout = ServerProcess("rollout-vllm", [*rollout_argv("vllm", model, reward.address), *flags], workdir)
+            rollout.start(timeout_s=900)
+            await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
+            async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
+
+                async def run() -> int:
+                    _, tokens, errors = await mesh_pass(client, prompts, args.vllm_n, "noop", sampling)
+                    if errors:
+                        raise RuntimeError(f"{errors} samples failed in the mesh")
+                    return tokens
+
+                yield run
+        finally:
+            if rollout is not None:
+                rollout.stop()
+            reward.stop()
+
+    paths = {"offline": offline, "async": bare_async, "mesh": mesh}
+
+    async def measure(name: str, run: Callable[[], Awaitable[int]], r: int) -> None:
+        t = time.perf_counter()
+        tokens = await run()
+        results[name].append(tokens / (time.perf_counter() - t))
+        progress(f"vllm round {r + 1}: {name} {results[name][-1]:,.0f} tokens/s")
+
+    interleaved = not torch.cuda.is_available()
+    if interleaved:
+        async with contextlib.AsyncExitStack() as stack:
+            runs = {name: await stack.enter_async_context(make()) for name, make in paths.items()}
+            for run in runs.values():
+                await run()  # warm up: one whole pass on every path
             for r in range(args.rounds):
-                mesh = await timed("mesh", lambda: mesh_pass(client, prompts, args.vllm_n, "noop", sampling), pids)
-                results["mesh"].append(mesh.tokens_per_s)
-                progress(f"vllm mesh round {r + 1}: {mesh.tokens_per_s:,.0f} tokens/s, CPU s {mesh.cpu_s}")
-    finally:
-        if rollout is not None:
-            rollout.stop()
-        reward.stop()
+                for name, run in runs.items():
+                    await measure(name, run, r)
+    else:
+        for name, make in paths.items():
+            async with make() as run:
+                await run()
+                for r in range(args.rounds):
+                    await measure(name, run, r)
     mid = {k: med(v) for k, v in results.items()}
     return {
         "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
+        "interleaved": interleaved,
         "tokens_per_s": mid,
         "rounds": results,
         "mesh_vs_offline": mid["mesh"] / mid["offline"],
@@ -563,7 +596,8 @@ def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join([
         f"### vLLM on {machine_info()['device']} ({args.vllm_prompts} prompts x n={args.vllm_n}, every sample "
         f"{args.vllm_max_tokens} tokens, max_num_seqs {eargs.get('max_num_seqs')}, max_num_batched_tokens "
-        f"{eargs.get('max_num_batched_tokens')}, {args.rounds} rounds, medians)",
+        f"{eargs.get('max_num_batched_tokens')}, {args.rounds} rounds "
+        f"{'alternating between the paths' if res['interleaved'] else 'per path'}, medians)",
         "",
         markdown_table(["path", "tokens/s", "vs offline", "notes"], rows),
         "",

@@ -260,6 +260,10 @@ async def test_generation_maps_logprobs_versions_preemptions_and_errors(
     assert plain.logprobs is None and engine.params[-1].logprobs is None
     await backend.generate(GenerationRequest([5], max_tokens=6, ignore_eos=True, min_tokens=4))
     assert (engine.params[-1].ignore_eos, engine.params[-1].min_tokens) == (True, 4)
+    await backend.generate(GenerationRequest([6], max_tokens=6, ignore_eos=True, min_tokens=4))
+    assert engine.params[-1] is engine.params[-2]  # one SamplingParams per distinct setting, shared
+    await backend.generate(GenerationRequest([6], max_tokens=6, ignore_eos=True, min_tokens=4, seed=1))
+    assert engine.params[-1] is not engine.params[-2] and engine.params[-1].seed == 1
 
     def split(ids: list[int], params: Any, eng: FakeEngine) -> dict[str, Any]:
         spans = [SimpleNamespace(version="3", start=0, end=2), SimpleNamespace(version="4", start=2, end=5)]
@@ -665,9 +669,12 @@ async def test_vllm_an_incomplete_staged_update_applies_nothing(engine: VLLMBack
 async def test_vllm_logprobs_and_token_versions_match_a_separate_forward_pass(
     engine: VLLMBackend, vllm_policy: Path
 ) -> None:
+    """After an update of every weight (the tied output head included, which vLLM never loads by name)."""
     lm = AutoModelForCausalLM.from_pretrained(vllm_policy, dtype=torch.float32).eval()
-    state = state_dict(vllm_policy)
-    await engine.update_weights(state, version=engine.policy_version + 1)  # the checkpoint's own weights
+    state = perturbed(state_dict(vllm_policy), 0.05)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    lm.load_state_dict(state)
+    await engine.update_weights(state, version=engine.policy_version + 1)
     for temperature, top_k in ((1.0, 0), (0.7, 20)):
         for p in prompts(engine):
             request = GenerationRequest(p, 24, temperature=temperature, top_k=top_k, seed=3, logprobs=True)
@@ -682,6 +689,7 @@ async def test_vllm_logprobs_and_token_versions_match_a_separate_forward_pass(
             # the engine computes in half precision (bf16 on CPU): close, not equal
             torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.1, rtol=0.05)
             assert out.token_versions == [engine.policy_version] * len(out.token_ids)
+    await engine.update_weights(state_dict(vllm_policy), version=engine.policy_version + 1)
 
 
 @pytest.mark.slow

@@ -89,16 +89,17 @@ class RewardMeshWorkerExtension:
         reload puts checkpoint-format tensors back through that processing. Releases whose runner has no
         ``reload_weights(weights_iterator=...)`` keep their weights as loaded and take ``load_weights``.
         """
+        # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
+        getter = getattr(self, "get_model", None)
+        model = getter() if callable(getter) else self.model_runner.model
         runner_reload = getattr(self.model_runner, "reload_weights", None)
         if callable(runner_reload) and "weights_iterator" in inspect.signature(runner_reload).parameters:
             worker_reload = getattr(self, "reload_weights", None)  # sets vLLM's current config around the call
             reload = worker_reload if callable(worker_reload) else runner_reload
             reload(weights_iterator=iter(weights), is_checkpoint_format=True)
-            return
-        # The worker's get_model() unwraps CUDA-graph wrappers; model_runner.model is the older spelling.
-        getter = getattr(self, "get_model", None)
-        model = getter() if callable(getter) else self.model_runner.model
-        model.load_weights(weights)
+        else:
+            model.load_weights(weights)
+        _refresh_tied_head(model)
 
     def rewardmesh_discard_weights(self) -> int:
         staged: dict[str, torch.Tensor] = self.__dict__.pop("_rewardmesh_staged", {})
@@ -113,6 +114,20 @@ def _complete(tensors: dict[str, torch.Tensor], expected: list[str] | None) -> d
         extra = sorted(set(tensors) - set(expected))[:5]
         raise WeightsNotApplied(f"staged weights incomplete: missing {missing}, unexpected {extra}; nothing applied")
     return tensors
+
+
+def _refresh_tied_head(model: Any) -> None:
+    """An output head tied to the embeddings is never loaded itself (its checkpoint name is skipped), so its
+    kernel-format copy (on a CPU, the packed GEMM weight made after the first load) still holds the first
+    weights: process the head again from the shared, now updated, tensor."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", False):
+        return
+    method = getattr(head, "quant_method", None)
+    process = getattr(method, "process_weights_after_loading", None)
+    if callable(process):
+        process(head)
 
 
 def join_parts(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
