@@ -487,9 +487,9 @@ async def test_update_weights_lands_between_steps_and_tokens_say_which(
     ("bad", "message"),
     [
         ({"model.no_such_layer.weight": torch.zeros(3)}, r"model\.no_such_layer\.weight"),
-        ({"model.norm.weight": torch.zeros(65)}, r"model\.norm\.weight.*shape \(65,\).*\(64,\)"),
-        ({"model.norm.weight": torch.zeros(64, dtype=torch.int64)}, r"model\.norm\.weight.*dtype"),
-        ({"model.norm.weight": torch.zeros(64, dtype=torch.float64)}, r"model\.norm\.weight.*dtype"),
+        ({"model.norm.weight": torch.zeros(65)}, r"model\.norm\.weight.*shape \(65,\).*\(128,\)"),
+        ({"model.norm.weight": torch.zeros(128, dtype=torch.int64)}, r"model\.norm\.weight.*dtype"),
+        ({"model.norm.weight": torch.zeros(128, dtype=torch.float64)}, r"model\.norm\.weight.*dtype"),
     ],
 )
 async def test_bad_weights_are_rejected_and_nothing_is_applied(

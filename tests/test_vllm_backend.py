@@ -90,7 +90,7 @@ def test_backend_constructs_and_validates_without_vllm(tiny_models: TinyModelPat
     cases = [
         ({"model.no_such.weight": torch.zeros(2)}, "model.no_such.weight"),
         ({"model.norm.weight": torch.zeros(65)}, r"model\.norm\.weight.*shape"),
-        ({"model.norm.weight": torch.zeros(64, dtype=torch.int32)}, r"model\.norm\.weight.*dtype"),
+        ({"model.norm.weight": torch.zeros(128, dtype=torch.int32)}, r"model\.norm\.weight.*dtype"),
     ]
     for bad, message in cases:
         with pytest.raises(WeightsError, match=message):

@@ -264,7 +264,7 @@ async def test_auto_picks_shm_on_one_host_and_info_says_what_is_offered(tiny_mod
     [
         (lambda s: {**s, "model.no_such.weight": torch.zeros(3)}, "unknown tensor 'model.no_such.weight'"),
         (lambda s: {**s, "model.norm.weight": torch.zeros(65)}, "tensor 'model.norm.weight': shape"),
-        (lambda s: {**s, "model.norm.weight": torch.zeros(64, dtype=torch.float64)}, "'model.norm.weight': dtype"),
+        (lambda s: {**s, "model.norm.weight": torch.zeros(128, dtype=torch.float64)}, "'model.norm.weight': dtype"),
     ],
 )
 async def test_bad_tensors_are_refused_by_name_and_nothing_is_applied(
