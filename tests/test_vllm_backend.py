@@ -675,21 +675,26 @@ async def test_vllm_logprobs_and_token_versions_match_a_separate_forward_pass(
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     lm.load_state_dict(state)
     await engine.update_weights(state, version=engine.policy_version + 1)
-    for temperature, top_k in ((1.0, 0), (0.7, 20)):
-        for p in prompts(engine):
-            request = GenerationRequest(p, 24, temperature=temperature, top_k=top_k, seed=3, logprobs=True)
-            out = await engine.generate(request)
-            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-            with torch.inference_mode():
-                logits = lm(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1 : -1].float() / temperature
-            if top_k:
-                kth = logits.topk(top_k, dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
-            # the engine computes in half precision (bf16 on CPU): close, not equal
-            torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.1, rtol=0.05)
-            assert out.token_versions == [engine.policy_version] * len(out.token_ids)
-    await engine.update_weights(state_dict(vllm_policy), version=engine.policy_version + 1)
+    try:
+        for temperature, top_k in ((1.0, 0), (0.7, 20)):
+            for p in prompts(engine):
+                request = GenerationRequest(p, 24, temperature=temperature, top_k=top_k, seed=3, logprobs=True)
+                out = await engine.generate(request)
+                assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+                with torch.inference_mode():
+                    logits = lm(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1 : -1].float() / temperature
+                if top_k:
+                    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                want = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids).unsqueeze(-1)).squeeze(-1)
+                # The engine computes in half precision (bf16 on CPU): close, not equal; a token at the top-k
+                # boundary may be in the engine's top k and just outside float32's.
+                kept = want.isfinite()
+                assert int(kept.sum()) >= len(out.token_ids) - 1
+                torch.testing.assert_close(torch.tensor(out.logprobs)[kept], want[kept], atol=0.1, rtol=0.05)
+                assert out.token_versions == [engine.policy_version] * len(out.token_ids)
+    finally:
+        await engine.update_weights(state_dict(vllm_policy), version=engine.policy_version + 1)
 
 
 @pytest.mark.slow
