@@ -434,10 +434,9 @@ def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
     (by default the ones vLLM's offline ``LLM`` picks for this machine), and any --vllm-engine-arg."""
     from vllm import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
 
-    from rewardmesh.server.backends.vllm_engine import llm_usage_context, parse_engine_args
+    from rewardmesh.server.backends.vllm_engine import engine_args_from_env, llm_usage_context, parse_engine_args
 
-    env = [a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a]
-    extra = parse_engine_args([*env, *args.vllm_engine_arg])
+    extra = {**engine_args_from_env(), **parse_engine_args(args.vllm_engine_arg)}
     kwargs: dict[str, Any] = {"model": model, "seed": args.seed, "disable_log_stats": True,
                               "gpu_memory_utilization": args.vllm_gpu_memory_utilization, **extra}  # fmt: skip
     if args.vllm_max_num_seqs:

@@ -7,7 +7,6 @@ server is built or stopped is made once.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,10 +93,12 @@ async def local_mesh(
         for _ in range(rollout_servers):
             backend: Backend
             if backend_name == "vllm":
-                from rewardmesh.server.backends.vllm_backend import VLLMBackend, parse_engine_args
+                from rewardmesh.server.backends.vllm_backend import VLLMBackend
+                from rewardmesh.server.backends.vllm_engine import engine_args_from_env
 
-                extra = parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
-                backend = VLLMBackend(str(policy), dtype="float32", enforce_eager=True, engine_args=extra)
+                backend = VLLMBackend(
+                    str(policy), dtype="float32", enforce_eager=True, engine_args=engine_args_from_env()
+                )
             else:
                 from rewardmesh.server.backends.hf import HFBackend
 

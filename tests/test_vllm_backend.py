@@ -39,6 +39,7 @@ from rewardmesh.server.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
+from rewardmesh.server.backends.vllm_engine import engine_args_from_env
 from rewardmesh.server.cli import build_parser
 from rewardmesh.server.config import resolve
 from rewardmesh.server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
@@ -444,10 +445,6 @@ async def test_quantized_models_refuse_in_place_updates(
 # vLLM's CPU build (`make test-vllm`) or a GPU with vLLM: one engine, booted once behind a real rollout server,
 # serves every test below. REWARDMESH_ENGINE_ARG (KEY=VALUE,...) adds engine arguments as it does for
 # `rewardmesh serve rollout`, e.g. attention_backend=TRITON_ATTN for a vLLM build without flash-attention.
-
-
-def engine_args_from_env() -> dict[str, Any]:
-    return parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
 
 
 def per_request_preemptions() -> bool:

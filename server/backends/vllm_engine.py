@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
+import importlib
 import inspect
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def parse_engine_args(items: list[str] | dict[str, Any] | None) -> dict[str, Any]:
@@ -56,6 +60,13 @@ def engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
+def engine_args_from_env() -> dict[str, Any]:
+    """REWARDMESH_ENGINE_ARG (``KEY=VALUE,...``), the variable `rewardmesh serve rollout` reads too: engine
+    arguments for an engine built outside the CLI (tests, the demo, the bench), e.g. attention_backend=TRITON_ATTN
+    for a vLLM build without flash-attention kernels."""
+    return parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
+
+
 def complete_engine_args(kwargs: dict[str, Any], known: set[str]) -> dict[str, Any]:
     """The backend's defaults for what the caller left unset (checked first; the caller's values win):
     processed log-probs, vLLM's "ipc" weight transfer where the release has it, and stats logging off, as the
@@ -65,7 +76,7 @@ def complete_engine_args(kwargs: dict[str, Any], known: set[str]) -> dict[str, A
     if "logprobs_mode" in known and "logprobs_mode" not in out:
         # the log-prob of the distribution actually sampled from (after temperature, top-k, top-p)
         out["logprobs_mode"] = "processed_logprobs"
-    if "weight_transfer_config" in known and "weight_transfer_config" not in out:
+    if "weight_transfer_config" in known and "weight_transfer_config" not in out and ipc_transfer_loads():
         from vllm.config import WeightTransferConfig
 
         # CUDA IPC updates from a colocated trainer. The handles reach the workers as a pickle this server
@@ -75,6 +86,20 @@ def complete_engine_args(kwargs: dict[str, Any], known: set[str]) -> dict[str, A
     if "disable_log_stats" in known and "disable_log_stats" not in out:
         out["disable_log_stats"] = True
     return out
+
+
+def ipc_transfer_loads() -> bool:
+    """Whether this vLLM's "ipc" weight-transfer engine can be loaded here. Some releases import packages for it
+    that an install may lack (0.26 imports ray); the engine would then fail to start, so the backend leaves the
+    transfer engine off and CUDA IPC updates take the layerwise load path instead."""
+    try:
+        importlib.import_module("vllm.distributed.weight_transfer.ipc_engine")
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").startswith("vllm"):
+            return True  # the module moved in this release: vLLM itself decides
+        logger.warning("vLLM's ipc weight transfer is off: it needs %r, which is not installed", exc.name)
+        return False
+    return True
 
 
 def uses_ipc_transfer(kwargs: dict[str, Any]) -> bool:
