@@ -3,9 +3,12 @@ GPU refusing it by name, the trainer refusing CPU tensors; the end-to-end transf
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,13 +18,14 @@ from grpc import aio
 from rewardmesh.client.trainer import TrainerClient
 from rewardmesh.common import cuda_ipc
 from rewardmesh.common.weights import Entry, manifest
+from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import rollout_pb2
 from tests.support.servers import rollout_server, rollout_stub
 
-from .test_weight_sync import model_weights, perturbed, policy_state, same  # beside it wherever the two sit
+from .test_weight_sync import perturbed, policy_state  # beside it wherever the two sit
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 
@@ -90,7 +94,7 @@ async def test_a_server_without_a_gpu_refuses_cuda_ipc_by_name_and_the_trainer_r
     tiny_models: TinyModelPaths,
 ) -> None:
     state = policy_state(tiny_models)
-    backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1)
+    backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1, device="cpu")  # a GPU may be here
     async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
         info = await stub.GetInfo(rollout_pb2.GetInfoRequest())
         assert info.cuda_device_uuid == "" and rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC not in info.weight_transports
@@ -109,13 +113,23 @@ async def test_a_server_without_a_gpu_refuses_cuda_ipc_by_name_and_the_trainer_r
 
 
 @needs_cuda
-async def test_a_colocated_trainer_updates_a_gpu_server_over_cuda_ipc(tiny_models: TinyModelPaths) -> None:
-    """Unverified on the development machine (no GPU): the trainer's CUDA tensors, shared by handle, land in the
-    server's model; auto picks ipc for a server on the same GPU."""
-    base = policy_state(tiny_models)
-    backend = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=1, device="cuda")
-    async with rollout_server(backend) as ro, TrainerClient([ro.address]) as client:
-        new = {k: v.to("cuda") for k, v in perturbed(base, 3).items()}
-        assert await client.update_weights(new) == 1
-        assert client.last_weight_sync is not None and client.last_weight_sync.transport == "ipc"
-        assert same(model_weights(ro), {k: v.cpu() for k, v in new.items()})
+async def test_a_colocated_trainer_updates_a_gpu_server_over_cuda_ipc(
+    tiny_models: TinyModelPaths, tmp_path: Path
+) -> None:
+    """The trainer's CUDA tensors, shared by handle, land in a rollout server of another process on the same GPU
+    (CUDA opens no IPC handle in the process that made it): auto picks ipc, and the server's digest check of what
+    the handles opened is what lets the update commit."""
+    argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
+            "--model", str(tiny_models.policy), "--backend", "hf", "--device", "cuda"]  # fmt: skip
+    server = ServerProcess("rollout-cuda", argv, tmp_path)
+    try:
+        await asyncio.to_thread(server.start)
+        await server.wait_serving()
+        new = {k: v.to("cuda") for k, v in perturbed(policy_state(tiny_models), 3).items()}
+        async with TrainerClient([server.address]) as client:
+            assert await client.update_weights(new) == 1
+            assert client.last_weight_sync is not None and client.last_weight_sync.transport == "ipc"
+        async with rollout_stub(server.address) as stub:
+            assert (await stub.GetInfo(rollout_pb2.GetInfoRequest())).policy_version == 1
+    finally:
+        server.stop(timeout_s=10)
