@@ -14,7 +14,8 @@ from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, Unavail
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
-from tests.test_batcher import Recorder, inp
+
+from .test_batcher import Recorder, inp
 
 
 async def held_batcher(rec: Recorder, **config: float) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:

@@ -37,7 +37,8 @@ from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.waiting import eventually
-from tests.test_weight_sync import (
+
+from .test_weight_sync import (
     generated_version,
     model_weights,
     policy_state,
