@@ -22,25 +22,14 @@ import grpc
 import torch
 from grpc import aio
 
-from rewardmesh.common import cuda_ipc, weight_delta
-from rewardmesh.common.weight_planes import (
-    ShmWriter,
-    Store,
-    dist_available,
-    form_group,
-    host_id,
-    keep_freed_memory,
-    local_address_towards,
-    send_buckets,
-)
-from rewardmesh.common.weights import (
-    DEFAULT_BUCKET_BYTES,
-    LAYOUT_VERSION,
-    digest,
-    iter_update_requests,
-    layout,
-    manifest,
-)
+from rewardmesh.common.planes import cuda_ipc
+from rewardmesh.common.planes import delta as weight_delta
+from rewardmesh.common.planes.digests import digest
+from rewardmesh.common.planes.dist import Store, dist_available, form_group, local_address_towards, send_buckets
+from rewardmesh.common.planes.grpc_chunks import iter_update_requests, keep_freed_memory
+from rewardmesh.common.planes.layout import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION, layout
+from rewardmesh.common.planes.manifest import manifest
+from rewardmesh.common.planes.shm import ShmWriter, host_id
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -29,35 +29,24 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from rewardmesh.common import weight_delta
-from rewardmesh.common.cuda_ipc import check_ipc, check_source, open_tensors
 from rewardmesh.common.errors import DependencyFailed, InvalidInput, Unavailable
-from rewardmesh.common.tensors import duration_seconds
-from rewardmesh.common.weight_planes import (
+from rewardmesh.common.planes import delta as weight_delta
+from rewardmesh.common.planes.cuda_ipc import check_ipc, check_source, open_tensors
+from rewardmesh.common.planes.digests import digest, finite, scan
+from rewardmesh.common.planes.dist import (
     ForwardFailed,
     HostShare,
     SharedWeights,
     dist_available,
     file_offsets,
     form_group,
-    host_id,
-    keep_freed_memory,
-    map_shm,
     receive_buckets,
 )
-from rewardmesh.common.weights import (
-    LAYOUT_VERSION,
-    Entry,
-    WeightAssembler,
-    WeightsError,
-    byte_view,
-    check_manifest,
-    digest,
-    finite,
-    layout,
-    parse_update_request,
-    scan,
-)
+from rewardmesh.common.planes.grpc_chunks import WeightAssembler, keep_freed_memory, parse_update_request
+from rewardmesh.common.planes.layout import LAYOUT_VERSION, byte_view, layout
+from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
+from rewardmesh.common.planes.shm import host_id, map_shm
+from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from rewardmesh.common.cuda_ipc import device_uuid
-from rewardmesh.common.weights import Entry, WeightsError  # the one weight validator's error
+from rewardmesh.common.planes.cuda_ipc import device_uuid
+from rewardmesh.common.planes.manifest import Entry, WeightsError  # the one weight validator's error
 
 __all__ = [
     "Backend",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rewardmesh.common.weights import validate_weights
+from rewardmesh.common.planes.manifest import validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
 
 __all__ = ["ModelWeights", "WeightSwap"]

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from rewardmesh.common.cuda_ipc import device_uuid, rebuild_args
-from rewardmesh.common.weights import Entry, WeightsError, validate_weights
+from rewardmesh.common.planes.cuda_ipc import device_uuid, rebuild_args
+from rewardmesh.common.planes.manifest import Entry, WeightsError, validate_weights
 from rewardmesh.reward_engine.errors import Unavailable
 from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
 from rewardmesh.server.backends.requests import validate_request

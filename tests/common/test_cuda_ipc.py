@@ -16,8 +16,8 @@ import torch
 from grpc import aio
 
 from rewardmesh.client.trainer import TrainerClient
-from rewardmesh.common import cuda_ipc
-from rewardmesh.common.weights import Entry, manifest
+from rewardmesh.common.planes import cuda_ipc
+from rewardmesh.common.planes.manifest import Entry, manifest
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.errors import InvalidInput

@@ -19,20 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rewardmesh.client import weight_sync
 from rewardmesh.client.trainer import TrainerClient
 from rewardmesh.client.weight_sync import WeightSyncError
-from rewardmesh.common import weight_delta
+from rewardmesh.common.planes import delta as weight_delta
+from rewardmesh.common.planes.digests import check_received, digest, finite, scan
+from rewardmesh.common.planes.grpc_chunks import iter_update_requests
+from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest, manifest
+from rewardmesh.common.planes.shm import ShmWriter
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.common.weight_planes import ShmWriter
-from rewardmesh.common.weights import (
-    Entry,
-    WeightsError,
-    check_manifest,
-    check_received,
-    digest,
-    finite,
-    iter_update_requests,
-    manifest,
-    scan,
-)
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -415,7 +407,7 @@ async def test_a_client_killed_mid_update_changes_nothing(server_process: Server
     for with_manifest in (False, True):
         script = textwrap.dedent(f"""
             import sys, time, grpc, torch
-            from rewardmesh.common.weights import iter_update_requests
+            from rewardmesh.common.planes.grpc_chunks import iter_update_requests
             from rewardmesh.v1 import rollout_pb2
             state = {{"model.norm.weight": torch.ones(64) * 3, "lm_head.weight": torch.ones(1000, 64)}}
             msgs = list(iter_update_requests(state, 999, chunk_bytes=4096))
@@ -444,7 +436,7 @@ def test_cuda_ipc_updates_are_checked_before_an_engine_loads_them() -> None:
     first (`check_ipc`). Needs a CUDA GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from rewardmesh.common.cuda_ipc import check_ipc, handles
+    from rewardmesh.common.planes.cuda_ipc import check_ipc, handles
 
     t = torch.randn(256, device="cuda").to(torch.bfloat16)
     source = handles([t])

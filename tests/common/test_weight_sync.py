@@ -24,16 +24,10 @@ from transformers import AutoModelForCausalLM
 from rewardmesh.client import weight_sync
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.client.weight_sync import WeightSyncError
+from rewardmesh.common.planes.grpc_chunks import WeightAssembler, iter_update_requests
+from rewardmesh.common.planes.layout import LAYOUT_VERSION, layout
+from rewardmesh.common.planes.manifest import WeightsError, check_manifest, manifest
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.common.weights import (
-    LAYOUT_VERSION,
-    WeightAssembler,
-    WeightsError,
-    check_manifest,
-    iter_update_requests,
-    layout,
-    manifest,
-)
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends.hf import HFBackend
@@ -125,7 +119,7 @@ def test_update_requests_are_parsed_without_copying_chunks_and_read_as_protobuf_
     (negative offset, unpacked shape, unknown fields: left to protobuf; garbage: protobuf's error)."""
     from google.protobuf.message import DecodeError
 
-    from rewardmesh.common.weights import ChunkView, parse_update_request
+    from rewardmesh.common.planes.grpc_chunks import ChunkView, parse_update_request
 
     def fields(v: Any) -> tuple[Any, ...]:
         c = v.chunk
@@ -166,7 +160,7 @@ def test_manifest_checks_name_shape_dtype_and_total() -> None:
 
 _CHURN = """
 import resource, sys
-from rewardmesh.common.weight_planes import keep_freed_memory
+from rewardmesh.common.planes.grpc_chunks import keep_freed_memory
 if sys.argv[1] == "keep" and not keep_freed_memory():
     sys.exit(3)
 def churn():  # a few 4 MiB messages in flight, then all freed (one grpc update's pattern)
@@ -770,9 +764,11 @@ async def test_a_joiner_never_gets_weights_changed_in_place_under_an_old_version
 @contextmanager
 def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """A process that makes a weights file under /dev/shm (`make` binds it to `f`) and sleeps until killed."""
-    from rewardmesh.common.weight_planes import SHM_DIR
+    from rewardmesh.common.planes.shm import SHM_DIR
 
-    code = f"import time, torch\nfrom rewardmesh.common.weight_planes import SharedWeights, ShmWriter\n{make}\n"
+    imports = "from rewardmesh.common.planes.dist import SharedWeights\n"
+    imports += "from rewardmesh.common.planes.shm import ShmWriter"
+    code = f"import time, torch\n{imports}\n{make}\n"
     code += "print(f.path, flush=True); time.sleep(120)\n"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -786,7 +782,7 @@ def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
 
 
 def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
-    from rewardmesh.common.weight_planes import ShmWriter, sweep_stale_shm
+    from rewardmesh.common.planes.shm import ShmWriter, sweep_stale_shm
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
@@ -809,8 +805,8 @@ def test_the_shm_file_stays_mapped_between_updates_and_a_new_size_gets_a_new_fil
     page in again); what a server maps is the latest write; another size goes to a fresh file."""
     import resource
 
-    from rewardmesh.common.weight_planes import ShmWriter, map_shm
-    from rewardmesh.common.weights import Entry
+    from rewardmesh.common.planes.manifest import Entry
+    from rewardmesh.common.planes.shm import ShmWriter, map_shm
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")
@@ -996,7 +992,7 @@ def test_every_dist_chain_ends_bitwise_equal_or_names_the_server(fleet: LiveFlee
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from rewardmesh.common.weight_planes import SharedWeights
+    from rewardmesh.common.planes.dist import SharedWeights
 
     base = policy_state(tiny_models)
     labels = ["0-host", "m-host", "z-host"]
@@ -1033,7 +1029,8 @@ def test_every_dist_chain_ends_bitwise_equal_or_names_the_server(fleet: LiveFlee
 
 
 def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
-    from rewardmesh.common.weight_planes import SharedWeights, sweep_stale_shm
+    from rewardmesh.common.planes.dist import SharedWeights
+    from rewardmesh.common.planes.shm import sweep_stale_shm
     from rewardmesh.reward_engine.errors import InvalidInput
 
     if not weight_sync.host_id():

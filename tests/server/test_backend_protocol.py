@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewardmesh.common.weight_planes import dist_available
+from rewardmesh.common.planes.dist import dist_available
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
 from rewardmesh.server.backends.hf import HFBackend

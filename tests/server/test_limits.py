@@ -14,8 +14,8 @@ import pytest
 import torch
 from grpc import aio
 
+from rewardmesh.common.planes.grpc_chunks import iter_update_requests
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.common.weights import iter_update_requests
 from rewardmesh.server.config import load_yaml, resolve
 from rewardmesh.server.reward_server import RewardServer, RewardServerConfig, build_engine
 from rewardmesh.server.rollout_server import RolloutServer

@@ -12,8 +12,8 @@ import pytest
 import torch
 from grpc import aio
 
+from rewardmesh.common.planes.grpc_chunks import iter_update_requests
 from rewardmesh.common.tensors import ids_from, ids_tensor, tensor_to_numpy
-from rewardmesh.common.weights import iter_update_requests
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
@@ -237,7 +237,7 @@ async def test_a_refused_update_still_names_the_tensor_while_the_client_is_sendi
 
 
 def test_partial_chunks_are_rejected() -> None:
-    from rewardmesh.common.weights import WeightAssembler
+    from rewardmesh.common.planes.grpc_chunks import WeightAssembler
 
     asm = WeightAssembler({"w": ((4,), torch.float32)})
     msgs = [rollout_pb2.UpdateWeightsRequest.FromString(b) for b in iter_update_requests({"w": torch.ones(4)}, 0, 4)]

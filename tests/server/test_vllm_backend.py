@@ -802,8 +802,8 @@ async def test_cuda_ipc_updates_go_through_vllms_weight_transfer_engine(
     """The engine is built with vLLM's "ipc" weight transfer; an update is init (once), pause, start, update
     (handles as torch's rebuild arguments, pickled by the server itself), finish, label, resume; a load that
     fails part-way leaves the server refusing work, and resumes generation all the same."""
-    from rewardmesh.common.cuda_ipc import check_source
-    from rewardmesh.common.weights import Entry
+    from rewardmesh.common.planes.cuda_ipc import check_source
+    from rewardmesh.common.planes.manifest import Entry
 
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rewardmesh.common.weights import Entry, WeightsError, byte_view
+from rewardmesh.common.planes.layout import byte_view
+from rewardmesh.common.planes.manifest import Entry, WeightsError
 from rewardmesh.v1 import rollout_pb2
 
 SPARSE, XOR = rollout_pb2.WEIGHT_ENCODING_SPARSE, rollout_pb2.WEIGHT_ENCODING_XOR

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.weights import Entry, check_received
+from rewardmesh.common.planes.digests import check_received
+from rewardmesh.common.planes.manifest import Entry
 from rewardmesh.v1 import rollout_pb2
 
 

@@ -1,11 +1,7 @@
-"""The data planes of a weight update, used by trainer and rollout server alike.
-
-- dist: a torch.distributed process group of its own (never the process-global default group), formed over
-  a TCP store the trainer hosts, bound to the one address it names; tensors go in buckets, one broadcast each.
-- shm: one file under /dev/shm, written once by the trainer, mapped by every rollout server on the host.
-- dist servers on one host share one copy: the first receives into a file under /dev/shm (`SharedWeights`),
-  the others in the chain map it and serve from it (`HostShare`).
-- grpc (the chunks themselves are in common/weights.py): `keep_freed_memory`, so its buffers are recycled.
+"""The dist plane: a torch.distributed process group of its own (never the process-global default group), formed
+over a TCP store the trainer hosts, bound to the one address it names; tensors go in buckets, a broadcast each
+or a chain of point-to-point sends. dist servers on one host share one copy: the first receives into a file
+under /dev/shm (`SharedWeights`), the others in the chain map it and serve from it (`HostShare`).
 
 Every blocking call here (forming a group, a broadcast) runs in a worker thread, never on an event loop.
 """
@@ -13,10 +9,8 @@ Every blocking call here (forming a group, a broadcast) runs in a worker thread,
 from __future__ import annotations
 
 import collections
-import ctypes
 import datetime
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
@@ -31,54 +25,11 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.weights import Bucket, Entry, aligned, byte_view, views
+from rewardmesh.common.planes.layout import Bucket, aligned, byte_view, views
+from rewardmesh.common.planes.manifest import Entry
+from rewardmesh.common.planes.shm import SHM_DIR, SHM_PREFIX, sweep_stale_shm, weights_file
 
 log = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
-
-
-def host_id() -> str:
-    """Who shares this process's /dev/shm: the kernel's boot id plus the mount's device and inode.
-
-    Two containers of one pod share it; two pods on one node (each with its own /dev/shm) do not.
-    """
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        st = SHM_DIR.stat()
-    except OSError:
-        return ""
-    if not os.access(SHM_DIR, os.W_OK | os.R_OK):
-        return ""
-    return hashlib.sha1(f"{boot}:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:16]
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its adaptive threshold (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 256 << 20
-_malloc_kept: bool | None = None
-
-
-def keep_freed_memory() -> bool:
-    """glibc: recycle freed buffers of up to 32 MiB inside the process instead of handing them back to the kernel.
-
-    The grpc data plane allocates and frees every message's bytes several times on each side (ours, gRPC's
-    copies). glibc's defaults map a large buffer fresh and unmap it when freed, or trim the heap once 2x its
-    adaptive threshold lies free at the top, so the next message faults every page in again (zeroed by the
-    kernel): measured on the 212 MB benchmark model, ~50k page faults per update and per process, up to half the
-    trainer's CPU for the update. Fixed thresholds (mmap above 32 MiB, trim beyond 256 MiB free) keep those pages.
-    Process-wide and once; called where a grpc update is sent or received. False where there is no glibc."""
-    global _malloc_kept
-    if _malloc_kept is None:
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):  # not glibc (macOS): nothing to set
-            _malloc_kept = False
-        else:
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _malloc_kept = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD,
-                                                                                    TRIM_THRESHOLD) == 1  # fmt: skip
-    return _malloc_kept
 
 
 def dist_available() -> bool:
@@ -289,123 +240,6 @@ class ForwardFailed(Exception):
         self.staged = staged
 
 
-# ------------------------------------------------------------------------------------------------- shm
-
-
-SHM_PREFIX = "rewardmesh-weights-"
-
-
-def sweep_stale_shm() -> list[Path]:
-    """Remove the weight files of trainers that are gone (crashed, killed): a live writer holds an exclusive
-    flock on its file for as long as it exists, so a file whose lock can be taken has no owner. Safe across
-    processes and containers sharing /dev/shm (one kernel); returns what was removed."""
-    removed = []
-    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its writer is alive
-        else:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("removed %d weight file(s) under %s left by trainers that are gone", len(removed), SHM_DIR)
-    return removed
-
-
-def _release(fd: int, path: Path) -> None:
-    path.unlink(missing_ok=True)
-    os.close(fd)  # drops the lock
-
-
-class ShmWriter:
-    """The trainer's file under /dev/shm, reused while the layout's size stays the same.
-
-    The file is removed by `close`, at interpreter exit, or, when this process dies without either (killed),
-    by the next ShmWriter on the host (`sweep_stale_shm`): the writer holds a flock on it while it lives.
-    It stays mapped between writes: a new mapping would fault every page in again on each update (52k faults,
-    about as long as the copy itself, for the 212 MB benchmark model)."""
-
-    def __init__(self) -> None:
-        sweep_stale_shm()
-        self.path = SHM_DIR / f"{SHM_PREFIX}none"
-        self._fd = -1
-        self._size = -1
-        self._mapped: torch.Tensor | None = None  # the file's bytes, mapped once per file
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-
-    def _create(self, size: int) -> None:
-        name = f"{SHM_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-        staging = SHM_DIR / f".{name}"  # locked before it gets a name the sweeper looks at
-        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.ftruncate(fd, max(size, 1))
-            os.rename(staging, SHM_DIR / name)
-        except BaseException:
-            staging.unlink(missing_ok=True)
-            os.close(fd)
-            raise
-        self.path, self._fd, self._size = SHM_DIR / name, fd, size
-        self._finalizer = weakref.finalize(self, _release, fd, self.path)
-
-    def rotate(self) -> None:
-        """Write the next update to a new file: a straggler may still be reading this one (unlinked, it stays
-        readable by whoever has it mapped, and is freed when they let go)."""
-        self.close()
-
-    def write(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], size: int) -> None:
-        if self._fd >= 0 and self._size != size:
-            self.rotate()  # never truncate a file someone may have mapped
-        if self._fd < 0:
-            self._create(size)
-        if self._mapped is None:
-            self._mapped = torch.frombuffer(mmap.mmap(self._fd, max(size, 1)), dtype=torch.uint8)
-        for t, off in zip(tensors, offsets, strict=True):
-            src = byte_view(t)
-            self._mapped[off : off + src.numel()].copy_(src)
-
-    def close(self) -> None:
-        self._mapped = None  # unmapped when the last view of it goes
-        if self._finalizer is not None:
-            self._finalizer()  # unlink and unlock, once
-            self._finalizer = None
-        self._fd, self._size = -1, -1
-
-
-def _weights_file(path: str, field: str) -> Path:
-    resolved = Path(path).resolve()
-    if resolved.parent != SHM_DIR or not resolved.name.startswith(SHM_PREFIX):
-        raise InvalidInput(f"{field}: {path!r} is not a rewardmesh weights file under {SHM_DIR}")
-    return resolved
-
-
-def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Typed views of a trainer's shared-memory file (copy-on-write mapping: reading copies nothing)."""
-    resolved = _weights_file(path, "shm.path")
-    if len(offsets) != len(entries):
-        raise InvalidInput(f"shm.offsets: {len(offsets)} offsets for {len(entries)} tensors")
-    end = max((off + e.wire for e, off in zip(entries, offsets, strict=True)), default=0)
-    for e, off in zip(entries, offsets, strict=True):
-        if off < 0 or off % (1 if e.encoding else e.dtype.itemsize):
-            raise InvalidInput(f"shm.offsets: offset {off} of tensor {e.name!r} is negative or misaligned")
-    with open(resolved, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < end:
-            raise InvalidInput(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)
-
-
-# ------------------------------------------------------------------------------- one copy per host (dist)
-
-
 def file_offsets(buckets: Sequence[Bucket]) -> tuple[list[int], int]:
     """Where each bucket lies in a SharedWeights file (back to back, aligned), and the file's size."""
     offsets, end = [], 0
@@ -459,7 +293,7 @@ class SharedWeights:
     @classmethod
     def open(cls, path: str, size: int) -> SharedWeights:
         """Another server's file, mapped read-only (the model's weights must never write it), pages mapped now."""
-        resolved = _weights_file(path, "path")
+        resolved = weights_file(path, "path")
         fd = os.open(resolved, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # its maker holds the lock exclusively only for a moment (`reusable`)
