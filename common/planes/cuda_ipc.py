@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
+from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, call_transfer, gather, transfer_request
 from rewardmesh.common.planes.digests import check_received
 from rewardmesh.common.planes.manifest import Entry
 from rewardmesh.v1 import rollout_pb2
@@ -93,3 +94,25 @@ def check_ipc(source: rollout_pb2.CudaIpcSource, entries: Sequence[Entry], devic
     """Before an engine loads the trainer's tensors itself: their digests and finiteness, over the tensors the
     handles open (WeightsError naming the tensor)."""
     check_received(open_tensors(source, entries, device), entries)
+
+
+class IpcSender:
+    """The trainer's side: the servers read our tensors where they lie; they stay referenced (and unchanged: the
+    caller awaits this) until every server has answered."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    async def send(
+        self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
+    ) -> Outcomes:
+        tensors = list(update.wire.values())
+        if not tensors or not all(t.is_cuda for t in tensors):
+            raise ValueError("transport='ipc' shares CUDA tensors: move the state dict to the servers' GPU first")
+        request = transfer_request(update, version, self.settings.timeout_s)
+        request.cuda_ipc.CopyFrom(handles(tensors))
+        torch.cuda.synchronize(tensors[0].device)  # the servers read what the last kernel wrote
+        return await gather(targets, lambda a, ch: call_transfer(ch, request, self.settings.timeout_s))
+
+    def close(self) -> None:
+        pass

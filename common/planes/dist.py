@@ -8,13 +8,17 @@ Every blocking call here (forming a group, a broadcast) runs in a worker thread,
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import fcntl
+import ipaddress
+import itertools
 import logging
 import mmap
 import os
 import socket
+import uuid
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -25,9 +29,11 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.planes.layout import Bucket, aligned, byte_view, views
+from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, call_transfer, gather, transfer_request
+from rewardmesh.common.planes.layout import LAYOUT_VERSION, Bucket, aligned, byte_view, layout, views
 from rewardmesh.common.planes.manifest import Entry
 from rewardmesh.common.planes.shm import SHM_DIR, SHM_PREFIX, sweep_stale_shm, weights_file
+from rewardmesh.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -360,3 +366,126 @@ def _receive_path(group: Any, src: int, tag: int, timeout: datetime.timedelta) -
     msg = torch.zeros(PATH_BYTES, dtype=torch.uint8)
     group.recv([msg], src, tag).wait(timeout)
     return bytes(msg.numpy()).rstrip(b"\0").decode(errors="replace")
+
+
+# --------------------------------------------------------------------------------------------- the trainer
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DistSender:
+    """The trainer's side, keeping what outlives one update: the TCP store, the process group of the current
+    servers (formed again when they change), and the manifest they last accepted in it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._store: Store | None = None
+        self._group: Any = None
+        self._members: tuple[str, ...] = ()  # address#instance of every server in the kept group
+        self._group_name = ""
+        self._validated: tuple[str, tuple[Any, ...]] | None = None
+
+    def close(self) -> None:
+        self._group = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def _rendezvous_host(self, targets: Sequence[Target]) -> str:
+        if self.settings.dist_host:
+            return self.settings.dist_host
+        hosts = [_host(a) for a, _ in targets]
+        if all(_is_loopback(h) for h in hosts):
+            return "127.0.0.1"
+        return local_address_towards(next(h for h in hosts if not _is_loopback(h)))
+
+    async def send(
+        self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
+    ) -> Outcomes:
+        tensors = list(update.wire.values())
+        timeout_s = self.settings.timeout_s
+        backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
+        # gloo: a chain of point-to-point sends (the trainer sends every byte once; gloo's sends cost far less per
+        # call than its broadcasts). NCCL's broadcast is a pipelined ring already: one call per bucket.
+        chain = backend == "gloo" and len(infos) == len(targets) and all(i.dist_chain for i in infos)
+        if chain:  # the servers of one host next to each other, so that they share one copy (stable: same order)
+            order = sorted(range(len(targets)), key=lambda i: infos[i].host_id)
+            targets, infos = [targets[i] for i in order], [infos[i] for i in order]
+        instances = [i.instance_id for i in infos]
+        # A server that restarted (new instance id) holds none of our groups: that is a membership change too.
+        members = tuple(f"{a}#{i}" for (a, _), i in zip(targets, instances, strict=True))
+        host = self._rendezvous_host(targets)
+        if self._store is None or self._store.host != host:
+            if self._store is not None:
+                self._store.close()
+            self._store, self._group = Store(host, self.settings.timeout_s), None
+        if self._group is None or members != self._members:
+            self._group, self._members, self._group_name = None, members, uuid.uuid4().hex[:12]
+        store = self._store
+        base = transfer_request(update, version, self.settings.timeout_s)
+        base.dist.CopyFrom(rollout_pb2.DistRendezvous(host=host, port=store.port, group=self._group_name,
+                                                      world_size=len(targets) + 1, backend=backend,
+                                                      bucket_bytes=self.settings.bucket_bytes, chain=chain,
+                                                      layout=LAYOUT_VERSION))  # fmt: skip
+        # Neighbours in the chain on one host share one copy of the weights: the first receives it, the next maps it.
+        # (A chain has one answer per target, in rank order.) shared[i]: rank i + 1 shares with rank i + 2.
+        # (A delta is small, and each server decodes it into memory of its own: nothing to share.)
+        sharing = chain and self.settings.share_host and not update.base
+        shared = [sharing and bool(x.host_id) and x.host_id == y.host_id and x.dist_host_share
+                  and y.dist_host_share for x, y in itertools.pairwise(infos)]  # fmt: skip
+        requests = {}
+        for rank, (address, _) in enumerate(targets, start=1):
+            req = rollout_pb2.TransferWeightsRequest()
+            req.CopyFrom(base)
+            req.dist.rank = rank
+            req.dist.share_with_next = rank <= len(shared) and shared[rank - 1]
+            req.dist.share_from_prev = rank >= 2 and shared[rank - 2]
+            requests[address] = req
+        # Check every manifest first: a server that refuses must not leave the others waiting in a broadcast.
+        # The same manifest to the same servers in the same group was accepted last time: no need to ask again.
+        signature = (self._group_name, tuple((s.name, s.dtype, tuple(s.shape)) for s in base.tensors))
+        if self._group is None or signature != self._validated or update.base:  # (a delta: each server's base)
+            check = rollout_pb2.TransferWeightsRequest()
+            check.CopyFrom(base)
+            check.validate_only = True
+            checked = await gather(targets, lambda a, ch: call_transfer(ch, check, timeout_s))
+            refused = {a: o for a, o in checked.items() if isinstance(o, BaseException)}
+            if refused:
+                return refused
+            self._validated = signature
+        buckets = layout([t.numel() * t.element_size() for t in tensors], self.settings.bucket_bytes)
+        group, world, name = self._group, len(targets) + 1, self._group_name
+
+        def send() -> None:
+            pg = group
+            if pg is None:
+                pg = form_group(host=host, port=store.port, group=name, rank=0, world_size=world, backend=backend,
+                                timeout_s=self.settings.timeout_s, store=store.store)  # fmt: skip
+            send_buckets(pg, tensors, buckets, self.settings.timeout_s, chain=chain)
+            self._group = pg
+
+        self._group = None  # kept again only if this transfer succeeds
+        sender = asyncio.ensure_future(asyncio.to_thread(send))
+        outcomes = await gather(targets, lambda a, ch: call_transfer(ch, requests[a], timeout_s))
+        try:
+            await sender
+        except Exception as exc:  # the broadcast broke: name it on every server that did not report success
+            self._group = None
+            for a, o in outcomes.items():
+                if not isinstance(o, BaseException):
+                    outcomes[a] = RuntimeError(f"reported success but the broadcast failed: {exc}")
+        if any(isinstance(o, BaseException) for o in outcomes.values()):
+            self._group = None  # re-formed on the next update
+        return outcomes

@@ -1,18 +1,24 @@
-"""The grpc plane: chunks on `UpdateWeights`, the trainer's serializer and the server's parser and assembler.
+"""The grpc plane: chunks on `UpdateWeights`. The trainer's side (`GrpcSender`): each message serialized once
+(`iter_update_requests`) and fanned out to every server (`Fanout`); the server's side: a parser that copies no
+chunk bytes (`parse_update_request`) and the assembler that stages them (`WeightAssembler`).
 
 Each process recycles its message buffers (`keep_freed_memory`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from grpc import aio
 
+from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, gather
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import (
     TORCH_DTYPES,
@@ -286,3 +292,82 @@ class WeightAssembler:
             if covered != size:
                 raise WeightsError(f"tensor {name!r}: got {covered} of {size} bytes")
         return self.tensors
+
+
+# --------------------------------------------------------------------------------------------- the trainer
+
+_UPDATE_WEIGHTS = "/rewardmesh.v1.RolloutService/UpdateWeights"
+
+
+class Fanout:
+    """One stream of messages to several consumers, each at its own pace, but never more than `window` messages
+    ahead of the slowest one still reading: the trainer holds `window` messages (16 MiB each by default), not
+    the whole serialized model while one server lags (14 GB for a 7B model). A consumer that stops (its call
+    failed, or timed out) leaves, and the others go on."""
+
+    def __init__(self, source: Iterator[bytes], consumers: Sequence[str], window: int = 4) -> None:
+        self._source = source
+        self._queues = {c: asyncio.Queue[bytes | None](maxsize=window) for c in consumers}
+        self._producer: asyncio.Task[None] | None = None
+        self._error: Exception | None = None
+
+    async def _produce(self) -> None:
+        try:
+            for message in itertools.chain(self._source, [None]):  # None: the end
+                for c, q in list(self._queues.items()):
+                    if c in self._queues:  # it may have left while this waited on another's queue
+                        await q.put(message)
+                if not self._queues:
+                    return
+        except Exception as exc:  # building a message failed: every consumer hears it, none waits on
+            self._error = exc
+            for q in self._queues.values():
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(None)
+
+    async def messages(self, consumer: str) -> AsyncIterator[bytes]:
+        if self._producer is None:
+            self._producer = asyncio.get_running_loop().create_task(self._produce())
+        q = self._queues[consumer]
+        while (message := await q.get()) is not None:
+            yield message
+        if self._error is not None:
+            raise self._error
+
+    def leave(self, consumer: str) -> None:
+        q = self._queues.pop(consumer, None)
+        while q is not None and not q.empty():  # a put waiting on its full queue goes through
+            q.get_nowait()
+        if not self._queues and self._producer is not None:
+            self._producer.cancel()
+
+
+class GrpcSender:
+    """The trainer's side: each message built once and sent to every server, at the pace of the slowest one within
+    the fan-out's window."""
+
+    def __init__(self, settings: Settings, chunk_bytes: int) -> None:
+        self.settings, self.chunk_bytes = settings, chunk_bytes
+
+    async def send(
+        self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
+    ) -> Outcomes:
+        messages = iter_update_requests(
+            update.wire, version, self.chunk_bytes, specs=update.specs, delta_base=update.base
+        )
+        fanout = Fanout(messages, [a for a, _ in targets])
+        return await gather(targets, lambda a, ch: self._grpc(ch, fanout, a))
+
+    async def _grpc(self, channel: aio.Channel, fanout: Fanout, address: str) -> rollout_pb2.TransferWeightsResponse:
+        call = channel.stream_unary(_UPDATE_WEIGHTS, request_serializer=None,
+                                    response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString)  # fmt: skip
+        try:
+            r = await call(fanout.messages(address), timeout=self.settings.timeout_s)
+        finally:
+            fanout.leave(address)  # a failed server holds the others back no longer
+        return rollout_pb2.TransferWeightsResponse(policy_version=r.policy_version, num_tensors=r.num_tensors,
+                                                   num_bytes=r.num_bytes, apply_seconds=r.apply_seconds)  # fmt: skip
+
+    def close(self) -> None:
+        pass

@@ -1,8 +1,9 @@
-"""The shm plane: one file under /dev/shm, written once by the trainer (`ShmWriter`), mapped by every rollout
-server on the host (`map_shm`)."""
+"""The shm plane: one file under /dev/shm, written once by the trainer (`ShmSender`, `ShmWriter`), mapped by
+every rollout server on the host (`receive_shm`)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import logging
@@ -16,8 +17,19 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.planes.layout import byte_view, views
+from rewardmesh.common.planes.base import (
+    Outcomes,
+    Settings,
+    Staged,
+    Target,
+    Update,
+    call_transfer,
+    gather,
+    transfer_request,
+)
+from rewardmesh.common.planes.layout import byte_view, layout, views
 from rewardmesh.common.planes.manifest import Entry
+from rewardmesh.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +160,40 @@ def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict
             raise InvalidInput(f"shm.path: {path!r} has {size} bytes, the manifest needs {end}")
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)
+
+
+def receive_shm(source: rollout_pb2.ShmSource, entries: Sequence[Entry], host: str) -> Staged:
+    """The server's side: the trainer's file, mapped (never adopted: the trainer writes it again next time)."""
+    if not host:
+        raise InvalidInput("shm: this server has no usable /dev/shm")
+    return Staged(map_shm(source.path, entries, list(source.offsets)))
+
+
+class ShmSender:
+    """The trainer's side: the update written once into its file, whose path every server is sent."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._shm: ShmWriter | None = None
+
+    async def send(
+        self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
+    ) -> Outcomes:
+        tensors = list(update.wire.values())
+        (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62, alone_bytes=1 << 62)
+        if self._shm is None:
+            self._shm = ShmWriter()
+        shm = self._shm
+        await asyncio.to_thread(shm.write, tensors, bucket.offsets, bucket.nbytes)
+        request = transfer_request(update, version, self.settings.timeout_s)
+        request.shm.path = str(shm.path)
+        request.shm.offsets.extend(bucket.offsets)
+        outcomes = await gather(targets, lambda a, ch: call_transfer(ch, request, self.settings.timeout_s))
+        if any(isinstance(o, BaseException) for o in outcomes.values()):
+            shm.rotate()  # a server that gave up late may still read the old file
+        return outcomes
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None

@@ -20,6 +20,7 @@ from rewardmesh.client import weight_sync
 from rewardmesh.client.trainer import TrainerClient
 from rewardmesh.client.weight_sync import WeightSyncError
 from rewardmesh.common.planes import delta as weight_delta
+from rewardmesh.common.planes import dist, grpc_chunks
 from rewardmesh.common.planes.digests import check_received, digest, finite, scan
 from rewardmesh.common.planes.grpc_chunks import iter_update_requests
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest, manifest
@@ -129,12 +130,12 @@ def _corrupt(monkeypatch: pytest.MonkeyPatch, plane: str, state: dict[str, torch
     """Flip a byte of NAME's bytes after the trainer computed its digest, on the way to the servers."""
     index = list(state).index(NAME)
     if plane == "grpc":
-        real = weight_sync.iter_update_requests
+        real = grpc_chunks.iter_update_requests
 
         def corrupted(wire: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Iterator[bytes]:
             return real({**wire, NAME: flipped(wire[NAME])}, *args, **kwargs)
 
-        monkeypatch.setattr(weight_sync, "iter_update_requests", corrupted)
+        monkeypatch.setattr(grpc_chunks, "iter_update_requests", corrupted)
     elif plane == "shm":
         real_write = ShmWriter.write
 
@@ -143,12 +144,12 @@ def _corrupt(monkeypatch: pytest.MonkeyPatch, plane: str, state: dict[str, torch
 
         monkeypatch.setattr(ShmWriter, "write", write)
     else:
-        real_send = weight_sync.send_buckets
+        real_send = dist.send_buckets
 
         def send(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> int:
             return real_send(group, [flipped(t) if i == index else t for i, t in enumerate(tensors)], *args, **kwargs)
 
-        monkeypatch.setattr(weight_sync, "send_buckets", send)
+        monkeypatch.setattr(dist, "send_buckets", send)
 
 
 @pytest.mark.parametrize("plane", ["grpc", "shm", "dist", "dist-shared", "grpc-delta", "shm-delta", "dist-delta"])

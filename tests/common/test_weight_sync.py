@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from rewardmesh.client import weight_sync
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.client.weight_sync import WeightSyncError
+from rewardmesh.common.planes import dist, grpc_chunks
 from rewardmesh.common.planes.grpc_chunks import WeightAssembler, iter_update_requests
 from rewardmesh.common.planes.layout import LAYOUT_VERSION, layout
 from rewardmesh.common.planes.manifest import WeightsError, check_manifest, manifest
@@ -354,7 +355,7 @@ async def test_grpc_stream_broken_midway_applies_nothing(tiny_models: TinyModelP
 async def test_fanout_keeps_a_fast_reader_within_its_window_of_the_slowest() -> None:
     """The trainer holds a bounded number of messages, not everything a lagging server has not read yet; a
     reader that leaves no longer holds the others back; a failing source fails every reader."""
-    from rewardmesh.client.weight_sync import Fanout
+    from rewardmesh.common.planes.grpc_chunks import Fanout
 
     made: list[int] = []
 
@@ -405,7 +406,7 @@ async def test_a_server_killed_mid_grpc_update_fails_only_itself_and_the_other_a
     held back by the dead one's window) applies the whole update."""
     victim = victim_process(tiny_models, tmp_path)
     base = policy_state(tiny_models)
-    real = weight_sync.iter_update_requests
+    real = grpc_chunks.iter_update_requests
 
     def kill_after_three(*args: Any, **kw: Any) -> Iterator[bytes]:
         for i, message in enumerate(real(*args, **kw)):
@@ -419,7 +420,7 @@ async def test_a_server_killed_mid_grpc_update_fails_only_itself_and_the_other_a
         async with servers(tiny_models, 1) as (survivor,):
             async with TrainerClient([victim.address, survivor.address]) as client:
                 client.weight_sync.timeout_s = 10.0
-                monkeypatch.setattr(weight_sync, "iter_update_requests", kill_after_three)
+                monkeypatch.setattr(grpc_chunks, "iter_update_requests", kill_after_three)
                 with pytest.raises(WeightSyncError) as info:
                     await asyncio.wait_for(
                         client.update_weights(perturbed(base, 12), transport="grpc", chunk_bytes=4 << 10), 60
@@ -445,7 +446,7 @@ async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_othe
 ) -> None:
     victim = victim_process(tiny_models, tmp_path)
     base = policy_state(tiny_models)
-    real_send = weight_sync.send_buckets
+    real_send = dist.send_buckets
 
     def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float, **kw: Any) -> int:
         real_send(group, tensors, buckets[:1], timeout_s, **kw)  # the first bucket reaches both
@@ -461,11 +462,11 @@ async def test_a_server_killed_mid_broadcast_fails_the_call_cleanly_and_the_othe
                 client.weight_sync.timeout_s = 3.0
                 await client.update_weights(perturbed(base, 9), transport="dist")
                 old = model_weights(survivor)
-                monkeypatch.setattr(weight_sync, "send_buckets", send_then_kill)
+                monkeypatch.setattr(dist, "send_buckets", send_then_kill)
                 with pytest.raises(WeightSyncError) as info:
                     await asyncio.wait_for(client.update_weights(perturbed(base, 10), transport="dist"), 60)
                 assert victim.address in info.value.failed and victim.address in str(info.value)
-                monkeypatch.setattr(weight_sync, "send_buckets", real_send)
+                monkeypatch.setattr(dist, "send_buckets", real_send)
             # The survivor either finished (the broadcast reached it whole) or kept the old weights: never a mix.
             if survivor.backend.policy_version == 1:
                 assert same(model_weights(survivor), old) and await generated_version(survivor.address) == 1
@@ -487,7 +488,7 @@ async def test_the_last_server_of_the_chain_killed_mid_transfer_leaves_the_first
     it dies: it applies the update; the call fails naming the victim only."""
     victim = victim_process(tiny_models, tmp_path)
     base = policy_state(tiny_models)
-    real_send = weight_sync.send_buckets
+    real_send = dist.send_buckets
 
     def send_then_kill(group: Any, tensors: Any, buckets: Any, timeout_s: float, **kw: Any) -> int:
         assert kw.get("chain")
@@ -503,7 +504,7 @@ async def test_the_last_server_of_the_chain_killed_mid_transfer_leaves_the_first
                 client.weight_sync.bucket_bytes = 32 << 10
                 client.weight_sync.timeout_s = 3.0
                 await client.update_weights(perturbed(base, 9), transport="dist")
-                monkeypatch.setattr(weight_sync, "send_buckets", send_then_kill)
+                monkeypatch.setattr(dist, "send_buckets", send_then_kill)
                 with pytest.raises(WeightSyncError) as info:
                     await asyncio.wait_for(client.update_weights(perturbed(base, 10), transport="dist"), 60)
                 assert list(info.value.failed) == [victim.address], info.value.failed
