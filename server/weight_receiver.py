@@ -10,7 +10,7 @@ Peak extra memory during an update: the staged weights (dist: the received bucke
 are views of; grpc: one preallocated tensor per name; shm: nothing, the trainer's file is mapped). On CPU the
 dist buffers the model gave back are kept for the next update of the same layout, so the steady state is the
 model's weights plus one staged copy, the same as a copy-in backend that keeps its staging buffers. dist servers
-of one host that share a copy (common.weight_planes.SharedWeights): the first holds two files (the one the model
+of one host that share a copy (common.planes.dist.SharedWeights): the first holds two files (the one the model
 serves from, a spare), the others map its file and hold none of their own.
 """
 
@@ -22,30 +22,21 @@ import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from rewardmesh.common.errors import DependencyFailed, InvalidInput, Unavailable
+from rewardmesh.common.errors import DependencyFailed, InvalidInput
 from rewardmesh.common.planes import delta as weight_delta
 from rewardmesh.common.planes.cuda_ipc import check_ipc, check_source, open_tensors
 from rewardmesh.common.planes.digests import digest, finite, scan
-from rewardmesh.common.planes.dist import (
-    ForwardFailed,
-    HostShare,
-    SharedWeights,
-    dist_available,
-    file_offsets,
-    form_group,
-    receive_buckets,
-)
+from rewardmesh.common.planes.dist import DistReceiver, SharedWeights, dist_available
 from rewardmesh.common.planes.grpc_chunks import WeightAssembler, keep_freed_memory, parse_update_request
-from rewardmesh.common.planes.layout import LAYOUT_VERSION, byte_view, layout
+from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
-from rewardmesh.common.planes.shm import host_id, map_shm
+from rewardmesh.common.planes.shm import host_id, receive_shm
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
@@ -152,10 +143,7 @@ def add_rollout_service(servicer: Any, server: Any) -> None:
 
 
 class WeightReceiver:
-    """One update at a time; keeps the process groups trainers formed (a few, most recent first), since a
-    trainer keeps its group while its servers stay the same and sends only the group's name again."""
-
-    MAX_GROUPS = 4
+    """One update at a time: the plane named in the request stages it, then it is checked and committed."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -178,7 +166,7 @@ class WeightReceiver:
         self._held_file: tuple[SharedWeights, dict[str, torch.Tensor]] | None = None
         self._spare_file: SharedWeights | None = None
         self._tasks: set[asyncio.Future[Any]] = set()  # commits that run on after their caller left
-        self._groups: OrderedDict[tuple[str, int, str, int, int, str], Any] = OrderedDict()
+        self._dist = DistReceiver()  # keeps the process groups trainers formed
 
     def cuda_uuid(self) -> str:
         """The GPU the model runs on ("" if none): a trainer with its tensors there may send CUDA IPC handles."""
@@ -471,18 +459,22 @@ class WeightReceiver:
         self, request: rollout_pb2.TransferWeightsRequest, entries: list[Entry], which: str
     ) -> tuple[int, float]:
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
-        owned, file = None, None  # shm: the trainer's file, never adopted (the trainer writes it again next time)
         version, base = request.policy_version, request.delta_base_version
         async with self._lock:
             if which == "cuda_ipc":
                 return await self._apply_ipc(request.cuda_ipc, entries, version)
             if which == "shm":
-                if not self.host_id:
-                    raise InvalidInput("shm: this server has no usable /dev/shm")
-                tensors = await asyncio.to_thread(map_shm, request.shm.path, entries, list(request.shm.offsets))
+                staged = await asyncio.to_thread(receive_shm, request.shm, entries, self.host_id)
             else:
-                tensors, owned, file = await self._receive_dist(request.dist, entries, timeout_s)
-            return await self._commit(tensors, entries, version, base, owned, file)
+                staged = await self._dist.receive(
+                    request.dist, entries, timeout_s, self._device(), self._staging, self._host_file
+                )
+            return await self._commit(staged.tensors, entries, version, base, staged.owned, staged.file)
+
+    def _staging(self, device: torch.device, delta: bool) -> Callable[[int], torch.Tensor]:
+        """Where a dist update's buckets go: the spare buffers the model left (a delta's buckets are small: the
+        spare stays for the delta to start from), else new ones."""
+        return _recycler(None if delta else self._take_spare(), device)
 
     async def _apply_ipc(
         self, source: rollout_pb2.CudaIpcSource, entries: list[Entry], version: int
@@ -499,69 +491,3 @@ class WeightReceiver:
             return self.backend.policy_version, time.perf_counter() - started
         tensors = open_tensors(source, entries, self._device())
         return await self._commit(tensors, entries, version, 0)
-
-    async def _receive_dist(
-        self, rdv: rollout_pb2.DistRendezvous, entries: list[Any], timeout_s: float
-    ) -> tuple[dict[str, torch.Tensor], _Buffers | None, SharedWeights | None]:
-        """The staged tensors, and what they lie in: buffers of ours, or a host's shared file."""
-        if not dist_available():
-            raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
-        if rdv.backend not in ("gloo", "nccl"):
-            raise InvalidInput(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
-        if not 0 < rdv.rank < rdv.world_size:
-            raise InvalidInput(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
-        if rdv.layout != LAYOUT_VERSION:
-            raise InvalidInput(
-                f"dist.layout: {rdv.layout} is not this server's bucket layout {LAYOUT_VERSION} (a trainer and a "
-                "server of different rewardmesh releases); upgrade the older one, or use transport='grpc'"
-            )
-        if rdv.bucket_bytes < 1:
-            raise InvalidInput(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
-        if rdv.share_from_prev and not (rdv.chain and rdv.rank >= 2):
-            raise InvalidInput("dist.share_from_prev: set only in a chain, on ranks >= 2 (rank 1 hears the trainer)")
-        if rdv.share_with_next and not (rdv.chain and rdv.rank + 1 < rdv.world_size):
-            raise InvalidInput("dist.share_with_next: set only in a chain on a rank that has a next one")
-        device = self._device() if rdv.backend == "nccl" else torch.device("cpu")
-        key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
-        buckets = layout([e.wire for e in entries], rdv.bucket_bytes)
-        group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
-        share = None
-        if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
-            share = HostShare(to_next=rdv.share_with_next, from_prev=rdv.share_from_prev)
-        if share is not None and not share.from_prev:  # we receive the host's copy
-            share.file = await asyncio.to_thread(self._host_file, file_offsets(buckets)[1])
-        if share is not None and share.file is not None:
-            buffers = share.file.buckets(buckets)
-        else:  # (also where a neighbour's file is mapped instead, unless it sends the bytes: no room for a file)
-            # (a delta's buckets are small: the spare the model left stays for the delta to start from)
-            take = _recycler(None if any(e.encoding for e in entries) else self._take_spare(), device)
-            buffers = [take(b.nbytes) for b in buckets]  # spare again only once this update is applied or copied out
-
-        def receive() -> dict[str, torch.Tensor]:
-            pg = group
-            if pg is None:
-                pg = form_group(host=rdv.host, port=rdv.port, group=rdv.group, rank=rdv.rank,
-                                world_size=rdv.world_size, backend=rdv.backend, timeout_s=timeout_s)  # fmt: skip
-            chain = (rdv.rank, rdv.world_size) if rdv.chain else None
-            try:
-                staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers, chain=chain, share=share)
-            except ForwardFailed as exc:  # our bytes are whole; the group is not (the next server went away)
-                return exc.staged
-            self._groups[key] = pg
-            while len(self._groups) > self.MAX_GROUPS:
-                self._groups.popitem(last=False)
-            return staged
-
-        try:
-            staged = await asyncio.to_thread(receive)
-        except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
-            # a late write may still land in these buffers: never reuse them (self._spare is None already)
-            if share is not None and share.file is not None:
-                share.file.close()
-            text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise TimeoutError(text) from exc
-            raise Unavailable(text) from exc
-        if share is not None and share.file is not None:
-            return staged, None, share.file
-        return staged, buffers, None

@@ -21,15 +21,24 @@ import socket
 import uuid
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, call_transfer, gather, transfer_request
+from rewardmesh.common.errors import InvalidInput, Unavailable
+from rewardmesh.common.planes.base import (
+    Outcomes,
+    Settings,
+    Staged,
+    Target,
+    Update,
+    call_transfer,
+    gather,
+    transfer_request,
+)
 from rewardmesh.common.planes.layout import LAYOUT_VERSION, Bucket, aligned, byte_view, layout, views
 from rewardmesh.common.planes.manifest import Entry
 from rewardmesh.common.planes.shm import SHM_DIR, SHM_PREFIX, sweep_stale_shm, weights_file
@@ -489,3 +498,91 @@ class DistSender:
         if any(isinstance(o, BaseException) for o in outcomes.values()):
             self._group = None  # re-formed on the next update
         return outcomes
+
+
+# --------------------------------------------------------------------------------------------- the server
+
+
+class DistReceiver:
+    """The server's side: keeps the process groups trainers formed (a few, most recent first), since a trainer
+    keeps its group while its servers stay the same and sends only the group's name again."""
+
+    MAX_GROUPS = 4
+
+    def __init__(self) -> None:
+        self._groups: collections.OrderedDict[tuple[str, int, str, int, int, str], Any] = collections.OrderedDict()
+
+    async def receive(
+        self,
+        rdv: rollout_pb2.DistRendezvous,
+        entries: list[Entry],
+        timeout_s: float,
+        model_device: torch.device,
+        staging: Callable[[torch.device, bool], Callable[[int], torch.Tensor]],
+        host_file: Callable[[int], SharedWeights | None],
+    ) -> Staged:
+        """The staged tensors, and what they lie in: buffers of ours, or a host's shared file.
+
+        staging(device, delta): where each bucket's bytes go (delta: the update carries one); host_file(size): the
+        file this server receives a host's shared copy into (None: there is no room for one)."""
+        if not dist_available():
+            raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
+        if rdv.backend not in ("gloo", "nccl"):
+            raise InvalidInput(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
+        if not 0 < rdv.rank < rdv.world_size:
+            raise InvalidInput(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
+        if rdv.layout != LAYOUT_VERSION:
+            raise InvalidInput(
+                f"dist.layout: {rdv.layout} is not this server's bucket layout {LAYOUT_VERSION} (a trainer and a "
+                "server of different rewardmesh releases); upgrade the older one, or use transport='grpc'"
+            )
+        if rdv.bucket_bytes < 1:
+            raise InvalidInput(f"dist.bucket_bytes must be >= 1, got {rdv.bucket_bytes}")
+        if rdv.share_from_prev and not (rdv.chain and rdv.rank >= 2):
+            raise InvalidInput("dist.share_from_prev: set only in a chain, on ranks >= 2 (rank 1 hears the trainer)")
+        if rdv.share_with_next and not (rdv.chain and rdv.rank + 1 < rdv.world_size):
+            raise InvalidInput("dist.share_with_next: set only in a chain on a rank that has a next one")
+        device = model_device if rdv.backend == "nccl" else torch.device("cpu")
+        key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
+        buckets = layout([e.wire for e in entries], rdv.bucket_bytes)
+        group = self._groups.pop(key, None)  # kept again only if this transfer succeeds
+        share = None
+        if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
+            share = HostShare(to_next=rdv.share_with_next, from_prev=rdv.share_from_prev)
+        if share is not None and not share.from_prev:  # we receive the host's copy
+            share.file = await asyncio.to_thread(host_file, file_offsets(buckets)[1])
+        if share is not None and share.file is not None:
+            buffers = share.file.buckets(buckets)
+        else:  # (also where a neighbour's file is mapped instead, unless it sends the bytes: no room for a file)
+            # (a delta's buckets are small: the spare the model left stays for the delta to start from)
+            take = staging(device, any(e.encoding for e in entries))
+            buffers = [take(b.nbytes) for b in buckets]  # spare again only once this update is applied or copied out
+
+        def receive() -> dict[str, torch.Tensor]:
+            pg = group
+            if pg is None:
+                pg = form_group(host=rdv.host, port=rdv.port, group=rdv.group, rank=rdv.rank,
+                                world_size=rdv.world_size, backend=rdv.backend, timeout_s=timeout_s)  # fmt: skip
+            chain = (rdv.rank, rdv.world_size) if rdv.chain else None
+            try:
+                staged = receive_buckets(pg, entries, buckets, device, timeout_s, buffers, chain=chain, share=share)
+            except ForwardFailed as exc:  # our bytes are whole; the group is not (the next server went away)
+                return exc.staged
+            self._groups[key] = pg
+            while len(self._groups) > self.MAX_GROUPS:
+                self._groups.popitem(last=False)
+            return staged
+
+        try:
+            staged = await asyncio.to_thread(receive)
+        except RuntimeError as exc:  # gloo/NCCL: a peer went away or a wait timed out; nothing was applied
+            # a late write may still land in these buffers: never reuse them (staging handed them out for good)
+            if share is not None and share.file is not None:
+                share.file.close()
+            text = f"dist: receiving the weights from {rdv.host}:{rdv.port} failed, nothing applied: {exc}"
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(text) from exc
+            raise Unavailable(text) from exc
+        if share is not None and share.file is not None:
+            return Staged(staged, file=share.file)
+        return Staged(staged, owned=buffers)
