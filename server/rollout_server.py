@@ -11,11 +11,11 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.planes.grpc_chunks import add_rollout_service
 from rewardmesh.server.backends.base import Backend
 from rewardmesh.server.rollout_service import RolloutServicer
 from rewardmesh.server.rollout_worker import RolloutWorker
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.server.weight_receiver import add_rollout_service
 from rewardmesh.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ serves from, a spare), the others map its file and hold none of their own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -25,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
-import grpc
 import torch
 
 from rewardmesh.common.errors import DependencyFailed, InvalidInput
@@ -33,13 +31,13 @@ from rewardmesh.common.planes import delta as weight_delta
 from rewardmesh.common.planes.cuda_ipc import check_ipc, check_source, open_tensors
 from rewardmesh.common.planes.digests import digest, finite, scan
 from rewardmesh.common.planes.dist import DistReceiver, SharedWeights, dist_available
-from rewardmesh.common.planes.grpc_chunks import WeightAssembler, keep_freed_memory, parse_update_request
+from rewardmesh.common.planes.grpc_chunks import Message, WeightAssembler, keep_freed_memory, receive_chunks
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
 from rewardmesh.common.planes.shm import host_id, receive_shm
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.server.backends.base import Backend
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +74,6 @@ def _settle(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
-
-
-async def _drain(requests: AsyncIterator[Any], limit_s: float) -> None:
-    """Read (and drop) what the client still sends after a chunk was refused.
-
-    A server that answers while its client is still writing makes the client's next write fail, and grpc.aio
-    then reports that failed write (INTERNAL "Failed execute_batch SendMessageOperation") instead of the
-    status naming the bad tensor; reading the rest first lets the status through. Bounded in time and by the
-    chunk limit, so a client that never stops sending is cut off all the same.
-    """
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(limit_s):
-            async for _ in requests:
-                pass
-
-
 def _on_cpu(buffers: _Buffers) -> bool:
     return bool(buffers) and buffers[0].device.type == "cpu"
 
@@ -111,35 +92,6 @@ def _recycler(spare: _Buffers | None, device: torch.device) -> Callable[[int], t
         return same.pop() if same else torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     return take
-
-
-class _FastChunks:
-    """Stands in for the server while the generated code registers RolloutService: the UpdateWeights handler is
-    registered with `parse_update_request` as its deserializer, every other method as generated."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.generic: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        old = handlers["UpdateWeights"]
-        handlers = {**handlers, "UpdateWeights": grpc.stream_unary_rpc_method_handler(
-            old.stream_unary, request_deserializer=parse_update_request,
-            response_serializer=old.response_serializer)}  # fmt: skip
-        self.generic = None
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self.server.add_registered_method_handlers(service, handlers)
-
-
-def add_rollout_service(servicer: Any, server: Any) -> None:
-    """`add_RolloutServiceServicer_to_server`, with UpdateWeights chunks parsed without copying their bytes."""
-    proxy = _FastChunks(server)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
-    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
-        server.add_generic_rpc_handlers(proxy.generic)
 
 
 class WeightReceiver:
@@ -291,29 +243,24 @@ class WeightReceiver:
         """The UpdateWeights stream: chunks into preallocated tensors, every chunk checked as it arrives; applied
         only once the stream ended whole and every tensor checks out, and then whatever the client does."""
         keep_freed_memory()  # gRPC's receive buffers, a message's worth each, recycled rather than faulted in
-        assembler: WeightAssembler | None = None
         version = base = 0
-        try:
-            async for msg in requests:
-                if assembler is None:
-                    if not msg.manifest:
-                        raise InvalidInput("manifest: required on the first UpdateWeights message")
-                    version = next_version(msg.policy_version, self.backend.policy_version)
-                    base = msg.delta_base_version
-                    entries = check_manifest(msg.manifest, self.backend.weight_specs())
-                    self._check_base(entries, base)
-                    # a delta starts from the served tensors: the spare stays for it (its own buffers are small)
-                    take = None if any(e.encoding for e in entries) else _recycler(self._take_spare(), _CPU)
-                    assembler = WeightAssembler(self.backend.weight_specs(), take)
-                    assembler.expect(msg.manifest)
-                assembler.add(msg.chunk)
-        except Exception:
-            await _drain(requests, DRAIN_S)
-            raise
-        if assembler is None:
-            raise InvalidInput("UpdateWeights: the stream carried no messages")
-        tensors = assembler.finish()
-        owned = [byte_view(t) for t in tensors.values()]
+
+        def begin(first: Message) -> WeightAssembler:
+            """The first message's manifest and version checked: the assembler its chunks go into."""
+            nonlocal version, base
+            version = next_version(first.policy_version, self.backend.policy_version)
+            base = first.delta_base_version
+            entries = check_manifest(first.manifest, self.backend.weight_specs())
+            self._check_base(entries, base)
+            # a delta starts from the served tensors: the spare stays for it (its own buffers are small)
+            take = None if any(e.encoding for e in entries) else _recycler(self._take_spare(), _CPU)
+            assembler = WeightAssembler(self.backend.weight_specs(), take)
+            assembler.expect(first.manifest)
+            return assembler
+
+        assembler = await receive_chunks(requests, begin)
+        staged = assembler.staged()
+        tensors, owned = staged.tensors, staged.owned
         expected = assembler.expected or []
 
         async def commit() -> tuple[int, float]:

@@ -8,17 +8,21 @@ Each process recycles its message buffers (`keep_freed_memory`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from grpc import aio
 
-from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, gather
+from rewardmesh.common.errors import InvalidInput
+from rewardmesh.common.planes.base import Outcomes, Settings, Staged, Target, Update, gather
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import (
     TORCH_DTYPES,
@@ -30,7 +34,7 @@ from rewardmesh.common.planes.manifest import (
     manifest,
 )
 from rewardmesh.common.tensors import dtype_name
-from rewardmesh.v1 import rollout_pb2
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its adaptive threshold (HEAP_MAX_SIZE / 2 on 64-bit)
@@ -292,6 +296,85 @@ class WeightAssembler:
             if covered != size:
                 raise WeightsError(f"tensor {name!r}: got {covered} of {size} bytes")
         return self.tensors
+
+    def staged(self) -> Staged:
+        """The whole update (`finish`), in fresh tensors of ours that a backend may adopt."""
+        tensors = self.finish()
+        return Staged(tensors, owned=[byte_view(t) for t in tensors.values()])
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+class _FastChunks:
+    """Stands in for the server while the generated code registers RolloutService: the UpdateWeights handler is
+    registered with `parse_update_request` as its deserializer, every other method as generated."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.generic: Any = None
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        old = handlers["UpdateWeights"]
+        handlers = {**handlers, "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+            old.stream_unary, request_deserializer=parse_update_request,
+            response_serializer=old.response_serializer)}  # fmt: skip
+        self.generic = None
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self.server.add_registered_method_handlers(service, handlers)
+
+
+def add_rollout_service(servicer: Any, server: Any) -> None:
+    """`add_RolloutServiceServicer_to_server`, with UpdateWeights chunks parsed without copying their bytes."""
+    proxy = _FastChunks(server)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
+    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
+        server.add_generic_rpc_handlers(proxy.generic)
+
+
+DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
+
+
+async def drain(requests: AsyncIterator[Any], limit_s: float) -> None:
+    """Read (and drop) what the client still sends after a chunk was refused.
+
+    A server that answers while its client is still writing makes the client's next write fail, and grpc.aio
+    then reports that failed write (INTERNAL "Failed execute_batch SendMessageOperation") instead of the
+    status naming the bad tensor; reading the rest first lets the status through. Bounded in time and by the
+    chunk limit, so a client that never stops sending is cut off all the same.
+    """
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(limit_s):
+            async for _ in requests:
+                pass
+
+
+Message = UpdateView | rollout_pb2.UpdateWeightsRequest  # what the server reads: parsed by hand, or by protobuf
+
+
+async def receive_chunks(
+    requests: AsyncIterator[Message], begin: Callable[[Message], WeightAssembler]
+) -> WeightAssembler:
+    """The server's side of one UpdateWeights stream: every chunk into the assembler `begin` makes from the first
+    message (which must carry the manifest), each checked as it arrives; a refused stream is read on (`drain`),
+    so its client hears why. The assembler's `staged()` then checks that every byte arrived."""
+    assembler: WeightAssembler | None = None
+    try:
+        async for msg in requests:
+            if assembler is None:
+                if not msg.manifest:
+                    raise InvalidInput("manifest: required on the first UpdateWeights message")
+                assembler = begin(msg)
+            assembler.add(msg.chunk)
+    except Exception:
+        await drain(requests, DRAIN_S)
+        raise
+    if assembler is None:
+        raise InvalidInput("UpdateWeights: the stream carried no messages")
+    return assembler
 
 
 # --------------------------------------------------------------------------------------------- the trainer
