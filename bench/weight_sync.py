@@ -383,6 +383,7 @@ async def run_delta(args: argparse.Namespace) -> int:
         await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))
         await asyncio.gather(*(p.wait_serving() for p in procs))
         clients = {kind: TrainerClient([r.address for r in fleet]) for kind, fleet in fleets.items()}
+        clients["delta"].weight_sync.delta = True
         clients["whole"].weight_sync.delta = False
         version = 0
         for lr in args.lrs:

@@ -84,13 +84,14 @@ class WeightSync:
         dist_host: str | None = None,
         share_host: bool = True,
         verify: bool = True,
-        delta: bool = True,
+        delta: bool = False,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         # A digest of every tensor, which each server checks over what it is about to serve (see common.planes.digests).
         self.verify = verify
-        # Keep a copy of the last version sent (CPU tensors only: one more copy of the weights in memory), and send
-        # servers that serve it only the changed elements (common.planes.delta).
+        # Opt in: keep a copy of the last version sent (CPU tensors only: one more copy of the weights in memory),
+        # and send servers that serve it only the changed elements (common.planes.delta). Off by default: the
+        # comparison is a pass over the weights that a fast link (one host, loopback) outruns.
         self.delta = delta
         self._base: dict[str, torch.Tensor] | None = None
         self._base_version = -1

@@ -166,6 +166,7 @@ async def test_a_byte_corrupted_in_flight_is_refused_and_the_old_weights_keep_se
     async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
         client.weight_sync.share_host = kind == "shared"
+        client.weight_sync.delta = kind == "delta"
         good = weights_of(base, 91)
         assert await client.update_weights(good, transport=transport) == 1
         bad = sparse_step(good, 92) if kind == "delta" else weights_of(base, 92)
@@ -199,6 +200,7 @@ async def test_deltas_carry_only_the_changed_elements_and_end_bitwise_equal(
     state = weights_of(policy_state(tiny_models), 101)
     async with servers(tiny_models, 2) as ros, TrainerClient([r.address for r in ros]) as client:
         client.weight_sync.bucket_bytes = 64 << 10
+        client.weight_sync.delta = True
         assert await client.update_weights(state, transport=transport) == 1
         whole = client.last_weight_sync
         assert whole is not None and whole.sent_bytes == whole.num_bytes
@@ -217,6 +219,7 @@ async def test_a_server_that_missed_a_version_gets_the_whole_weights_and_a_stale
     base = policy_state(tiny_models)
     async with servers(tiny_models, 2) as ros:
         async with TrainerClient([r.address for r in ros]) as client:
+            client.weight_sync.delta = True
             one = weights_of(base, 111)
             assert await client.update_weights(one, transport="dist") == 1
             async with TrainerClient([ros[0].address]) as other:  # another trainer moves the first server on

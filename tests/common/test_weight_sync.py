@@ -1017,7 +1017,7 @@ def test_every_dist_chain_ends_bitwise_equal_or_names_the_server(fleet: LiveFlee
         members = [fleet.servers[i] for i in order[:count]]
         for r, h in zip(members, hosts, strict=False):
             r.servicer.weights.host_id = names[h]
-        sync = weight_sync.WeightSync(bucket_bytes=bucket, share_host=share, verify=verify, timeout_s=60)
+        sync = weight_sync.WeightSync(bucket_bytes=bucket, share_host=share, verify=verify, timeout_s=60, delta=True)
         state = weights_of(base, seed) if whole_dtype else perturbed(base, seed)
         try:
             with patch.object(SharedWeights, "create", staticmethod(_no_room)) if not room else nullcontext():
