@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewardmesh.reward_engine.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, FairQueue, Lane, Queued, Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from rewardmesh.common.errors import UnknownReward
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo
-from rewardmesh.reward_engine.errors import UnknownReward
 from rewardmesh.reward_engine.pipeline import RewardPipeline, WeightedSource
 from rewardmesh.reward_engine.types import RewardSource
 

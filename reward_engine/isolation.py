@@ -45,7 +45,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from rewardmesh.reward_engine.errors import (
+from rewardmesh.common.errors import (
     DeadlineExceeded,
     InvalidInput,
     QueueFull,

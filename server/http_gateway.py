@@ -36,8 +36,8 @@ from aiohttp import web
 
 from rewardmesh.client.integrations.scoring import label_fields
 from rewardmesh.common.channels import auth_token, read_token
+from rewardmesh.common.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, depth
 from rewardmesh.server.run_code import RunCode

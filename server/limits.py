@@ -19,7 +19,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput
 
 
 class LimitExceeded(InvalidInput):

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 from grpc import aio
 
+from rewardmesh.common.errors import Cancelled, InvalidInput, Unavailable
 from rewardmesh.common.tensors import duration_seconds, ids_checked, ids_from
 from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.errors import Cancelled, InvalidInput, Unavailable
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import RewardInput, WireInput
 from rewardmesh.server.decoding import decoder

@@ -15,9 +15,9 @@ from typing import Any
 
 from grpc import aio
 
+from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.layout import LAYOUT_VERSION
 from rewardmesh.common.tensors import duration_seconds, ids_from, ids_tensor
-from rewardmesh.reward_engine.errors import InvalidInput, Unavailable
 from rewardmesh.server.agent_loop import AgentSettings
 from rewardmesh.server.backends.base import GenerationRequest
 from rewardmesh.server.decoding import decoder

@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.reward_engine.sandbox.executor import Job, JobResult, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import Plan, job_of
 

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 # A request, or (the request, {index of a sample that did not parse: its error}); index -1: ScoreRequest.sample.

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from rewardmesh.reward_engine import errors
+from rewardmesh.common import errors
 from rewardmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)

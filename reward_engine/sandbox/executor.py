@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewardmesh.reward_engine.errors import Unavailable
+from rewardmesh.common.errors import Unavailable
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.reward_engine.sandbox.executor import Job, TestRun
 
 LANGUAGES = ("python", "cpp")

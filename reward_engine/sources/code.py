@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rewardmesh.reward_engine.errors import InvalidInput, RewardError, SourceFailed, Unavailable
+from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from rewardmesh.reward_engine.errors import (
+from rewardmesh.common.errors import (
     DeadlineExceeded,
     DependencyFailed,
     InvalidInput,

@@ -42,8 +42,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
-from rewardmesh.reward_engine.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rewardmesh.reward_engine.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
+from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput

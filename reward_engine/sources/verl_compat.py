@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from rewardmesh.reward_engine.errors import SourceFailed
+from rewardmesh.common.errors import SourceFailed
 from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 
 # verl's signature: (data_source, solution_str, ground_truth, extra_info) -> float | dict

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from rewardmesh.common.errors import Unavailable
 from rewardmesh.common.planes.manifest import validate_weights
-from rewardmesh.reward_engine.errors import Unavailable
 
 __all__ = ["ModelWeights", "WeightSwap"]
 

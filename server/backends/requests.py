@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewardmesh.reward_engine.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.server.backends.base import GenerationRequest
 
 __all__ = ["eos_token_ids", "trim_at_stop", "validate_request"]

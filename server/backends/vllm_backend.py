@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from rewardmesh.common.errors import Unavailable
 from rewardmesh.common.planes.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.planes.manifest import Entry, WeightsError, validate_weights
-from rewardmesh.reward_engine.errors import Unavailable
 from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
 from rewardmesh.server.backends.requests import validate_request
 from rewardmesh.server.backends.vllm_engine import (

@@ -16,11 +16,11 @@ import torch
 from grpc import aio
 
 from rewardmesh.client.trainer import TrainerClient
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.planes import cuda_ipc
 from rewardmesh.common.planes.manifest import Entry, manifest
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.v1 import rollout_pb2
 from tests.support.servers import rollout_server, rollout_stub

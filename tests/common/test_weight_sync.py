@@ -1030,9 +1030,9 @@ def test_every_dist_chain_ends_bitwise_equal_or_names_the_server(fleet: LiveFlee
 
 
 def test_a_shared_file_is_reused_only_when_nobody_serves_from_it_and_outlives_a_killed_maker() -> None:
+    from rewardmesh.common.errors import InvalidInput
     from rewardmesh.common.planes.dist import SharedWeights
     from rewardmesh.common.planes.shm import sweep_stale_shm
-    from rewardmesh.reward_engine.errors import InvalidInput
 
     if not weight_sync.host_id():
         pytest.skip("no usable /dev/shm")

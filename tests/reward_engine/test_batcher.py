@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
+from rewardmesh.common.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher
-from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
 

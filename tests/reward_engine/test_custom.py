@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rewardmesh.reward_engine.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
+from rewardmesh.common.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.custom import FunctionSource
 from rewardmesh.reward_engine.types import RewardOutput
 from tests.support.paths import REPO

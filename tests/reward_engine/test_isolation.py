@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 import pytest
 
+from rewardmesh.common.errors import DeadlineExceeded, SourceFailed
 from rewardmesh.demo.server_process import ServerProcess
-from rewardmesh.reward_engine.errors import DeadlineExceeded, SourceFailed
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources.rules import RuleSource
 from rewardmesh.reward_engine.types import RewardInput, RewardOutput

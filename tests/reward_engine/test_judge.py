@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rewardmesh.reward_engine.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
+from rewardmesh.common.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
 from rewardmesh.reward_engine.types import RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port

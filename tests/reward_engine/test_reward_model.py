@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.reward_engine.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.reward_model import ModelSource, length_buckets
 from rewardmesh.reward_engine.types import RewardInput, RewardOutput
 

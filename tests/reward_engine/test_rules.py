@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rewardmesh.reward_engine.errors import InvalidInput, SourceFailed, UnknownReward
+from rewardmesh.common.errors import InvalidInput, SourceFailed, UnknownReward
 from rewardmesh.reward_engine.sources.rules import (
     INLINE_SAFE,
     RULES,

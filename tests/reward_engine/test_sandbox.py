@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.demo.code_problems import PROBLEMS
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.reward_engine.sandbox import levels
 from rewardmesh.reward_engine.sandbox.executor import SandboxUnavailable
 from rewardmesh.reward_engine.sandbox.grading import extract_program, plan, stdout_matches

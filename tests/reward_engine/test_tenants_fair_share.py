@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
+from rewardmesh.common.errors import DeadlineExceeded, QueueFull, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
-from rewardmesh.reward_engine.errors import DeadlineExceeded, QueueFull, Unavailable
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually

@@ -14,9 +14,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.reward_engine.errors import InvalidInput
 from rewardmesh.reward_engine.sources.reward_model import ModelSource
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.reward_server import load_tokenizer
