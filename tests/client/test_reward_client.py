@@ -32,7 +32,9 @@ async def test_balances_over_targets_by_outstanding_work() -> None:
             assert [len(s.pending) for s in client.streams] == [5, 5]
             results = await asyncio.gather(*futures)
     assert all(not r.HasField("error") for r in results)
-    assert a.servicer.results_sent == 5 and b.servicer.results_sent == 5
+    assert a.servicer.results_sent + b.servicer.results_sent == 10  # each sample answered exactly once
+    if client.rerouted == 0:  # no stream broke on the way (a broken one fails its samples over to the other)
+        assert a.servicer.results_sent == 5 and b.servicer.results_sent == 5
 
 
 async def test_target_killed_mid_stream_every_sample_answered_exactly_once() -> None:
