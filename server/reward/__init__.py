@@ -1,0 +1,1 @@
+"""The reward service: the Score servicer over RewardEngine, its HTTP gateway, /run_code and tenants."""
