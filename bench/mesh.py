@@ -143,7 +143,7 @@ def reward_model_pipeline(model: Path) -> dict[str, Any]:
 def tiny_policy(models_dir: Path) -> tuple[TinyModelPaths, str, Any]:
     """Quiet the logs, build (or reuse) the tiny models: their paths, the policy directory and its tokenizer."""
     from rewardmesh.demo.tiny_models import build_tiny_models
-    from rewardmesh.server.reward_server import load_tokenizer
+    from rewardmesh.server.reward.server import load_tokenizer
 
     quiet_logs()
     models = build_tiny_models(models_dir)

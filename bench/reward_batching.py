@@ -320,7 +320,7 @@ async def run_servicer_only(args: argparse.Namespace) -> dict[str, Any]:
     """CPU per sample of RewardServicer.Score itself, gRPC left out: requests parsed from bytes (as gRPC hands
     them over), every response serialized (as gRPC would), thread CPU time, median of --transport-rounds."""
     from rewardmesh.reward_engine.engine import RewardEngine
-    from rewardmesh.server.reward_service import RewardServicer
+    from rewardmesh.server.reward.service import RewardServicer
     from rewardmesh.v1 import reward_pb2
 
     engine = RewardEngine()

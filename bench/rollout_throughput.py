@@ -46,7 +46,7 @@ import numpy as np
 
 from bench.common import cpu_snapshot, cpu_usage, echo_server_argv, machine_info, markdown_table, progress
 from rewardmesh.demo.server_process import ServerProcess
-from rewardmesh.server.backends.base import Backend
+from rewardmesh.server.rollout.backends.base import Backend
 
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
 ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
@@ -84,7 +84,7 @@ class InstantBackend(Backend):
         return None
 
     async def generate(self, request: Any) -> Any:
-        from rewardmesh.server.backends.base import GenerationOutput
+        from rewardmesh.server.rollout.backends.base import GenerationOutput
 
         return GenerationOutput(list(self._ids[: request.max_tokens]), "length", 0, self.policy_version)
 
@@ -98,7 +98,7 @@ class InstantBackend(Backend):
 async def serve_instant(host: str, port: int, reward_target: str, response_tokens: int, port_file: str = "") -> None:
     """A rollout server process with the instant engine (the tiny tokenizer, built in memory)."""
     from rewardmesh.demo.tiny_models import build_tokenizer
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.server import RolloutServer
     from rewardmesh.server.serving import ServerOptions
 
     backend = InstantBackend(build_tokenizer(), response_tokens)
@@ -208,7 +208,7 @@ async def run_instant(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         bare_engine = InstantBackend(tokenizer, args.response_tokens)
 
         async def bare() -> tuple[int, int, int]:
-            from rewardmesh.server.backends.base import GenerationRequest
+            from rewardmesh.server.rollout.backends.base import GenerationRequest
 
             reqs = [GenerationRequest(prompt_ids=list(p.token_ids), max_tokens=args.response_tokens)
                     for p in prompts for _ in range(args.n)]  # fmt: skip
@@ -434,7 +434,11 @@ def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
     (by default the ones vLLM's offline ``LLM`` picks for this machine), and any --vllm-engine-arg."""
     from vllm import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
 
-    from rewardmesh.server.backends.vllm_engine import engine_args_from_env, llm_usage_context, parse_engine_args
+    from rewardmesh.server.rollout.backends.vllm_engine import (
+        engine_args_from_env,
+        llm_usage_context,
+        parse_engine_args,
+    )
 
     extra = {**engine_args_from_env(), **parse_engine_args(args.vllm_engine_arg)}
     kwargs: dict[str, Any] = {"model": model, "seed": args.seed, "disable_log_stats": True,
@@ -462,7 +466,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     from rewardmesh.client.trainer import Sampling, TrainerClient
     from rewardmesh.demo.tiny_models import build_tiny_models
-    from rewardmesh.server.backends.vllm_outputs import token_prompt
+    from rewardmesh.server.rollout.backends.vllm_outputs import token_prompt
 
     model = str(args.vllm_model or build_tiny_models(args.models).policy)
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)

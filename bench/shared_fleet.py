@@ -36,9 +36,9 @@ from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.paced_reward import PIPELINE, paced_engine
 from rewardmesh.reward_engine.fair_queue import Tenant
-from rewardmesh.server.reward_server import RewardServer
+from rewardmesh.server.reward.server import RewardServer
+from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import ServerOptions
-from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import common_pb2
 
 

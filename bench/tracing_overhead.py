@@ -281,7 +281,7 @@ async def serve(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.torch_threads)
-    from rewardmesh.server.reward_server import RewardServer, build_engine
+    from rewardmesh.server.reward.server import RewardServer, build_engine
     from rewardmesh.server.serving import ServerOptions
 
     config = None

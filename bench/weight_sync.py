@@ -82,14 +82,14 @@ def build_model(out: Path, params: float) -> Path:
 async def serve_rollout(model: str, port_file: str, threads: int, device: str, backend_name: str) -> None:
     """A rollout server whose hf backend holds the weights in bf16 (the dtype sent: updates can be adopted), or a
     vLLM engine (a small share of the GPU each: the trainer and the other servers share it)."""
-    from rewardmesh.server.backends.base import Backend
-    from rewardmesh.server.backends.hf import HFBackend
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.backends.base import Backend
+    from rewardmesh.server.rollout.backends.hf import HFBackend
+    from rewardmesh.server.rollout.server import RolloutServer
     from rewardmesh.server.serving import ServerOptions, write_port_file
 
     backend: Backend
     if backend_name == "vllm":
-        from rewardmesh.server.backends.vllm_backend import VLLMBackend
+        from rewardmesh.server.rollout.backends.vllm_backend import VLLMBackend
 
         backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16")
     else:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import ServerOptions
 
 if TYPE_CHECKING:
-    from rewardmesh.server.backends.base import Backend
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.backends.base import Backend
+    from rewardmesh.server.rollout.server import RolloutServer
 
 LOCAL = "127.0.0.1"
 
@@ -48,7 +48,7 @@ async def rollout_server(
     stop_grace_s: float = 0.5,
 ) -> AsyncIterator[RolloutServer]:
     """A rollout server over `backend`, streaming its samples to `reward_targets` (none: unscored)."""
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.server import RolloutServer
 
     server = RolloutServer(backend, reward_targets, ServerOptions(host=LOCAL, port=0, grace_s=grace_s))
     await server.start()
@@ -93,14 +93,14 @@ async def local_mesh(
         for _ in range(rollout_servers):
             backend: Backend
             if backend_name == "vllm":
-                from rewardmesh.server.backends.vllm_backend import VLLMBackend
-                from rewardmesh.server.backends.vllm_engine import engine_args_from_env
+                from rewardmesh.server.rollout.backends.vllm_backend import VLLMBackend
+                from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
 
                 backend = VLLMBackend(
                     str(policy), dtype="float32", enforce_eager=True, engine_args=engine_args_from_env()
                 )
             else:
-                from rewardmesh.server.backends.hf import HFBackend
+                from rewardmesh.server.rollout.backends.hf import HFBackend
 
                 options: dict[str, Any] = {"batch_wait_ms": batch_wait_ms} if batch_wait_ms is not None else {}
                 backend = HFBackend(str(policy), device="cpu", max_batch_size=max_batch_size, num_threads=num_threads,

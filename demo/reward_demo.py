@@ -21,7 +21,7 @@ from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import build_tiny_models
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.server.reward_server import RewardServer, load_tokenizer
+from rewardmesh.server.reward.server import RewardServer, load_tokenizer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import common_pb2, reward_pb2
 

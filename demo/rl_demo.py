@@ -26,7 +26,7 @@ from rewardmesh.client.grpo import GRPOLearner, PolicyLossConfig
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.demo.mesh import local_mesh
 from rewardmesh.demo.tiny_models import build_tiny_models
-from rewardmesh.server.reward_server import load_tokenizer
+from rewardmesh.server.reward.server import load_tokenizer
 
 COLUMNS = ("step", "score", "acc", "step_s", "gen_s", "rw_hidden", "rw_exposed", "slow_gen", "slow_rw", "stale")
 

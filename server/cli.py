@@ -206,13 +206,13 @@ def _serve(args: argparse.Namespace) -> int:
     section = file_cfg.get("server") or {}
     run: Callable[[], Coroutine[Any, Any, None]]
     if args.service == "reward":
-        from rewardmesh.server.reward_server import RewardServerConfig, serve_reward
+        from rewardmesh.server.reward.server import RewardServerConfig, serve_reward
 
         reward_cfg = resolve(RewardServerConfig, args, section)
         cfg: ServerOptions = reward_cfg
         run = functools.partial(serve_reward, reward_cfg, file_cfg.get("pipelines"), file_cfg.get("tenants"))
     else:
-        from rewardmesh.server.rollout_server import RolloutServerConfig, serve_rollout
+        from rewardmesh.server.rollout.server import RolloutServerConfig, serve_rollout
 
         rollout_cfg = resolve(RolloutServerConfig, args, section)
         cfg = rollout_cfg

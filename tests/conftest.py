@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rewardmesh.demo.tiny_models import TinyModelPaths, build_tiny_models
-from rewardmesh.server.reward_server import load_tokenizer
+from rewardmesh.server.reward.server import load_tokenizer
 
 # tests/integrations/ drives verl, TRL and OpenRLHF, installed only in their own environment: `make test-integrations`.
 collect_ignore = [] if os.environ.get("REWARDMESH_INTEGRATIONS") else ["integrations"]

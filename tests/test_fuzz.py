@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import RewardServer, build_engine, load_tokenizer
-from rewardmesh.server.rollout_server import RolloutServer
+from rewardmesh.server.reward.server import RewardServer, build_engine, load_tokenizer
+from rewardmesh.server.rollout.server import RolloutServer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.scripted_backend import ScriptedBackend

@@ -33,10 +33,10 @@ from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server import cli as rewardmesh_cli
 from rewardmesh.server.cli import build_parser
 from rewardmesh.server.config import ENV_PREFIX, resolve
-from rewardmesh.server.reward_server import SERVICE_NAME as REWARD_SERVICE
-from rewardmesh.server.reward_server import RewardServerConfig, build_engine
-from rewardmesh.server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
-from rewardmesh.server.rollout_server import RolloutServerConfig
+from rewardmesh.server.reward.server import SERVICE_NAME as REWARD_SERVICE
+from rewardmesh.server.reward.server import RewardServerConfig, build_engine
+from rewardmesh.server.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
+from rewardmesh.server.rollout.server import RolloutServerConfig
 from rewardmesh.server.serving import ServerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -488,7 +488,7 @@ QUEUE_AUTOSCALING = K8S / "components" / "queue-autoscaling"
 
 
 def test_the_shared_fleet_tells_its_jobs_apart_by_the_tokens_it_mounts(tmp_path: Path) -> None:
-    from rewardmesh.server.tenants import TenantTable
+    from rewardmesh.server.reward.tenants import TenantTable
 
     objects = CHECK.render(KUSTOMIZATIONS["shared-fleet"])
     reward = the_server(objects, "reward")

@@ -40,7 +40,7 @@ from rewardmesh.common.errors import InvalidInput, QueueFull, RewardError, Unava
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, depth
-from rewardmesh.server.run_code import RunCode
+from rewardmesh.server.reward.run_code import RunCode
 from rewardmesh.server.status import SAMPLE_ERRORS, status_of
 
 log = logging.getLogger(__name__)

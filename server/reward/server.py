@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.server.reward_service import RewardServicer
-from rewardmesh.server.sample_split import add_reward_service
+from rewardmesh.server.reward.sample_split import add_reward_service
+from rewardmesh.server.reward.service import RewardServicer
+from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class RewardServer(MeshServer):
         self.servicer = RewardServicer(
             engine, tokenizer, max_stream_unanswered=bound, limits=self.options, tenants=self.tenants
         )
-        self.gateway: Any = None  # rewardmesh.server.http_gateway.HttpGateway when --http-port is set
+        self.gateway: Any = None  # rewardmesh.server.reward.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
             [(add_reward_service, self.servicer, SERVICE_NAME)],
@@ -117,13 +117,13 @@ async def serve_reward(
     cfg: RewardServerConfig, pipelines: dict[str, Any] | None, tenants: dict[str, Any] | None = None
 ) -> None:
     """Entry point of `rewardmesh serve reward`: runs until SIGTERM/SIGINT, then drains. `tenants`: the YAML
-    file's `tenants:` section (server/tenants.py)."""
+    file's `tenants:` section (server/reward/tenants.py)."""
     table = TenantTable.from_config(tenants)
     rule_options = {"timeout_s": cfg.rule_timeout_s, "memory_mb": cfg.rule_memory_mb, "workers": cfg.rule_workers}
     engine = build_engine(pipelines, builtin_rules=cfg.builtin_rules, rule_options=rule_options)
     server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer), table)
     if cfg.http_port:
-        from rewardmesh.server.http_gateway import HttpGateway, gateway_token, server_ssl_context
+        from rewardmesh.server.reward.http_gateway import HttpGateway, gateway_token, server_ssl_context
 
         server.gateway = HttpGateway(
             server.engine,

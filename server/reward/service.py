@@ -20,9 +20,9 @@ from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import RewardInput, WireInput
 from rewardmesh.server.decoding import decoder
 from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info
-from rewardmesh.server.reward_telemetry import RewardTelemetry
+from rewardmesh.server.reward.telemetry import RewardTelemetry
+from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
-from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -399,7 +399,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             try:
                 async for req in request_iterator:
                     self.messages_in += 1
-                    unparsed = None  # samples of the message that did not parse (server/sample_split.py)
+                    unparsed = None  # samples of the message that did not parse (server/reward/sample_split.py)
                     if req.__class__ is tuple:
                         req, unparsed = req
                     if req.max_results_per_message > 0:
@@ -506,7 +506,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def ScoreBatch(
         self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext
     ) -> reward_pb2.ScoreBatchResponse:
-        unparsed: dict[int, InvalidInput] = {}  # samples that did not parse (server/sample_split.py)
+        unparsed: dict[int, InvalidInput] = {}  # samples that did not parse (server/reward/sample_split.py)
         if request.__class__ is tuple:
             request, unparsed = request
         error = self._over_limit(len(request.samples), "ScoreBatchRequest.samples count")

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
-from rewardmesh.server.tools import parse_tool_calls, run_tool_call
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.tools import parse_tool_calls, run_tool_call
 
 
 @dataclass

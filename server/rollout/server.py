@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2
 
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.planes.grpc_chunks import add_rollout_service
-from rewardmesh.server.backends.base import Backend
-from rewardmesh.server.rollout_service import RolloutServicer
-from rewardmesh.server.rollout_worker import RolloutWorker
+from rewardmesh.server.rollout.backends.base import Backend
+from rewardmesh.server.rollout.service import RolloutServicer
+from rewardmesh.server.rollout.worker import RolloutWorker
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
 from rewardmesh.v1 import rollout_pb2
 
@@ -68,7 +68,7 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
             "num_threads": None if cfg.num_threads < 0 else cfg.num_threads,
         }
     if cfg.backend == "vllm":
-        from rewardmesh.server.backends.vllm_engine import parse_engine_args
+        from rewardmesh.server.rollout.backends.vllm_engine import parse_engine_args
 
         return {
             "dtype": cfg.dtype,
@@ -144,7 +144,7 @@ class RolloutServer(MeshServer):
 
 async def serve_rollout(cfg: RolloutServerConfig) -> None:
     """Entry point of `rewardmesh serve rollout`: runs until SIGTERM/SIGINT, then drains."""
-    from rewardmesh.server.backends import make_backend
+    from rewardmesh.server.rollout.backends import make_backend
 
     if not cfg.model:
         raise ValueError("--model is required: a local model directory (try `rewardmesh tiny-models`)")

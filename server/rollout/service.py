@@ -1,6 +1,6 @@
 """RolloutService servicer: decode and validate a request, hand each sample to the `RolloutWorker`, encode.
 
-The data plane (agent loop, reward stream, timing, load counters) is `server/rollout_worker.py`.
+The data plane (agent loop, reward stream, timing, load counters) is `server/rollout/worker.py`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from grpc import aio
 from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.layout import LAYOUT_VERSION
 from rewardmesh.common.tensors import duration_seconds, ids_from, ids_tensor
-from rewardmesh.server.agent_loop import AgentSettings
-from rewardmesh.server.backends.base import GenerationRequest
 from rewardmesh.server.decoding import decoder
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, extra_info, finite
-from rewardmesh.server.rollout_worker import Job, PromptInput, RolloutWorker, RunSettings
+from rewardmesh.server.rollout.agent_loop import AgentSettings
+from rewardmesh.server.rollout.backends.base import GenerationRequest
+from rewardmesh.server.rollout.tools import TOOLS
+from rewardmesh.server.rollout.weight_receiver import WeightReceiver
+from rewardmesh.server.rollout.worker import Job, PromptInput, RolloutWorker, RunSettings
 from rewardmesh.server.status import status_proto
-from rewardmesh.server.tools import TOOLS
-from rewardmesh.server.weight_receiver import WeightReceiver
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)

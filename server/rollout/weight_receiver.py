@@ -36,7 +36,7 @@ from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
 from rewardmesh.common.planes.shm import host_id, receive_shm
 from rewardmesh.common.tensors import duration_seconds
-from rewardmesh.server.backends.base import Backend
+from rewardmesh.server.rollout.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2
 
 log = logging.getLogger(__name__)

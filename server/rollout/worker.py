@@ -1,6 +1,6 @@
 """The rollout data plane: one sample's generate -> reward -> timing, and the load counters GetInfo reports.
 
-The servicer (`server/rollout_service.py`) decodes and validates a GenerateRequest into `Job`s and encodes
+The servicer (`server/rollout/service.py`) decodes and validates a GenerateRequest into `Job`s and encodes
 what this module returns; everything between (the agent loop, the Score stream to a reward server, the
 timing) lives here, as the reward servicer's data plane lives in `RewardEngine`.
 """
@@ -18,10 +18,10 @@ from opentelemetry.util.types import AttributeValue
 
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.tensors import ids_tensor, numpy_to_tensor
-from rewardmesh.server.agent_loop import AgentSettings, Rollout, run_agent_loop
-from rewardmesh.server.backends.base import Backend, GenerationRequest
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.rollout_telemetry import NoTrace, RolloutTelemetry, SampleTrace
+from rewardmesh.server.rollout.agent_loop import AgentSettings, Rollout, run_agent_loop
+from rewardmesh.server.rollout.backends.base import Backend, GenerationRequest
+from rewardmesh.server.rollout.telemetry import NoTrace, RolloutTelemetry, SampleTrace
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 

@@ -10,7 +10,7 @@ import pytest
 
 from rewardmesh.client.integrations.scoring import MeshScorer
 from rewardmesh.client.integrations.verl import FIXED_KEYS, extra_info_of
-from rewardmesh.server.reward_server import build_engine
+from rewardmesh.server.reward.server import build_engine
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import FNS, fn_pipeline, reward_server
 

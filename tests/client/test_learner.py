@@ -15,7 +15,7 @@ from rewardmesh.client.batch import ScoredSample, assemble_batch, compute_metric
 from rewardmesh.client.grpo import GRPOLearner, PolicyLossConfig, aggregate, policy_loss
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import load_tokenizer
+from rewardmesh.server.reward.server import load_tokenizer
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import FNS, reward_server, rollout_server
 
@@ -264,7 +264,7 @@ async def test_off_policy_batches_carry_rollout_log_probs_and_on_policy_ones_do_
 async def test_hf_rollout_log_probs_match_the_learner_at_the_same_weights(tiny_models: TinyModelPaths) -> None:
     """Engine and learner agree on every sampled token's log-prob (temperature applied on both sides), so
     the PPO ratio of a batch sampled with the learner's own weights is 1 up to fp32 noise."""
-    from rewardmesh.server.backends.hf import HFBackend
+    from rewardmesh.server.rollout.backends.hf import HFBackend
 
     policy = str(tiny_models.policy)
     tokenizer = load_tokenizer(policy)

@@ -21,7 +21,7 @@ from rewardmesh.common.planes import cuda_ipc
 from rewardmesh.common.planes.manifest import Entry, manifest
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.backends.hf import HFBackend
+from rewardmesh.server.rollout.backends.hf import HFBackend
 from rewardmesh.v1 import rollout_pb2
 from tests.support.servers import rollout_server, rollout_stub
 

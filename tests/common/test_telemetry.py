@@ -587,7 +587,7 @@ def test_recent_batches_stay_bounded_when_sample_ids_repeat() -> None:
     KeepTraces are bounded by samples seen, not distinct ids, and an id finds its latest batch."""
     from rewardmesh.reward_engine.batcher import BatchInfo
     from rewardmesh.reward_engine.types import RewardOutput
-    from rewardmesh.server.reward_telemetry import _Batch, _Recent
+    from rewardmesh.server.reward.telemetry import _Batch, _Recent
 
     recent = _Recent(capacity=10)
     for number in range(1, 101):
@@ -607,7 +607,7 @@ def test_recent_batches_find_members_of_any_batch_in_the_ring() -> None:
 
     from rewardmesh.reward_engine.batcher import BatchInfo
     from rewardmesh.reward_engine.types import RewardOutput
-    from rewardmesh.server.reward_telemetry import _Batch, _Recent
+    from rewardmesh.server.reward.telemetry import _Batch, _Recent
 
     recent = _Recent(capacity=32)
     for number in range(1, 21):
@@ -631,7 +631,7 @@ def test_batch_finds_its_head_sampled_members() -> None:
     from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from rewardmesh.reward_engine.batcher import BatchInfo
     from rewardmesh.reward_engine.types import RewardOutput
-    from rewardmesh.server.reward_telemetry import _Batch
+    from rewardmesh.server.reward.telemetry import _Batch
 
     def batch(contexts: list[str | None]) -> _Batch:
         n = len(contexts)
@@ -650,7 +650,7 @@ def test_batch_places_members_by_id_in_its_joined_ids() -> None:
     """Ids that contain one another, a repeated id (the last wins) and an id holding the separator."""
     from rewardmesh.reward_engine.batcher import BatchInfo
     from rewardmesh.reward_engine.types import RewardOutput
-    from rewardmesh.server.reward_telemetry import _Batch
+    from rewardmesh.server.reward.telemetry import _Batch
 
     def batch(ids: list[str]) -> _Batch:
         n = len(ids)

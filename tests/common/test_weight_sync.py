@@ -31,7 +31,7 @@ from rewardmesh.common.planes.manifest import WeightsError, check_manifest, mani
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.backends.hf import HFBackend
+from rewardmesh.server.rollout.backends.hf import HFBackend
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from tests.support.paths import REPO
 from tests.support.servers import rollout_server, rollout_stub
@@ -195,7 +195,7 @@ def test_freed_message_buffers_are_recycled_not_faulted_in_again() -> None:
 async def test_a_grpc_update_recycles_message_buffers_on_both_sides(
     tiny_models: TinyModelPaths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rewardmesh.server import weight_receiver
+    from rewardmesh.server.rollout import weight_receiver
 
     calls: list[str] = []
 
@@ -523,7 +523,7 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
     """Two servers; after step 2 one is restarted on its address (base weights, version 0), after step 4 a third
     joins behind the dns name, after the last update a fourth. Every batch keeps within the staleness bound, and
     every server gets the current weights."""
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.server import RolloutServer
     from rewardmesh.server.serving import ServerOptions
 
     base = policy_state(tiny_models)
@@ -588,7 +588,7 @@ async def test_a_server_still_booting_is_left_out_of_an_update_and_joins_with_th
     """A restarted pod answers on its port before its model has loaded, and would refuse weights then: GetInfo
     says UNAVAILABLE while it boots, so an update goes to the others, and the join hook brings the booted one to
     the current version before it gets work (found by the chaos test: the update used to fail on it)."""
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.server import RolloutServer
     from rewardmesh.server.serving import ServerOptions
 
     gate = asyncio.Event()
@@ -623,7 +623,7 @@ async def test_update_waits_for_a_server_to_come_back_when_none_answers_and_fail
 ) -> None:
     """Every server down at once (here: the only one, restarting): update_weights asks again as the backoff ends
     and sends to the server once it is back; with nobody back within timeout_s it fails naming the server."""
-    from rewardmesh.server.rollout_server import RolloutServer
+    from rewardmesh.server.rollout.server import RolloutServer
     from rewardmesh.server.serving import ServerOptions
 
     base = policy_state(tiny_models)

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rewardmesh.server.http_gateway import gateway_token
-from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.reward.http_gateway import gateway_token
+from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import ServerOptions
 from tests.support.servers import http_gateway, reward_server
 

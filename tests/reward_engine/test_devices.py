@@ -7,7 +7,7 @@ import torch
 
 from rewardmesh.reward_engine import devices
 from rewardmesh.reward_engine.sources import reward_model
-from rewardmesh.server.backends import hf
+from rewardmesh.server.rollout.backends import hf
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rewardmesh.common.channels import auth_token, open_channel
 from rewardmesh.common.tensors import ids_tensor
-from rewardmesh.server.reward_server import RewardServer, build_engine
-from rewardmesh.server.rollout_server import RolloutServer
+from rewardmesh.server.reward.server import RewardServer, build_engine
+from rewardmesh.server.rollout.server import RolloutServer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.scripted_backend import ScriptedBackend

@@ -17,8 +17,8 @@ from grpc import aio
 from rewardmesh.common.planes.grpc_chunks import iter_update_requests
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.server.config import load_yaml, resolve
-from rewardmesh.server.reward_server import RewardServer, RewardServerConfig, build_engine
-from rewardmesh.server.rollout_server import RolloutServer
+from rewardmesh.server.reward.server import RewardServer, RewardServerConfig, build_engine
+from rewardmesh.server.rollout.server import RolloutServer
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.scripted_backend import ScriptedBackend

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 from rewardmesh.demo.mesh import LOCAL
-from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import GrpcServer, ServerOptions
 
 

@@ -12,7 +12,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rewardmesh.client.reward_client import RewardClient
-from rewardmesh.server.reward_server import RewardServer, build_engine
+from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.pki import make_pki

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rewardmesh.server.backends.vllm_weights import RewardMeshWorkerExtension
+from rewardmesh.server.rollout.backends.vllm_weights import RewardMeshWorkerExtension
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsError
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsError
 
 # script(prompt text so far, turn index) -> (response text, seconds the "generation" takes)
 Script = Callable[[str, int], tuple[str, float]]

@@ -11,8 +11,8 @@ from grpc import aio
 
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.mesh import reward_server, rollout_server
-from rewardmesh.server.http_gateway import HttpGateway
-from rewardmesh.server.reward_server import RewardServer
+from rewardmesh.server.reward.http_gateway import HttpGateway
+from rewardmesh.server.reward.server import RewardServer
 from rewardmesh.v1 import common_pb2, reward_pb2_grpc
 
 __all__ = [

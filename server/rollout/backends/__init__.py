@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsError
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsError
 
 BACKENDS = ("hf", "vllm")
 
@@ -17,11 +17,11 @@ __all__ = ["BACKENDS", "Backend", "GenerationOutput", "GenerationRequest", "Weig
 def make_backend(name: str, model: str, **options: Any) -> Backend:
     """Build the backend called ``name`` for ``model``; options go to its constructor unchanged."""
     if name == "hf":
-        from rewardmesh.server.backends.hf import HFBackend
+        from rewardmesh.server.rollout.backends.hf import HFBackend
 
         return HFBackend(model, **options)
     if name == "vllm":
-        from rewardmesh.server.backends.vllm_backend import VLLMBackend
+        from rewardmesh.server.rollout.backends.vllm_backend import VLLMBackend
 
         return VLLMBackend(model, **options)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(repr(b) for b in BACKENDS)}")

@@ -39,13 +39,13 @@ from typing import Any
 import torch
 
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
-from rewardmesh.server.backends.hf_decode import DynamicBatch, DynamicDecoder
-from rewardmesh.server.backends.hf_kv_cache import cache_layers, joinable
-from rewardmesh.server.backends.hf_rows import Pending, Row
-from rewardmesh.server.backends.hf_slot_decode import SlotBatch, SlotDecoder
-from rewardmesh.server.backends.hf_weights import ModelWeights, WeightSwap
-from rewardmesh.server.backends.requests import eos_token_ids, validate_request
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.backends.hf_decode import DynamicBatch, DynamicDecoder
+from rewardmesh.server.rollout.backends.hf_kv_cache import cache_layers, joinable
+from rewardmesh.server.rollout.backends.hf_rows import Pending, Row
+from rewardmesh.server.rollout.backends.hf_slot_decode import SlotBatch, SlotDecoder
+from rewardmesh.server.rollout.backends.hf_weights import ModelWeights, WeightSwap
+from rewardmesh.server.rollout.backends.requests import eos_token_ids, validate_request
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from rewardmesh.server.backends.hf_rows import Row, next_uniform
-from rewardmesh.server.backends.requests import trim_at_stop
-from rewardmesh.server.backends.sampling import sample_with_logprobs
+from rewardmesh.server.rollout.backends.hf_rows import Row, next_uniform
+from rewardmesh.server.rollout.backends.requests import trim_at_stop
+from rewardmesh.server.rollout.backends.sampling import sample_with_logprobs
 
 __all__ = ["Decoder", "DynamicBatch", "DynamicDecoder", "positions"]
 

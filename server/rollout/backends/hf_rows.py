@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest
 
 __all__ = ["Pending", "Row", "next_uniform"]
 

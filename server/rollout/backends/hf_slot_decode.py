@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rewardmesh.server.backends.hf_decode import Decoder, positions
-from rewardmesh.server.backends.hf_kv_cache import SlotCache, cache_layers
-from rewardmesh.server.backends.hf_rows import Row
+from rewardmesh.server.rollout.backends.hf_decode import Decoder, positions
+from rewardmesh.server.rollout.backends.hf_kv_cache import SlotCache, cache_layers
+from rewardmesh.server.rollout.backends.hf_rows import Row
 
 __all__ = ["SlotBatch", "SlotDecoder"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.server.backends.base import GenerationRequest
+from rewardmesh.server.rollout.backends.base import GenerationRequest
 
 __all__ = ["eos_token_ids", "trim_at_stop", "validate_request"]
 

@@ -36,9 +36,9 @@ import torch
 from rewardmesh.common.errors import Unavailable
 from rewardmesh.common.planes.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.planes.manifest import Entry, WeightsError, validate_weights
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
-from rewardmesh.server.backends.requests import validate_request
-from rewardmesh.server.backends.vllm_engine import (
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
+from rewardmesh.server.rollout.backends.requests import validate_request
+from rewardmesh.server.rollout.backends.vllm_engine import (
     build_engine,
     check_engine_args,
     complete_engine_args,
@@ -47,8 +47,8 @@ from rewardmesh.server.backends.vllm_engine import (
     shutdown_engine,
     uses_ipc_transfer,
 )
-from rewardmesh.server.backends.vllm_outputs import sampling_params, to_output, token_prompt
-from rewardmesh.server.backends.vllm_weights import (
+from rewardmesh.server.rollout.backends.vllm_outputs import sampling_params, to_output, token_prompt
+from rewardmesh.server.rollout.backends.vllm_weights import (
     CHUNK_BYTES,
     WORKER_EXTENSION,
     RewardMeshWorkerExtension,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from rewardmesh.server.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
-from rewardmesh.server.backends.requests import trim_at_stop
+from rewardmesh.server.rollout.backends.base import GenerationFailed, GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.backends.requests import trim_at_stop
 
 
 def sampling_params(request: GenerationRequest) -> Any:

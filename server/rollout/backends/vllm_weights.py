@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rewardmesh.server.backends.base import WeightsNotApplied
+from rewardmesh.server.rollout.backends.base import WeightsNotApplied
 
 WORKER_EXTENSION = f"{__name__}.RewardMeshWorkerExtension"
 CHUNK_BYTES = 512 * 1024 * 1024  # one RPC message; keeps peak host memory bounded for large models

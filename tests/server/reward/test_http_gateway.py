@@ -22,9 +22,9 @@ import pytest
 
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.server.config import resolve
-from rewardmesh.server.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
 from rewardmesh.server.limits import Limits
-from rewardmesh.server.reward_server import RewardServerConfig
+from rewardmesh.server.reward.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
+from rewardmesh.server.reward.server import RewardServerConfig
 from tests.support.fake_openai import closed_port
 from tests.support.pki import make_pki
 from tests.support.servers import FNS, fn_pipeline, http_gateway, reward_server

@@ -19,9 +19,9 @@ from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.client.trainer import PromptSpec, TrainerClient
 from rewardmesh.demo.paced_reward import PIPELINE, paced_engine
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.reward_server import RewardServer, load_tokenizer
+from rewardmesh.server.reward.server import RewardServer, load_tokenizer
+from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import ServerOptions
-from rewardmesh.server.tenants import TenantTable
 from rewardmesh.v1 import reward_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_stub, rollout_server, sample

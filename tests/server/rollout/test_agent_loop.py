@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rewardmesh.server.agent_loop import AgentSettings, run_agent_loop
-from rewardmesh.server.backends.base import GenerationRequest
-from rewardmesh.server.tools import calculator, parse_tool_calls, run_tool_call
+from rewardmesh.server.rollout.agent_loop import AgentSettings, run_agent_loop
+from rewardmesh.server.rollout.backends.base import GenerationRequest
+from rewardmesh.server.rollout.tools import calculator, parse_tool_calls, run_tool_call
 from tests.support.scripted_backend import ScriptedBackend
 
 

@@ -8,9 +8,9 @@ import torch
 
 from rewardmesh.common.planes.dist import dist_available
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.backends.base import Backend, GenerationOutput, GenerationRequest
-from rewardmesh.server.backends.hf import HFBackend
-from rewardmesh.server.weight_receiver import WeightReceiver
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.backends.hf import HFBackend
+from rewardmesh.server.rollout.weight_receiver import WeightReceiver
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 

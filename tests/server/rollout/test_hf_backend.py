@@ -12,12 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.backends import make_backend
-from rewardmesh.server.backends.base import GenerationOutput, GenerationRequest, WeightsError
-from rewardmesh.server.backends.hf import HFBackend
-from rewardmesh.server.backends.hf_kv_cache import SlotCache
-from rewardmesh.server.backends.requests import trim_at_stop
-from rewardmesh.server.backends.sampling import sample
+from rewardmesh.server.rollout.backends import make_backend
+from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest, WeightsError
+from rewardmesh.server.rollout.backends.hf import HFBackend
+from rewardmesh.server.rollout.backends.hf_kv_cache import SlotCache
+from rewardmesh.server.rollout.backends.requests import trim_at_stop
+from rewardmesh.server.rollout.backends.sampling import sample
 from tests.support.waiting import eventually, holds_for
 
 PROMPTS = [

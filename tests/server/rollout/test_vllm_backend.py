@@ -28,10 +28,12 @@ from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.mesh import reward_server
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.server.backends import make_backend
-from rewardmesh.server.backends.base import GenerationFailed, GenerationRequest, WeightsError, WeightsNotApplied
-from rewardmesh.server.backends.requests import trim_at_stop
-from rewardmesh.server.backends.vllm_backend import (
+from rewardmesh.server.cli import build_parser
+from rewardmesh.server.config import resolve
+from rewardmesh.server.rollout.backends import make_backend
+from rewardmesh.server.rollout.backends.base import GenerationFailed, GenerationRequest, WeightsError, WeightsNotApplied
+from rewardmesh.server.rollout.backends.requests import trim_at_stop
+from rewardmesh.server.rollout.backends.vllm_backend import (
     RewardMeshWorkerExtension,
     VLLMBackend,
     checkpoint_specs,
@@ -39,11 +41,9 @@ from rewardmesh.server.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
-from rewardmesh.server.backends.vllm_engine import engine_args_from_env
-from rewardmesh.server.cli import build_parser
-from rewardmesh.server.config import resolve
-from rewardmesh.server.rollout_server import SERVICE_NAME as ROLLOUT_SERVICE
-from rewardmesh.server.rollout_server import RolloutServer, RolloutServerConfig, backend_options
+from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
+from rewardmesh.server.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
+from rewardmesh.server.rollout.server import RolloutServer, RolloutServerConfig, backend_options
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.support.fake_vllm import FakeEngine, echo, installed
@@ -66,7 +66,8 @@ def perturbed(state: dict[str, torch.Tensor], scale: float = 0.5) -> dict[str, t
 @pytest.mark.slow
 def test_module_imports_without_vllm() -> None:
     code = (
-        "import sys, rewardmesh.server.backends.vllm_backend; assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
+        "import sys, rewardmesh.server.rollout.backends.vllm_backend; "
+        "assert 'vllm' not in sys.modules, 'vllm imported eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -285,7 +286,7 @@ async def test_generation_maps_logprobs_versions_preemptions_and_errors(
 async def test_weight_update_follows_the_async_rl_sequence(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rewardmesh.server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
@@ -311,7 +312,7 @@ async def test_weight_update_follows_the_async_rl_sequence(
 async def test_a_failed_commit_keeps_the_old_version_and_resumes(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rewardmesh.server.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
@@ -524,7 +525,7 @@ async def test_vllm_engine_gets_offline_scheduler_limits_engine_args_and_no_stat
     """The scheduler limits a user of offline ``LLM`` gets on this machine, unless set; stats logging off."""
     from vllm import AsyncEngineArgs
 
-    from rewardmesh.server.backends.vllm_engine import llm_usage_context
+    from rewardmesh.server.rollout.backends.vllm_engine import llm_usage_context
 
     core: Any = engine._engine
     offline = AsyncEngineArgs(model=str(vllm_policy), max_model_len=512, enforce_eager=True,
