@@ -26,12 +26,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from rewardmesh.common.allocator import keep_freed_memory
 from rewardmesh.common.errors import DependencyFailed, InvalidInput
 from rewardmesh.common.planes import delta as weight_delta
 from rewardmesh.common.planes.cuda_ipc import check_ipc, check_source, open_tensors
 from rewardmesh.common.planes.digests import digest, finite, scan
 from rewardmesh.common.planes.dist import DistReceiver, SharedWeights, dist_available
-from rewardmesh.common.planes.grpc_chunks import Message, WeightAssembler, keep_freed_memory, receive_chunks
+from rewardmesh.common.planes.grpc_chunks import Message, WeightAssembler, receive_chunks
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
 from rewardmesh.common.planes.shm import host_id, receive_shm
