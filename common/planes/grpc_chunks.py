@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from rewardmesh.common.errors import InvalidInput
@@ -32,21 +33,9 @@ from rewardmesh.common.planes.manifest import (
     check_weight,
     manifest,
 )
+from rewardmesh.common.protowire import LEN, VARINT, fields, int64, read_varint, varint
 from rewardmesh.common.tensors import dtype_name
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # a negative int64 as protobuf writes it: ten bytes of two's complement
-    out = bytearray()
-    while True:
-        low = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
 
 
 def iter_update_requests(
@@ -73,12 +62,12 @@ def iter_update_requests(
             head = rollout_pb2.TensorChunk(name=spec.name, dtype=spec.dtype, shape=list(spec.shape),
                                            offset=offset).SerializeToString()  # fmt: skip
             data = raw[offset : offset + chunk_bytes]
-            inner: list[bytes | memoryview] = [head, b"\x2a", _varint(len(data)), data]  # field 5 (data)
+            inner: list[bytes | memoryview] = [head, b"\x2a", varint(len(data)), data]  # field 5 (data)
             size = sum(len(p) for p in inner)
-            parts = [b"\x0a", _varint(size), *inner]  # field 1 (chunk), length-delimited
+            parts = [b"\x0a", varint(size), *inner]  # field 1 (chunk), length-delimited
             if first:  # fields 2 (policy_version), 3 (manifest) and 4 (delta_base_version), on the first message
-                parts += [b"\x10" + _varint(version) if version else b"", listing]
-                parts += [b"\x20" + _varint(delta_base) if delta_base else b""]
+                parts += [b"\x10" + varint(version) if version else b"", listing]
+                parts += [b"\x20" + varint(delta_base) if delta_base else b""]
             first = False
             yield b"".join(parts)
 
@@ -109,62 +98,27 @@ class _Unusual(Exception):
     """A valid encoding the fast parser leaves to protobuf (unknown fields, a repeated message field ...)."""
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise _Unusual("varint too long")
-
-
-def _int64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value or start, end) of each field; only varint and length-delimited ones."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _read_varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _read_varint(buf, pos)
-            yield number, wire, value, pos
-        elif wire == 2:
-            size, pos = _read_varint(buf, pos)
-            if pos + size > end:
-                raise _Unusual("truncated")
-            yield number, wire, pos, pos + size
-            pos += size
-        else:
-            raise _Unusual(f"wire type {wire}")
-
-
 def _parse_chunk(buf: memoryview) -> ChunkView:
     chunk = ChunkView()
-    for number, wire, a, b in _fields(buf):
-        if (number, wire) == (1, 2):
-            chunk.name = bytes(buf[a:b]).decode("utf-8")
-        elif (number, wire) == (2, 0):
-            chunk.dtype = _int64(a)
-        elif (number, wire) == (3, 2):  # packed
-            pos = a
-            while pos < b:
-                dim, pos = _read_varint(buf, pos)
-                chunk.shape.append(_int64(dim))
-        elif (number, wire) == (3, 0):
-            chunk.shape.append(_int64(a))
-        elif (number, wire) == (4, 0):
-            chunk.offset = _int64(a)
-        elif (number, wire) == (5, 2):
-            chunk.data = buf[a:b]
+    for f in fields(buf):
+        key = f.number, f.wire
+        if key == (1, LEN):
+            chunk.name = bytes(buf[f.start : f.end]).decode("utf-8")
+        elif key == (2, VARINT):
+            chunk.dtype = int64(f.value)
+        elif key == (3, LEN):  # packed
+            pos = f.start
+            while pos < f.end:
+                dim, pos = read_varint(buf, pos)
+                chunk.shape.append(int64(dim))
+        elif key == (3, VARINT):
+            chunk.shape.append(int64(f.value))
+        elif key == (4, VARINT):
+            chunk.offset = int64(f.value)
+        elif key == (5, LEN):
+            chunk.data = buf[f.start : f.end]
         else:
-            raise _Unusual(f"field {number}")
+            raise _Unusual(f"field {f.number}")
     return chunk
 
 
@@ -176,19 +130,20 @@ def parse_update_request(raw: bytes) -> UpdateView:
         chunk: ChunkView | None = None
         version = base = 0
         listing: list[rollout_pb2.WeightSpec] = []
-        for number, wire, a, b in _fields(buf):
-            if (number, wire) == (1, 2) and chunk is None:
-                chunk = _parse_chunk(buf[a:b])
-            elif (number, wire) == (2, 0):
-                version = _int64(a)
-            elif (number, wire) == (3, 2):
-                listing.append(rollout_pb2.WeightSpec.FromString(bytes(buf[a:b])))
-            elif (number, wire) == (4, 0):
-                base = _int64(a)
+        for f in fields(buf):
+            key = f.number, f.wire
+            if key == (1, LEN) and chunk is None:
+                chunk = _parse_chunk(buf[f.start : f.end])
+            elif key == (2, VARINT):
+                version = int64(f.value)
+            elif key == (3, LEN):
+                listing.append(rollout_pb2.WeightSpec.FromString(bytes(buf[f.start : f.end])))
+            elif key == (4, VARINT):
+                base = int64(f.value)
             else:
-                raise _Unusual(f"field {number}")
+                raise _Unusual(f"field {f.number}")
         return UpdateView(chunk=chunk or ChunkView(), policy_version=version, manifest=listing, delta_base_version=base)
-    except (_Unusual, IndexError, UnicodeDecodeError):
+    except (_Unusual, DecodeError, UnicodeDecodeError):
         msg = rollout_pb2.UpdateWeightsRequest.FromString(raw)  # protobuf's verdict (DecodeError on garbage)
         return UpdateView(chunk=msg.chunk, policy_version=msg.policy_version, manifest=list(msg.manifest),
                           delta_base_version=msg.delta_base_version)  # fmt: skip
