@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
@@ -35,7 +34,7 @@ from rewardmesh.common.planes.manifest import (
 )
 from rewardmesh.common.protowire import LEN, VARINT, fields, int64, read_varint, varint
 from rewardmesh.common.tensors import dtype_name
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
+from rewardmesh.v1 import rollout_pb2
 
 
 def iter_update_requests(
@@ -231,35 +230,6 @@ class WeightAssembler:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-
-
-class _FastChunks:
-    """Stands in for the server while the generated code registers RolloutService: the UpdateWeights handler is
-    registered with `parse_update_request` as its deserializer, every other method as generated."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.generic: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        old = handlers["UpdateWeights"]
-        handlers = {**handlers, "UpdateWeights": grpc.stream_unary_rpc_method_handler(
-            old.stream_unary, request_deserializer=parse_update_request,
-            response_serializer=old.response_serializer)}  # fmt: skip
-        self.generic = None
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self.server.add_registered_method_handlers(service, handlers)
-
-
-def add_rollout_service(servicer: Any, server: Any) -> None:
-    """`add_RolloutServiceServicer_to_server`, with UpdateWeights chunks parsed without copying their bytes."""
-    proxy = _FastChunks(server)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
-    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
-        server.add_generic_rpc_handlers(proxy.generic)
 
 
 DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why

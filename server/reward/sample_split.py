@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.protowire import LEN, fields
-from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rewardmesh.v1 import common_pb2, reward_pb2
 
 # A request, or (the request, {index of a sample that did not parse: its error}); index -1: ScoreRequest.sample.
 Parsed = Any
@@ -105,39 +104,3 @@ def _strings(message: bytes) -> dict[int, bytes]:
         return {f.number: message[f.start : f.end] for f in fields(message) if f.wire == LEN}
     except DecodeError:
         return {}
-
-
-class _Lenient:
-    """Stands in for the server while the generated code registers RewardService: Score and ScoreBatch get the
-    deserializers above, every other method its generated one."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.generic: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        score, batch = handlers["Score"], handlers["ScoreBatch"]
-        handlers = {
-            **handlers,
-            "Score": grpc.stream_stream_rpc_method_handler(
-                score.stream_stream, request_deserializer=parse_score_request,
-                response_serializer=score.response_serializer),
-            "ScoreBatch": grpc.unary_unary_rpc_method_handler(
-                batch.unary_unary, request_deserializer=parse_score_batch_request,
-                response_serializer=batch.response_serializer),
-        }  # fmt: skip
-        self.generic = None
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self.server.add_registered_method_handlers(service, handlers)
-
-
-def add_reward_service(servicer: Any, server: Any) -> None:
-    """`add_RewardServiceServicer_to_server`, with Score and ScoreBatch requests parsed sample by sample when
-    one sample would fail the whole message."""
-    proxy = _Lenient(server)
-    reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
-    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
-        server.add_generic_rpc_handlers(proxy.generic)

@@ -8,15 +8,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.server.reward.sample_split import add_reward_service
+from rewardmesh.server.registration import with_deserializers
+from rewardmesh.server.reward.sample_split import parse_score_batch_request, parse_score_request
 from rewardmesh.server.reward.service import RewardServicer
 from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.v1 import reward_pb2
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+# Score and ScoreBatch requests parsed sample by sample when one sample would fail the whole message.
+add_reward_service = with_deserializers(reward_pb2_grpc.add_RewardServiceServicer_to_server,
+                                        Score=parse_score_request, ScoreBatch=parse_score_batch_request)  # fmt: skip
 
 
 @dataclass
