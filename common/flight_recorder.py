@@ -136,7 +136,7 @@ def _context(trace_id: int, span_id: int) -> SpanContext:
 
 
 _SPAN_FIELDS = ReadableSpan("probe").__dict__.keys()
-# This SDK's ReadableSpan holds exactly these fields: spans are built (and read, see telemetry.span_json) by them.
+# This SDK's ReadableSpan holds exactly these fields: spans are built (and read, see otlp_json.span_json) by them.
 FAST_SPANS = set(_SPAN_FIELDS) == {
     "_name", "_context", "_kind", "_instrumentation_info", "_instrumentation_scope", "_parent", "_start_time",
     "_end_time", "_attributes", "_events", "_links", "_resource", "_status",

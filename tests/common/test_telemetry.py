@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
-from rewardmesh.common.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
+from rewardmesh.common.otlp_json import OtlpJsonLinesExporter
+from rewardmesh.common.telemetry import Telemetry, setup_telemetry
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
@@ -67,7 +68,7 @@ def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[
 def assert_written_as_span_objects(written: dict[str, Any], names: tuple[str, ...]) -> int:
     """Every kept span the in-memory exporter got (span objects built from the recorder's blocks) was written by
     the JSON exporter from the blocks themselves, with exactly the same content; returns how many."""
-    from rewardmesh.common.telemetry import span_to_otlp
+    from rewardmesh.common.otlp_json import span_to_otlp
 
     kept = [s for s in SPANS.get_finished_spans() if s.name in names]
     assert {f"{s.context.span_id:016x}" for s in kept} == set(written)
@@ -215,7 +216,8 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
     """The exporter's direct JSON writer says exactly what span_to_otlp says (links, events, odd strings)."""
     from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-    from rewardmesh.common.telemetry import span_json, span_to_otlp, tracer
+    from rewardmesh.common.otlp_json import span_json, span_to_otlp
+    from rewardmesh.common.telemetry import tracer
 
     SPANS.clear()
     target = SpanContext(7, 9, True, TraceFlags(1))
@@ -236,7 +238,8 @@ def test_a_block_is_written_as_its_span_objects_are() -> None:
     """block_json (the JSON exporter's text for a block of spans, written column by column) says what span_to_otlp
     says of the block's span objects: shared and per-span attributes of every type, errors, links, roots."""
     from rewardmesh.common.flight_recorder import SpanBlock
-    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.otlp_json import block_json, span_to_otlp
+    from rewardmesh.common.telemetry import resource
 
     res = resource("test")
     t1, t2 = f"{123:032x}", f"{2**127 + 5:032x}"
@@ -263,7 +266,8 @@ def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
     """A drain's blocks of one span each (a rollout server's kept trees) are merged by name, kind and attribute
     keys into column blocks that are the same spans, and written as they are."""
     from rewardmesh.common.flight_recorder import FlightRecorder, merge_singles
-    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.otlp_json import block_json, span_to_otlp
+    from rewardmesh.common.telemetry import resource
 
     rec = FlightRecorder(resource("test"))
     singles = [
