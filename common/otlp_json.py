@@ -14,9 +14,9 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExportResult
 
-from rewardmesh.common.flight_recorder import FAST_SPANS, SpanBlock
+from rewardmesh.common.flight_recorder import FAST_SPANS, BlockExporter, SpanBlock
 from rewardmesh.common.telemetry import TRACER_NAME
 
 
@@ -236,7 +236,7 @@ def block_json(block: SpanBlock) -> list[str]:
 _SCOPE_SPANS = '"scopeSpans":[{"scope":{"name":' + _esc(TRACER_NAME) + '},"spans":['
 
 
-class OtlpJsonLinesExporter(SpanExporter):
+class OtlpJsonLinesExporter(BlockExporter):
     """Writes each export as one OTLP/JSON `ExportTraceServiceRequest` line (the collector file exporter's format)."""
 
     def __init__(self, path: str | Path) -> None:

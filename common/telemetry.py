@@ -22,7 +22,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 from rewardmesh.common import batched_metrics
-from rewardmesh.common.flight_recorder import FlightRecorder, SpanBlock
+from rewardmesh.common.flight_recorder import BlockExporter, FlightRecorder, SpanBlock
 
 log = logging.getLogger(__name__)
 
@@ -164,23 +164,15 @@ def _metric_readers(names: Sequence[str], prometheus_port: int) -> list[MetricRe
 class SerializedExporter(SpanExporter):
     """An exporter fed by two threads, the SDK's batch processor (step and RPC spans) and the flight recorder's
     builder (kept trees), one call at a time: the SDK never calls an exporter concurrently, and exporters rely
-    on it. Blocks pass through to an exporter that writes them itself."""
-
-    export_blocks: Callable[[Resource, Sequence[SpanBlock]], SpanExportResult] | None = None
+    on it. `serialized` wraps an exporter so."""
 
     def __init__(self, exporter: SpanExporter) -> None:
         self.exporter = exporter
         self._lock = threading.Lock()
-        if getattr(exporter, "export_blocks", None) is not None:
-            self.export_blocks = self._export_blocks
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         with self._lock:
             return self.exporter.export(spans)
-
-    def _export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
-        with self._lock:
-            return self.exporter.export_blocks(resource, blocks)  # type: ignore[attr-defined]
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
@@ -188,6 +180,25 @@ class SerializedExporter(SpanExporter):
     def shutdown(self) -> None:
         with self._lock:
             self.exporter.shutdown()
+
+
+class SerializedBlockExporter(SerializedExporter, BlockExporter):
+    """As SerializedExporter, for an exporter that writes the recorder's blocks itself: they pass through."""
+
+    def __init__(self, exporter: BlockExporter) -> None:
+        super().__init__(exporter)
+        self.blocks = exporter
+
+    def export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
+        with self._lock:
+            return self.blocks.export_blocks(resource, blocks)
+
+
+def serialized(exporter: SpanExporter) -> SerializedExporter:
+    """`exporter`, fed one call at a time; still a BlockExporter if it was one."""
+    if isinstance(exporter, BlockExporter):
+        return SerializedBlockExporter(exporter)
+    return SerializedExporter(exporter)
 
 
 def setup_telemetry(
@@ -215,7 +226,7 @@ def setup_telemetry(
             provider = TracerProvider(resource=res, sampler=ParentBased(ALWAYS_ON))
             # Kept sample trees go from the flight recorder straight to the exporters; the SDK's own spans (steps,
             # RPCs) through a batch processor each. Both feed one exporter, so it is wrapped to be fed in turn.
-            shared = [SerializedExporter(e) for e in exporters]
+            shared = [serialized(e) for e in exporters]
             recorder = FlightRecorder(res, telemetry.trace.ring_size, shared, span_processors)
             provider.add_span_processor(recorder.flusher())  # first: deferred spans join every flush
             for exporter in shared:

@@ -46,11 +46,11 @@ def tool_script(text: str, turn: int) -> tuple[str, float]:
 def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[str, Any]]]:
     """An OTLP JSON lines exporter beside the in-memory one for one test, fed kept spans as a deployment's exporter
     is: blocks straight from the flight recorder. Returns a reader: the spans written so far, by span id."""
-    from rewardmesh.common.telemetry import SerializedExporter
+    from rewardmesh.common.telemetry import serialized
 
     assert telemetry.recorder is not None
     path = tmp_path / "kept.jsonl"
-    exporter = SerializedExporter(OtlpJsonLinesExporter(path))
+    exporter = serialized(OtlpJsonLinesExporter(path))
     telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]  # nothing of an earlier test's
     telemetry.recorder.exporters.append(exporter)
 
@@ -688,7 +688,7 @@ def test_ring_keeps_at_least_capacity_records() -> None:
 def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kept spans wait for the recorder's builder thread in a queue bounded in spans: while an exporter hangs, the
     queue fills, what does not fit is refused and counted as dropped, and what was taken is exported once the
-    exporter answers again. An exporter without `export_blocks` gets span objects."""
+    exporter answers again. An exporter that is no BlockExporter gets span objects."""
     import threading
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -726,3 +726,39 @@ def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.M
     assert all(isinstance(s, ReadableSpan) and s.context.trace_id == 5 for s in exported)
     assert {s.name: s.parent is None for s in exported} == {"root": True, "child": False}
     rec.stop()
+
+
+def test_a_block_exporter_gets_blocks_and_any_other_exporter_span_objects(tmp_path: Path) -> None:
+    """The recorder hands kept spans to a BlockExporter as blocks (no span objects built for it), to any other
+    exporter as ReadableSpans; wrapping an exporter to be fed one call at a time keeps what it is."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from rewardmesh.common.flight_recorder import BlockExporter, FlightRecorder, SpanBlock, new_span_id
+    from rewardmesh.common.telemetry import resource, serialized
+
+    got: dict[str, list[Any]] = {"blocks": [], "spans": []}
+
+    class Blocks(BlockExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            got["spans"].append(("blocks exporter", list(spans)))
+            return SpanExportResult.SUCCESS
+
+        def export_blocks(self, res: Resource, blocks: Any) -> SpanExportResult:
+            got["blocks"].extend(blocks)
+            return SpanExportResult.SUCCESS
+
+    spans = InMemorySpanExporter()
+    exporters = [serialized(Blocks()), serialized(spans)]
+    assert isinstance(exporters[0], BlockExporter) and not isinstance(exporters[1], BlockExporter)
+    assert isinstance(serialized(OtlpJsonLinesExporter(tmp_path / "x.jsonl")), BlockExporter)
+
+    class Tree:
+        def spans(self, rec: FlightRecorder) -> list[SpanBlock]:
+            return [rec.span("root", 5, new_span_id(), None, 1, 2)]
+
+    rec = FlightRecorder(resource("test"), exporters=exporters)
+    assert rec.export_tree(Tree()) == 1
+    rec.stop()
+    assert [b.name for b in got["blocks"]] == ["root"] and got["spans"] == []
+    assert [s.name for s in spans.get_finished_spans()] == ["root"]
