@@ -19,7 +19,7 @@ from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import RewardInput, WireInput
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info
+from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info, keep_traces
 from rewardmesh.server.reward.telemetry import RewardTelemetry
 from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
@@ -545,15 +545,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def KeepTraces(
         self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
     ) -> reward_pb2.KeepTracesResponse:
-        lim = self.limits
-        check(
-            len(request.sample_ids),
-            lim.max_ids_per_message,
-            "KeepTracesRequest.sample_ids count",
-            "max_ids_per_message",
-        )
-        check(len(request.traceparents), lim.max_ids_per_message, "KeepTracesRequest.traceparents count",
-              "max_ids_per_message")  # fmt: skip
+        keep_traces(request, self.limits)
         contexts = dict.fromkeys(request.sample_ids, "")
         contexts.update(request.traceparents)
         kept, exported = self.telemetry.keep(contexts)

@@ -19,7 +19,7 @@ from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.layout import LAYOUT_VERSION
 from rewardmesh.common.tensors import duration_seconds, ids_from, ids_tensor
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, extra_info, finite
+from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, extra_info, finite, keep_traces
 from rewardmesh.server.rollout.agent_loop import AgentSettings
 from rewardmesh.server.rollout.backends.base import GenerationRequest
 from rewardmesh.server.rollout.tools import TOOLS
@@ -275,13 +275,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def KeepTraces(self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext) -> Any:
         """Export these samples' trees here and on every reward target (a step's slowest, named by the trainer)."""
-        lim = self.limits
-        check(
-            len(request.sample_ids),
-            lim.max_ids_per_message,
-            "KeepTracesRequest.sample_ids count",
-            "max_ids_per_message",
-        )
+        keep_traces(request, self.limits)
         kept, exported = await self.worker.keep_traces(request.sample_ids)
         return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 
