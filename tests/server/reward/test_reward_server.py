@@ -19,8 +19,8 @@ from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.sources.reward_model import ModelSource
 from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.server.reward.reward_input import to_reward_input
 from rewardmesh.server.reward.server import load_tokenizer
-from rewardmesh.server.reward.service import to_reward_input
 from rewardmesh.v1 import common_pb2, reward_pb2
 from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
 from tests.support.waiting import eventually
