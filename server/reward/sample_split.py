@@ -9,16 +9,16 @@ answered INVALID_ARGUMENT under its own id; every other one is scored as usual.
 
 from __future__ import annotations
 
-from typing import Any
-
 from google.protobuf.message import DecodeError
 
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.protowire import LEN, fields
 from rewardmesh.v1 import common_pb2, reward_pb2
 
-# A request, or (the request, {index of a sample that did not parse: its error}); index -1: ScoreRequest.sample.
-Parsed = Any
+# The message, or (the message, its refusals) when a sample did not parse.
+Refusals = dict[int, InvalidInput]  # index of the sample that did not parse: its error; -1: ScoreRequest.sample
+ParsedScore = reward_pb2.ScoreRequest | tuple[reward_pb2.ScoreRequest, Refusals]
+ParsedBatch = reward_pb2.ScoreBatchRequest | tuple[reward_pb2.ScoreBatchRequest, Refusals]
 
 _SCORE_SAMPLE, _SCORE_ITEMS = 1, 5  # ScoreRequest.sample, ScoreRequest.items
 _BATCH_SAMPLES = 2  # ScoreBatchRequest.samples
@@ -44,13 +44,13 @@ def _refusal(sample: bytes, where: str) -> tuple[common_pb2.Sample, InvalidInput
     )
 
 
-def parse_score_request(data: bytes) -> Parsed:
+def parse_score_request(data: bytes) -> ParsedScore:
     try:
         return reward_pb2.ScoreRequest.FromString(data)
     except DecodeError:
         pass
     rest = bytearray()
-    refusals: dict[int, InvalidInput] = {}
+    refusals: Refusals = {}
     items: list[reward_pb2.ScoreRequest] = []
     single: common_pb2.Sample | None = None
     for f in fields(data):  # a DecodeError here: the message itself is broken
@@ -75,13 +75,13 @@ def parse_score_request(data: bytes) -> Parsed:
     return request, refusals
 
 
-def parse_score_batch_request(data: bytes) -> Parsed:
+def parse_score_batch_request(data: bytes) -> ParsedBatch:
     try:
         return reward_pb2.ScoreBatchRequest.FromString(data)
     except DecodeError:
         pass
     rest = bytearray()
-    refusals: dict[int, InvalidInput] = {}
+    refusals: Refusals = {}
     samples: list[common_pb2.Sample] = []
     for f in fields(data):
         if f.number == _BATCH_SAMPLES and f.wire == LEN:
