@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import torch
@@ -22,7 +21,7 @@ from grpc import aio
 from rewardmesh.common.allocator import keep_freed_memory
 from rewardmesh.common.planes import cuda_ipc
 from rewardmesh.common.planes import delta as weight_delta
-from rewardmesh.common.planes.base import Outcomes, Sender, Target, Update
+from rewardmesh.common.planes.base import Outcome, Outcomes, Sender, Target, Update
 from rewardmesh.common.planes.cuda_ipc import IpcSender
 from rewardmesh.common.planes.digests import digest
 from rewardmesh.common.planes.dist import DistSender, dist_available
@@ -59,7 +58,7 @@ class SyncResult:
     changed: float = -1.0
 
 
-def _stale(outcome: Any) -> bool:
+def _stale(outcome: Outcome) -> bool:
     """The server refused a delta: it serves another version than the one the delta was made against."""
     return isinstance(outcome, aio.AioRpcError) and outcome.code() == grpc.StatusCode.FAILED_PRECONDITION
 
