@@ -75,8 +75,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         else:
             raise InvalidInput(f"{where} has no input: set token_ids or chat")
         check(len(prompt.group_id), lim.max_sample_id_chars, f"{where}.group_id length", "max_sample_id_chars")
-        for name in ("data_source", "ground_truth"):
-            check(len(getattr(prompt, name)), lim.max_text_chars, f"{where}.{name} length", "max_text_chars")
+        for name, text in (("data_source", prompt.data_source), ("ground_truth", prompt.ground_truth)):
+            check(len(text), lim.max_text_chars, f"{where}.{name} length", "max_text_chars")
         if prompt.HasField("extra_info"):  # as deep as every message that will carry it can nest it
             extra_info(prompt.extra_info, f"{where}.extra_info", lim)
         for k, sid in enumerate(prompt.sample_ids):
