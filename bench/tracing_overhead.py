@@ -232,7 +232,8 @@ def telemetry_on(out_dir: Path, counts: _Counting, interval_ms: int = 1000) -> A
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from rewardmesh.common.flight_recorder import SpanBlock
-    from rewardmesh.common.telemetry import OtlpJsonLinesExporter, setup_telemetry
+    from rewardmesh.common.otlp_json import OtlpJsonLinesExporter
+    from rewardmesh.common.telemetry import setup_telemetry
 
     class CountingExporter(OtlpJsonLinesExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

@@ -102,7 +102,7 @@ async def serve_rollout(model: str, port_file: str, threads: int, device: str, b
 async def serve_sink(port_file: str) -> None:
     """The thinnest grpc.aio client-stream handler: take every message, answer once (with the malloc settings
     a rollout server's grpc updates get, so the baseline is not slowed by page faults the mesh avoids)."""
-    from rewardmesh.common.planes.grpc_chunks import keep_freed_memory
+    from rewardmesh.common.allocator import keep_freed_memory
     from rewardmesh.server.serving import write_port_file
 
     keep_freed_memory()

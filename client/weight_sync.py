@@ -13,19 +13,19 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import torch
 from grpc import aio
 
+from rewardmesh.common.allocator import keep_freed_memory
 from rewardmesh.common.planes import cuda_ipc
 from rewardmesh.common.planes import delta as weight_delta
-from rewardmesh.common.planes.base import Outcomes, Sender, Target, Update
+from rewardmesh.common.planes.base import Outcome, Outcomes, Sender, Target, Update
 from rewardmesh.common.planes.cuda_ipc import IpcSender
 from rewardmesh.common.planes.digests import digest
 from rewardmesh.common.planes.dist import DistSender, dist_available
-from rewardmesh.common.planes.grpc_chunks import GrpcSender, keep_freed_memory
+from rewardmesh.common.planes.grpc_chunks import GrpcSender
 from rewardmesh.common.planes.layout import DEFAULT_BUCKET_BYTES, LAYOUT_VERSION
 from rewardmesh.common.planes.manifest import manifest
 from rewardmesh.common.planes.shm import ShmSender, host_id
@@ -58,7 +58,7 @@ class SyncResult:
     changed: float = -1.0
 
 
-def _stale(outcome: Any) -> bool:
+def _stale(outcome: Outcome) -> bool:
     """The server refused a delta: it serves another version than the one the delta was made against."""
     return isinstance(outcome, aio.AioRpcError) and outcome.code() == grpc.StatusCode.FAILED_PRECONDITION
 

@@ -44,10 +44,11 @@ if _ExplicitBucketHistogramAggregation is not None:
 
     class _BucketsWithBatches(_ExplicitBucketHistogramAggregation):
         def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
-            values = getattr(measurement.value, "values", None)
-            if values is None:
+            value = measurement.value
+            if not isinstance(value, _Values):  # one value, recorded as usual
                 super().aggregate(measurement, should_sample_exemplar)
                 return
+            values = value.values
             if not len(values):
                 return
             # Bucket indexes as bisect_left gives them, in one vectorized pass.

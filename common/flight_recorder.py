@@ -10,7 +10,7 @@ its own resource; ids travel in the W3C traceparent as before.
 Kept spans are not SDK spans either: they are `SpanBlock`s, spans of one name column by column (a kept batch's
 members' reward.queue spans are one block). The recorder's builder thread hands blocks in bursts straight to the
 exporters (no span processor in between: the burst is the batch), and an exporter that writes blocks itself
-(`export_blocks`, as the OTLP JSON lines exporter does) never sees a span object. Other exporters and span
+(a `BlockExporter`, as the OTLP JSON lines exporter is) never sees a span object. Other exporters and span
 processors get the `ReadableSpan`s of the blocks, as before.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
@@ -97,6 +97,14 @@ class SpanBlock:
         return out
 
 
+class BlockExporter(SpanExporter):
+    """A span exporter that writes the recorder's blocks itself (`export_blocks`): kept spans reach it as blocks,
+    never as span objects; SDK spans (steps, RPCs) still come through `export`."""
+
+    def export_blocks(self, resource: Resource, blocks: Sequence[SpanBlock]) -> SpanExportResult:
+        raise NotImplementedError
+
+
 def merge_singles(blocks: list[SpanBlock]) -> list[SpanBlock]:
     """Blocks of one span each merged into one block per name, kind and attribute keys (the attributes become
     columns), so that many small trees (a rollout server's kept samples) cost what one batch's spans do to write.
@@ -136,7 +144,7 @@ def _context(trace_id: int, span_id: int) -> SpanContext:
 
 
 _SPAN_FIELDS = ReadableSpan("probe").__dict__.keys()
-# This SDK's ReadableSpan holds exactly these fields: spans are built (and read, see telemetry.span_json) by them.
+# This SDK's ReadableSpan holds exactly these fields: spans are built (and read, see otlp_json.span_json) by them.
 FAST_SPANS = set(_SPAN_FIELDS) == {
     "_name", "_context", "_kind", "_instrumentation_info", "_instrumentation_scope", "_parent", "_start_time",
     "_end_time", "_attributes", "_events", "_links", "_resource", "_status",
@@ -465,9 +473,8 @@ class FlightRecorder:
         spans: list[ReadableSpan] | None = None
         for exporter in self.exporters:
             try:
-                export_blocks = getattr(exporter, "export_blocks", None)
-                if export_blocks is not None:
-                    export_blocks(self.resource, blocks)
+                if isinstance(exporter, BlockExporter):
+                    exporter.export_blocks(self.resource, blocks)
                     continue
                 if spans is None:
                     spans = [s for b in blocks for s in b.spans(self.resource)]

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             from opentelemetry.sdk.trace.export import SimpleSpanProcessor
             from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-            from rewardmesh.common.telemetry import OtlpJsonLinesExporter
+            from rewardmesh.common.otlp_json import OtlpJsonLinesExporter
 
             args.trace_memory = InMemorySpanExporter()
             telemetry = setup_telemetry("demo", span_exporters=[OtlpJsonLinesExporter(args.trace_out)],

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 
 from rewardmesh.common.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from rewardmesh.v1 import reward_pb2
 
 
 class LimitExceeded(InvalidInput):
@@ -109,3 +112,11 @@ def extra_info(struct: Any, what: str, lim: Limits) -> dict[str, Any]:
     check(depth(value, lim.max_extra_info_depth), lim.max_extra_info_depth, f"{what} nesting depth",
           "max_extra_info_depth")  # fmt: skip
     return value
+
+
+def keep_traces(request: reward_pb2.KeepTracesRequest, lim: Limits) -> None:
+    """A KeepTraces request's id lists, each within ``max_ids_per_message`` (both services take KeepTraces)."""
+    check(len(request.sample_ids), lim.max_ids_per_message, "KeepTracesRequest.sample_ids count",
+          "max_ids_per_message")  # fmt: skip
+    check(len(request.traceparents), lim.max_ids_per_message, "KeepTracesRequest.traceparents count",
+          "max_ids_per_message")  # fmt: skip

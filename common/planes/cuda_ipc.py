@@ -11,6 +11,7 @@ the tests that need one skip there.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,17 @@ from typing import Any
 import torch
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.planes.base import Outcomes, Settings, Target, Update, call_transfer, gather, transfer_request
+from rewardmesh.common.planes.base import (
+    Outcomes,
+    Recipient,
+    Settings,
+    Staged,
+    Target,
+    Update,
+    call_transfer,
+    gather,
+    transfer_request,
+)
 from rewardmesh.common.planes.digests import check_received
 from rewardmesh.common.planes.manifest import Entry
 from rewardmesh.v1 import rollout_pb2
@@ -94,6 +105,36 @@ def check_ipc(source: rollout_pb2.CudaIpcSource, entries: Sequence[Entry], devic
     """Before an engine loads the trainer's tensors itself: their digests and finiteness, over the tensors the
     handles open (WeightsError naming the tensor)."""
     check_received(open_tensors(source, entries, device), entries)
+
+
+class IpcReceiver:
+    """The server's side: the trainer's tensors where they lie (nothing copied, nothing owned: the trainer's
+    memory). An engine that opens the handles itself (vLLM) is handed the handles, after the digests are checked
+    over the tensors they open."""
+
+    source = "cuda_ipc"
+    transport = rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC
+
+    def offered(self, recipient: Recipient) -> bool:
+        return bool(recipient.cuda_uuid())
+
+    def check(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], recipient: Recipient
+    ) -> None:
+        check_source(request.cuda_ipc, entries, recipient.cuda_uuid())
+        if any(e.encoding for e in entries):
+            raise InvalidInput("tensors: cuda_ipc carries whole tensors, no delta encodings")
+
+    async def receive(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], timeout_s: float,
+        recipient: Recipient,
+    ) -> Staged:  # fmt: skip
+        source, device = request.cuda_ipc, recipient.weights_device or torch.device("cpu")
+        if not recipient.loads_cuda_ipc:
+            return Staged(open_tensors(source, entries, device))
+        if any(e.digest is not None for e in entries):
+            await asyncio.to_thread(check_ipc, source, entries, device)
+        return Staged({}, handles=source)
 
 
 class IpcSender:

@@ -21,7 +21,7 @@ import socket
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import torch
 from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.base import (
     Outcomes,
+    Recipient,
     Settings,
     Staged,
     Target,
@@ -470,7 +471,7 @@ class DistSender:
             check.CopyFrom(base)
             check.validate_only = True
             checked = await gather(targets, lambda a, ch: call_transfer(ch, check, timeout_s))
-            refused = {a: o for a, o in checked.items() if isinstance(o, BaseException)}
+            refused: Outcomes = {a: o for a, o in checked.items() if isinstance(o, BaseException)}
             if refused:
                 return refused
             self._validated = signature
@@ -508,27 +509,34 @@ class DistReceiver:
     keeps its group while its servers stay the same and sends only the group's name again."""
 
     MAX_GROUPS = 4
+    source = "dist"
+    transport = rollout_pb2.WEIGHT_TRANSPORT_DIST
 
     def __init__(self) -> None:
         self._groups: collections.OrderedDict[tuple[str, int, str, int, int, str], Any] = collections.OrderedDict()
 
-    async def receive(
-        self,
-        rdv: rollout_pb2.DistRendezvous,
-        entries: list[Entry],
-        timeout_s: float,
-        model_device: torch.device,
-        staging: Callable[[torch.device, bool], Callable[[int], torch.Tensor]],
-        host_file: Callable[[int], SharedWeights | None],
-    ) -> Staged:
-        """The staged tensors, and what they lie in: buffers of ours, or a host's shared file.
+    def offered(self, recipient: Recipient) -> bool:
+        # A backend that says where its weights live (hf); vLLM's engine would need its own weight-transfer engine
+        # on both sides (not built yet), so a vLLM server takes shm or grpc.
+        return dist_available() and recipient.weights_device is not None
 
-        staging(device, delta): where each bucket's bytes go (delta: the update carries one); host_file(size): the
-        file this server receives a host's shared copy into (None: there is no room for one)."""
+    def check(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], recipient: Recipient
+    ) -> None:
+        """What the trainer's check round (which names no rank) can already be refused for."""
+        rdv = request.dist
         if not dist_available():
             raise InvalidInput("dist: torch.distributed (gloo) is not available on this server")
         if rdv.backend not in ("gloo", "nccl"):
             raise InvalidInput(f"dist.backend: {rdv.backend!r} is not gloo or nccl")
+
+    async def receive(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], timeout_s: float,
+        recipient: Recipient,
+    ) -> Staged:  # fmt: skip
+        """The staged tensors, and what they lie in: buffers of ours (`recipient.staging`), or a host's shared file
+        (`recipient.host_file`)."""
+        rdv = request.dist
         if not 0 < rdv.rank < rdv.world_size:
             raise InvalidInput(f"dist.rank: {rdv.rank} is not in 1..{rdv.world_size - 1}")
         if rdv.layout != LAYOUT_VERSION:
@@ -542,6 +550,7 @@ class DistReceiver:
             raise InvalidInput("dist.share_from_prev: set only in a chain, on ranks >= 2 (rank 1 hears the trainer)")
         if rdv.share_with_next and not (rdv.chain and rdv.rank + 1 < rdv.world_size):
             raise InvalidInput("dist.share_with_next: set only in a chain on a rank that has a next one")
+        model_device = recipient.weights_device or torch.device("cpu")
         device = model_device if rdv.backend == "nccl" else torch.device("cpu")
         key = (rdv.host, rdv.port, rdv.group, rdv.rank, rdv.world_size, rdv.backend)
         buckets = layout([e.wire for e in entries], rdv.bucket_bytes)
@@ -550,12 +559,12 @@ class DistReceiver:
         if rdv.chain and device.type == "cpu" and (rdv.share_with_next or rdv.share_from_prev):
             share = HostShare(to_next=rdv.share_with_next, from_prev=rdv.share_from_prev)
         if share is not None and not share.from_prev:  # we receive the host's copy
-            share.file = await asyncio.to_thread(host_file, file_offsets(buckets)[1])
+            share.file = await asyncio.to_thread(recipient.host_file, file_offsets(buckets)[1])
         if share is not None and share.file is not None:
             buffers = share.file.buckets(buckets)
         else:  # (also where a neighbour's file is mapped instead, unless it sends the bytes: no room for a file)
             # (a delta's buckets are small: the spare the model left stays for the delta to start from)
-            take = staging(device, any(e.encoding for e in entries))
+            take = recipient.staging(device, any(e.encoding for e in entries))
             buffers = [take(b.nbytes) for b in buckets]  # spare again only once this update is applied or copied out
 
         def receive() -> dict[str, torch.Tensor]:

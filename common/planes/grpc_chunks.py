@@ -2,23 +2,22 @@
 (`iter_update_requests`) and fanned out to every server (`Fanout`); the server's side: a parser that copies no
 chunk bytes (`parse_update_request`) and the assembler that stages them (`WeightAssembler`).
 
-Each process recycles its message buffers (`keep_freed_memory`).
+Each process recycles its message buffers (`common.allocator.keep_freed_memory`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from rewardmesh.common.errors import InvalidInput
@@ -33,48 +32,9 @@ from rewardmesh.common.planes.manifest import (
     check_weight,
     manifest,
 )
+from rewardmesh.common.protowire import LEN, VARINT, fields, int64, read_varint, varint
 from rewardmesh.common.tensors import dtype_name
-from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 << 20  # glibc's own upper bound for its adaptive threshold (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 256 << 20
-_malloc_kept: bool | None = None
-
-
-def keep_freed_memory() -> bool:
-    """glibc: recycle freed buffers of up to 32 MiB inside the process instead of handing them back to the kernel.
-
-    The grpc data plane allocates and frees every message's bytes several times on each side (ours, gRPC's
-    copies). glibc's defaults map a large buffer fresh and unmap it when freed, or trim the heap once 2x its
-    adaptive threshold lies free at the top, so the next message faults every page in again (zeroed by the
-    kernel): measured on the 212 MB benchmark model, ~50k page faults per update and per process, up to half the
-    trainer's CPU for the update. Fixed thresholds (mmap above 32 MiB, trim beyond 256 MiB free) keep those pages.
-    Process-wide and once; called where a grpc update is sent or received. False where there is no glibc."""
-    global _malloc_kept
-    if _malloc_kept is None:
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):  # not glibc (macOS): nothing to set
-            _malloc_kept = False
-        else:
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _malloc_kept = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD,
-                                                                                    TRIM_THRESHOLD) == 1  # fmt: skip
-    return _malloc_kept
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # a negative int64 as protobuf writes it: ten bytes of two's complement
-    out = bytearray()
-    while True:
-        low = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
+from rewardmesh.v1 import rollout_pb2
 
 
 def iter_update_requests(
@@ -101,12 +61,12 @@ def iter_update_requests(
             head = rollout_pb2.TensorChunk(name=spec.name, dtype=spec.dtype, shape=list(spec.shape),
                                            offset=offset).SerializeToString()  # fmt: skip
             data = raw[offset : offset + chunk_bytes]
-            inner: list[bytes | memoryview] = [head, b"\x2a", _varint(len(data)), data]  # field 5 (data)
+            inner: list[bytes | memoryview] = [head, b"\x2a", varint(len(data)), data]  # field 5 (data)
             size = sum(len(p) for p in inner)
-            parts = [b"\x0a", _varint(size), *inner]  # field 1 (chunk), length-delimited
+            parts = [b"\x0a", varint(size), *inner]  # field 1 (chunk), length-delimited
             if first:  # fields 2 (policy_version), 3 (manifest) and 4 (delta_base_version), on the first message
-                parts += [b"\x10" + _varint(version) if version else b"", listing]
-                parts += [b"\x20" + _varint(delta_base) if delta_base else b""]
+                parts += [b"\x10" + varint(version) if version else b"", listing]
+                parts += [b"\x20" + varint(delta_base) if delta_base else b""]
             first = False
             yield b"".join(parts)
 
@@ -137,62 +97,27 @@ class _Unusual(Exception):
     """A valid encoding the fast parser leaves to protobuf (unknown fields, a repeated message field ...)."""
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise _Unusual("varint too long")
-
-
-def _int64(v: int) -> int:
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
-    """(field number, wire type, value or start, end) of each field; only varint and length-delimited ones."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _read_varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _read_varint(buf, pos)
-            yield number, wire, value, pos
-        elif wire == 2:
-            size, pos = _read_varint(buf, pos)
-            if pos + size > end:
-                raise _Unusual("truncated")
-            yield number, wire, pos, pos + size
-            pos += size
-        else:
-            raise _Unusual(f"wire type {wire}")
-
-
 def _parse_chunk(buf: memoryview) -> ChunkView:
     chunk = ChunkView()
-    for number, wire, a, b in _fields(buf):
-        if (number, wire) == (1, 2):
-            chunk.name = bytes(buf[a:b]).decode("utf-8")
-        elif (number, wire) == (2, 0):
-            chunk.dtype = _int64(a)
-        elif (number, wire) == (3, 2):  # packed
-            pos = a
-            while pos < b:
-                dim, pos = _read_varint(buf, pos)
-                chunk.shape.append(_int64(dim))
-        elif (number, wire) == (3, 0):
-            chunk.shape.append(_int64(a))
-        elif (number, wire) == (4, 0):
-            chunk.offset = _int64(a)
-        elif (number, wire) == (5, 2):
-            chunk.data = buf[a:b]
+    for f in fields(buf):
+        key = f.number, f.wire
+        if key == (1, LEN):
+            chunk.name = bytes(buf[f.start : f.end]).decode("utf-8")
+        elif key == (2, VARINT):
+            chunk.dtype = int64(f.value)
+        elif key == (3, LEN):  # packed
+            pos = f.start
+            while pos < f.end:
+                dim, pos = read_varint(buf, pos)
+                chunk.shape.append(int64(dim))
+        elif key == (3, VARINT):
+            chunk.shape.append(int64(f.value))
+        elif key == (4, VARINT):
+            chunk.offset = int64(f.value)
+        elif key == (5, LEN):
+            chunk.data = buf[f.start : f.end]
         else:
-            raise _Unusual(f"field {number}")
+            raise _Unusual(f"field {f.number}")
     return chunk
 
 
@@ -204,19 +129,20 @@ def parse_update_request(raw: bytes) -> UpdateView:
         chunk: ChunkView | None = None
         version = base = 0
         listing: list[rollout_pb2.WeightSpec] = []
-        for number, wire, a, b in _fields(buf):
-            if (number, wire) == (1, 2) and chunk is None:
-                chunk = _parse_chunk(buf[a:b])
-            elif (number, wire) == (2, 0):
-                version = _int64(a)
-            elif (number, wire) == (3, 2):
-                listing.append(rollout_pb2.WeightSpec.FromString(bytes(buf[a:b])))
-            elif (number, wire) == (4, 0):
-                base = _int64(a)
+        for f in fields(buf):
+            key = f.number, f.wire
+            if key == (1, LEN) and chunk is None:
+                chunk = _parse_chunk(buf[f.start : f.end])
+            elif key == (2, VARINT):
+                version = int64(f.value)
+            elif key == (3, LEN):
+                listing.append(rollout_pb2.WeightSpec.FromString(bytes(buf[f.start : f.end])))
+            elif key == (4, VARINT):
+                base = int64(f.value)
             else:
-                raise _Unusual(f"field {number}")
+                raise _Unusual(f"field {f.number}")
         return UpdateView(chunk=chunk or ChunkView(), policy_version=version, manifest=listing, delta_base_version=base)
-    except (_Unusual, IndexError, UnicodeDecodeError):
+    except (_Unusual, DecodeError, UnicodeDecodeError):
         msg = rollout_pb2.UpdateWeightsRequest.FromString(raw)  # protobuf's verdict (DecodeError on garbage)
         return UpdateView(chunk=msg.chunk, policy_version=msg.policy_version, manifest=list(msg.manifest),
                           delta_base_version=msg.delta_base_version)  # fmt: skip
@@ -304,35 +230,6 @@ class WeightAssembler:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-
-
-class _FastChunks:
-    """Stands in for the server while the generated code registers RolloutService: the UpdateWeights handler is
-    registered with `parse_update_request` as its deserializer, every other method as generated."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.generic: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        old = handlers["UpdateWeights"]
-        handlers = {**handlers, "UpdateWeights": grpc.stream_unary_rpc_method_handler(
-            old.stream_unary, request_deserializer=parse_update_request,
-            response_serializer=old.response_serializer)}  # fmt: skip
-        self.generic = None
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self.server.add_registered_method_handlers(service, handlers)
-
-
-def add_rollout_service(servicer: Any, server: Any) -> None:
-    """`add_RolloutServiceServicer_to_server`, with UpdateWeights chunks parsed without copying their bytes."""
-    proxy = _FastChunks(server)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
-    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
-        server.add_generic_rpc_handlers(proxy.generic)
 
 
 DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why

@@ -1,5 +1,5 @@
 """The shm plane: one file under /dev/shm, written once by the trainer (`ShmSender`, `ShmWriter`), mapped by
-every rollout server on the host (`receive_shm`)."""
+every rollout server on the host (`ShmReceiver`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.planes.base import (
     Outcomes,
+    Recipient,
     Settings,
     Staged,
     Target,
@@ -162,11 +163,27 @@ def map_shm(path: str, entries: Sequence[Entry], offsets: Sequence[int]) -> dict
     return views(torch.frombuffer(mm, dtype=torch.uint8), entries, offsets)
 
 
-def receive_shm(source: rollout_pb2.ShmSource, entries: Sequence[Entry], host: str) -> Staged:
+class ShmReceiver:
     """The server's side: the trainer's file, mapped (never adopted: the trainer writes it again next time)."""
-    if not host:
-        raise InvalidInput("shm: this server has no usable /dev/shm")
-    return Staged(map_shm(source.path, entries, list(source.offsets)))
+
+    source = "shm"
+    transport = rollout_pb2.WEIGHT_TRANSPORT_SHM
+
+    def offered(self, recipient: Recipient) -> bool:
+        return bool(recipient.host_id)
+
+    def check(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], recipient: Recipient
+    ) -> None:
+        if not recipient.host_id:
+            raise InvalidInput("shm: this server has no usable /dev/shm")
+
+    async def receive(
+        self, request: rollout_pb2.TransferWeightsRequest, entries: Sequence[Entry], timeout_s: float,
+        recipient: Recipient,
+    ) -> Staged:  # fmt: skip
+        shm = request.shm
+        return Staged(await asyncio.to_thread(map_shm, shm.path, entries, list(shm.offsets)))
 
 
 class ShmSender:

@@ -9,66 +9,28 @@ answered INVALID_ARGUMENT under its own id; every other one is scored as usual.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
-import grpc
 from google.protobuf.message import DecodeError
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from rewardmesh.common.protowire import LEN, fields
+from rewardmesh.v1 import common_pb2, reward_pb2
 
-# A request, or (the request, {index of a sample that did not parse: its error}); index -1: ScoreRequest.sample.
-Parsed = Any
+# The message, or (the message, its refusals) when a sample did not parse.
+Refusals = dict[int, InvalidInput]  # index of the sample that did not parse: its error; -1: ScoreRequest.sample
+ParsedScore = reward_pb2.ScoreRequest | tuple[reward_pb2.ScoreRequest, Refusals]
+ParsedBatch = reward_pb2.ScoreBatchRequest | tuple[reward_pb2.ScoreBatchRequest, Refusals]
 
 _SCORE_SAMPLE, _SCORE_ITEMS = 1, 5  # ScoreRequest.sample, ScoreRequest.items
 _BATCH_SAMPLES = 2  # ScoreBatchRequest.samples
 _MAX_ID_CHARS = 512
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise DecodeError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> Iterator[tuple[int, int, int, int, int]]:
-    """(field number, wire type, where its key starts, start, end) of each top-level field; for a
-    length-delimited field, start and end bound its payload."""
-    pos = 0
-    while pos < len(data):
-        begin = start = pos
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, pos = _varint(data, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            size, pos = _varint(data, pos)
-            start, pos = pos, pos + size
-        else:
-            raise DecodeError(f"unsupported wire type {wire}")
-        if pos > len(data):
-            raise DecodeError("truncated field")
-        yield number, wire, begin, start, pos
-
-
 def _sample_id(sample: bytes) -> str:
     """The sample_id (field 1) of a Sample that does not parse as a whole; "" when it has none."""
     try:
-        for number, wire, _, start, end in _fields(sample):
-            if number == 1 and wire == 2:
-                return sample[start : min(end, start + _MAX_ID_CHARS)].decode("utf-8", "replace")
+        for f in fields(sample):
+            if f.number == 1 and f.wire == LEN:
+                return sample[f.start : min(f.end, f.start + _MAX_ID_CHARS)].decode("utf-8", "replace")
     except DecodeError:
         pass
     return ""
@@ -82,29 +44,30 @@ def _refusal(sample: bytes, where: str) -> tuple[common_pb2.Sample, InvalidInput
     )
 
 
-def parse_score_request(data: bytes) -> Parsed:
+def parse_score_request(data: bytes) -> ParsedScore:
     try:
         return reward_pb2.ScoreRequest.FromString(data)
     except DecodeError:
         pass
     rest = bytearray()
-    refusals: dict[int, InvalidInput] = {}
+    refusals: Refusals = {}
     items: list[reward_pb2.ScoreRequest] = []
     single: common_pb2.Sample | None = None
-    for number, wire, begin, start, end in _fields(data):  # a DecodeError here: the message itself is broken
-        if number == _SCORE_ITEMS and wire == 2:
-            payload = data[start:end]
+    for f in fields(data):  # a DecodeError here: the message itself is broken
+        if f.number == _SCORE_ITEMS and f.wire == LEN:
+            payload = data[f.start : f.end]
             try:
                 items.append(reward_pb2.ScoreRequest.FromString(payload))
             except DecodeError:
-                fields = _strings(payload)
-                stub, error = _refusal(fields.get(_SCORE_SAMPLE, b""), f"items[{len(items)}].sample")
+                strings = _strings(payload)
+                stub, error = _refusal(strings.get(_SCORE_SAMPLE, b""), f"items[{len(items)}].sample")
                 refusals[len(items)] = error
-                items.append(reward_pb2.ScoreRequest(sample=stub, reward=fields.get(2, b"").decode("utf-8", "replace")))
-        elif number == _SCORE_SAMPLE and wire == 2:
-            single, refusals[-1] = _refusal(data[start:end], "sample")
+                reward = strings.get(2, b"").decode("utf-8", "replace")
+                items.append(reward_pb2.ScoreRequest(sample=stub, reward=reward))
+        elif f.number == _SCORE_SAMPLE and f.wire == LEN:
+            single, refusals[-1] = _refusal(data[f.start : f.end], "sample")
         else:
-            rest += data[begin:end]
+            rest += data[f.begin : f.end]
     request = reward_pb2.ScoreRequest.FromString(bytes(rest))
     request.items.extend(items)
     if single is not None:
@@ -112,24 +75,24 @@ def parse_score_request(data: bytes) -> Parsed:
     return request, refusals
 
 
-def parse_score_batch_request(data: bytes) -> Parsed:
+def parse_score_batch_request(data: bytes) -> ParsedBatch:
     try:
         return reward_pb2.ScoreBatchRequest.FromString(data)
     except DecodeError:
         pass
     rest = bytearray()
-    refusals: dict[int, InvalidInput] = {}
+    refusals: Refusals = {}
     samples: list[common_pb2.Sample] = []
-    for number, wire, begin, start, end in _fields(data):
-        if number == _BATCH_SAMPLES and wire == 2:
-            payload = data[start:end]
+    for f in fields(data):
+        if f.number == _BATCH_SAMPLES and f.wire == LEN:
+            payload = data[f.start : f.end]
             try:
                 samples.append(common_pb2.Sample.FromString(payload))
             except DecodeError:
                 stub, refusals[len(samples)] = _refusal(payload, f"samples[{len(samples)}]")
                 samples.append(stub)
         else:
-            rest += data[begin:end]
+            rest += data[f.begin : f.end]
     request = reward_pb2.ScoreBatchRequest.FromString(bytes(rest))
     request.samples.extend(samples)
     return request, refusals
@@ -138,42 +101,6 @@ def parse_score_batch_request(data: bytes) -> Parsed:
 def _strings(message: bytes) -> dict[int, bytes]:
     """The length-delimited top-level fields of a message that does not parse (the last of each number)."""
     try:
-        return {n: message[s:e] for n, w, _, s, e in _fields(message) if w == 2}
+        return {f.number: message[f.start : f.end] for f in fields(message) if f.wire == LEN}
     except DecodeError:
         return {}
-
-
-class _Lenient:
-    """Stands in for the server while the generated code registers RewardService: Score and ScoreBatch get the
-    deserializers above, every other method its generated one."""
-
-    def __init__(self, server: Any) -> None:
-        self.server = server
-        self.generic: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.generic = handlers  # replaced by one built from the patched table in add_registered_method_handlers
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        score, batch = handlers["Score"], handlers["ScoreBatch"]
-        handlers = {
-            **handlers,
-            "Score": grpc.stream_stream_rpc_method_handler(
-                score.stream_stream, request_deserializer=parse_score_request,
-                response_serializer=score.response_serializer),
-            "ScoreBatch": grpc.unary_unary_rpc_method_handler(
-                batch.unary_unary, request_deserializer=parse_score_batch_request,
-                response_serializer=batch.response_serializer),
-        }  # fmt: skip
-        self.generic = None
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self.server.add_registered_method_handlers(service, handlers)
-
-
-def add_reward_service(servicer: Any, server: Any) -> None:
-    """`add_RewardServiceServicer_to_server`, with Score and ScoreBatch requests parsed sample by sample when
-    one sample would fail the whole message."""
-    proxy = _Lenient(server)
-    reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, proxy)  # type: ignore[arg-type]
-    if proxy.generic is not None:  # generated code that registers no method table: keep it as generated
-        server.add_generic_rpc_handlers(proxy.generic)

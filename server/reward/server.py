@@ -8,15 +8,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.server.reward.sample_split import add_reward_service
+from rewardmesh.server.registration import with_deserializers
+from rewardmesh.server.reward.sample_split import parse_score_batch_request, parse_score_request
 from rewardmesh.server.reward.service import RewardServicer
 from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.v1 import reward_pb2
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+# Score and ScoreBatch requests parsed sample by sample when one sample would fail the whole message.
+add_reward_service = with_deserializers(reward_pb2_grpc.add_RewardServiceServicer_to_server,
+                                        Score=parse_score_request, ScoreBatch=parse_score_batch_request)  # fmt: skip
 
 
 @dataclass
@@ -71,14 +75,14 @@ class RewardServer(MeshServer):
         options: ServerOptions | None = None,
         tokenizer: Any = None,
         tenants: TenantTable | None = None,
+        *,
+        max_stream_unanswered: int = RewardServerConfig.max_stream_unanswered,
     ) -> None:
         self.engine = engine
         self.options = options or ServerOptions(host="127.0.0.1", port=0)
-        bound = getattr(self.options, "max_stream_unanswered", RewardServerConfig.max_stream_unanswered)
         self.tenants = tenants or TenantTable()
-        self.servicer = RewardServicer(
-            engine, tokenizer, max_stream_unanswered=bound, limits=self.options, tenants=self.tenants
-        )
+        self.servicer = RewardServicer(engine, tokenizer, max_stream_unanswered=max_stream_unanswered,
+                                       limits=self.options, tenants=self.tenants)  # fmt: skip
         self.gateway: Any = None  # rewardmesh.server.reward.http_gateway.HttpGateway when --http-port is set
         self.grpc = GrpcServer(
             self.options,
@@ -121,7 +125,8 @@ async def serve_reward(
     table = TenantTable.from_config(tenants)
     rule_options = {"timeout_s": cfg.rule_timeout_s, "memory_mb": cfg.rule_memory_mb, "workers": cfg.rule_workers}
     engine = build_engine(pipelines, builtin_rules=cfg.builtin_rules, rule_options=rule_options)
-    server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer), table)
+    server = RewardServer(engine, cfg, load_tokenizer(cfg.tokenizer), table,
+                          max_stream_unanswered=cfg.max_stream_unanswered)  # fmt: skip
     if cfg.http_port:
         from rewardmesh.server.reward.http_gateway import HttpGateway, gateway_token, server_ssl_context
 

@@ -1,31 +1,20 @@
-"""RewardService servicer: thin; validation and decoding here, all scoring in reward_engine."""
+"""RewardService servicer: thin. It reads who is calling and hands each stream or call to the data plane
+(`Scoring`: queueing, flow control, results), which scores on the engine."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from grpc import aio
 
-from rewardmesh.common.errors import Cancelled, InvalidInput, Unavailable
-from rewardmesh.common.tensors import duration_seconds, ids_checked, ids_from
-from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.fair_queue import Tenant
-from rewardmesh.reward_engine.types import RewardInput, WireInput
-from rewardmesh.server.decoding import decoder
-from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check, extra_info
+from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, keep_traces
+from rewardmesh.server.reward.sample_split import ParsedBatch, ParsedScore
+from rewardmesh.server.reward.scoring import DEFAULT_MAX_STREAM_UNANSWERED, Scoring
 from rewardmesh.server.reward.telemetry import RewardTelemetry
 from rewardmesh.server.reward.tenants import TenantTable
-from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
-from rewardmesh.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-
-log = logging.getLogger(__name__)
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 
 _KINDS = {
     "rule": reward_pb2.REWARD_SOURCE_KIND_RULE,
@@ -36,524 +25,66 @@ _KINDS = {
 }
 
 
-def to_reward_input(sample: common_pb2.Sample, tokenizer: Any = None, lim: Limits = DEFAULT_LIMITS) -> RewardInput:
-    """Decode and validate a Sample; InvalidInput names the offending field (and the limit it is over)."""
-    sid, data_source, ground_truth = sample.sample_id, sample.data_source, sample.ground_truth
-    prompt_text, response_text = sample.prompt_text, sample.response_text
-    most = lim.max_text_chars
-    if (  # one cheap test per sample; the named checks only when something is over
-        len(sid) > lim.max_sample_id_chars
-        or len(prompt_text) > most
-        or len(response_text) > most
-        or len(ground_truth) > most
-        or len(data_source) > most
-    ):
-        texts = (prompt_text, response_text, ground_truth, data_source)
-        check(len(sid), lim.max_sample_id_chars, "sample.sample_id length", "max_sample_id_chars")
-        for name, text in zip(("prompt_text", "response_text", "ground_truth", "data_source"), texts, strict=True):
-            check(len(text), lim.max_text_chars, f"sample.{name} length", "max_text_chars")
-    # Checked here, made into arrays only if a source reads them (WireInput): rules and judges never do.
-    prompt_ids = ids_checked(sample.prompt_ids, "sample.prompt_ids")
-    response_ids = ids_checked(sample.response_ids, "sample.response_ids")
-    n_prompt, n_response = _count(prompt_ids), _count(response_ids)
-    if n_prompt > lim.max_tensor_elements or n_response > lim.max_tensor_elements:
-        check(n_prompt, lim.max_tensor_elements, "sample.prompt_ids size", "max_tensor_elements")
-        check(n_response, lim.max_tensor_elements, "sample.response_ids size", "max_tensor_elements")
-    mask = None
-    if sample.HasField("response_mask"):
-        mask = ids_from(sample.response_mask, "sample.response_mask")
-        if mask.shape != (n_response,):
-            raise InvalidInput(
-                f"sample.response_mask has shape {list(mask.shape)}, but sample.response_ids has [{n_response}]"
-            )
-    extra: dict[str, Any] = {}
-    if sample.HasField("extra_info"):
-        extra = extra_info(sample.extra_info, "sample.extra_info", lim)
-    inp = WireInput.of(
-        sid, prompt_ids, response_ids, prompt_text, response_text, data_source, ground_truth, extra, mask
-    )
-    if tokenizer is not None and ((not prompt_text and n_prompt) or (not response_text and n_response)):
-        decode = decoder(tokenizer)
-        if not prompt_text and n_prompt:
-            inp.prompt_text = decode(inp.prompt_ids.tolist())
-        if not response_text and n_response:
-            inp.response_text = decode(inp.response_ids.tolist())
-    return inp
-
-
-def _count(ids: bytes | np.ndarray) -> int:
-    """Elements of what ids_checked returned."""
-    return len(ids) >> 2 if ids.__class__ is bytes else ids.size  # type: ignore[union-attr]
-
-
-_RESULT = reward_pb2.RewardResult
-_END = object()  # the client half-closed the stream
-_DRAIN = object()  # the server is draining: finish what is in flight, then end the stream
-
-
-class _Owner:
-    """A ScoreBatch call (or an in-process caller): the scope of its samples' ids."""
-
-    __slots__ = ("flights",)
-
-    def __init__(self) -> None:
-        self.flights: dict[str, _Flight] = {}  # its samples between arrival and result, by id
-
-
-class _Outbox:
-    """One stream's results, gathered in place in the next ScoreResponse (a result is built where it is sent:
-    no copy into the message), and its sentinels; one waiter: the stream's writer. Also the scope of the
-    stream's sample ids (`flights`): an id names a sample only on its own stream, so no other client can
-    cancel, supersede or collide with it."""
-
-    __slots__ = ("add", "flights", "items", "response", "waiter")
-
-    def __init__(self) -> None:
-        self.flights: dict[str, _Flight] = {}
-        self.items: collections.deque[Any] = collections.deque()  # END, DRAIN or the reader's exception
-        self.response = reward_pb2.ScoreResponse()
-        self.add: Callable[..., reward_pb2.RewardResult] = self._add
-        self.waiter: asyncio.Future[None] | None = None
-
-    def _add(self, **fields: Any) -> reward_pb2.RewardResult:
-        """A new result in the response being gathered; fill it in place."""
-        self.wake()
-        return self.response.results.add(**fields)
-
-    def take(self) -> reward_pb2.ScoreResponse | None:
-        """The gathered results (None if there are none); the next ones gather in a new message."""
-        response = self.response
-        if not response.results:
-            return None
-        self.response = reward_pb2.ScoreResponse()
-        return response
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
-        self.wake()
-
-    def wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def wait(self) -> None:
-        while not self.items and not self.response.results:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-
-
-class _Flight(Ticket):
-    """A sample between arrival and result: who asked (its stream's outbox, where its result is built, or an
-    `owner` with a `deliver` callback), and, once queued, its own batcher ticket (a Ticket subclass: one object
-    per sample, not a record plus a ticket)."""
-
-    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid")
-
-    def __init__(  # the ticket's own fields are set by _arm once the sample is decoded
-        self,
-        sid: str,
-        reward: str,
-        deliver: Callable[[reward_pb2.RewardResult], None] | None,
-        owner: _Outbox | _Owner,
-        parent: Any,
-        arrived: float,
-        arrival_ns: int,
-    ) -> None:
-        self.sid = sid
-        self.reward = reward
-        self.deliver = deliver
-        self.owner = owner  # the stream (or ScoreBatch call) it came on
-        self.arrived = arrived
-        self.arrival_ns = arrival_ns
-        self.parent = parent
-
-    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None, due: float | None, tenant: Tenant) -> None:
-        """Fill in the ticket half: the batcher answers `sink(self, outcome)`."""
-        self.inp = inp
-        self.future = None
-        self.sink = sink
-        self.token = self
-        self.done = False
-        self.enqueued = self.arrived
-        self.deadline = deadline
-        self.due = due
-        self.tenant = tenant
-        self.context = self.parent
-        self.tokens = inp.num_tokens  # a WireInput counts its ids without making arrays
-
-
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    """Scores samples on a long-lived stream; one bad sample is that sample's error, never the stream's."""
+    """Score (a long-lived stream) and ScoreBatch over the data plane; KeepTraces and ListRewards itself."""
 
     def __init__(
         self,
         engine: RewardEngine,
         tokenizer: Any = None,
         *,
-        max_stream_unanswered: int = 2048,
+        max_stream_unanswered: int = DEFAULT_MAX_STREAM_UNANSWERED,
         limits: Limits = DEFAULT_LIMITS,
         tenants: TenantTable | None = None,
     ) -> None:
-        if max_stream_unanswered < 1:
-            raise ValueError(f"max_stream_unanswered must be >= 1, got {max_stream_unanswered}")
         self.engine = engine
-        self.tokenizer = tokenizer
         self.limits = limits
         self.tenants = tenants or TenantTable()  # who each call is (its token), for fair share and limits
         self.telemetry = RewardTelemetry(engine, self.tenants.tenants)
-        self._sink: Sink = self._settle  # bound once: a bound method per sample is an allocation per sample
-        # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
-        # so gRPC flow control pushes back on a client that writes and never reads.
-        self.max_stream_unanswered = max_stream_unanswered
-        self._in_flight = 0  # samples queued and not yet answered, over every stream and call
-        self._outboxes: set[_Outbox] = set()
-        self._draining = asyncio.Event()
-        self.results_sent = 0
-        self.messages_in = self.messages_out = 0  # Score messages read and written: samples per message
-        self.held = 0  # samples read on Score streams and not yet answered, over all streams
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
+        self.scoring = Scoring(engine, self.telemetry, tokenizer,
+                               max_stream_unanswered=max_stream_unanswered, limits=limits)  # fmt: skip
 
     async def drain(self) -> None:
         """Refuse new samples (UNAVAILABLE, so clients resend elsewhere) and wait for those in flight."""
-        self._draining.set()
-        for box in self._outboxes:
-            box.put(_DRAIN)
-        while self._in_flight:
-            await asyncio.sleep(0.01)
+        await self.scoring.drain()
 
-    # -- one sample ---------------------------------------------------------------------------
+    # What the data plane counts, as the server reports it.
 
-    def _begin(
-        self,
-        sample: common_pb2.Sample,
-        reward: str,
-        timeout_s: float | None,
-        parent: str | None,
-        deliver: Callable[[reward_pb2.RewardResult], None] | None,
-        owner: _Outbox | _Owner,
-        refused: BaseException | None = None,
-        arrived: tuple[float, int] | None = None,
-        step_left_s: float | None = None,
-        tenant: Tenant | None = None,
-    ) -> None:
-        """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
-        stream's next message when `owner` is a stream's outbox, else handed to `deliver`. Its id is scoped to
-        `owner`: the same id on another stream or call is another sample.
-        ``refused``: answer the sample with this error without looking at it (its message was over a limit).
-        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
-        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch.
-        ``step_left_s``: time left until its step must be scored (ScoreRequest.step_time_left); ``tenant``: whose
-        it is (the call's token), default: the default tenant."""
-        sid = sample.sample_id
-        mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
-        f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
-        try:
-            if refused is not None:
-                raise refused
-            if not sid:
-                raise InvalidInput("sample.sample_id is empty; give every sample a unique id")
-            if self._draining.is_set():
-                raise Unavailable("reward server is draining; send the sample to another reward target")
-            flights = owner.flights
-            if sid in flights:
-                where = "stream" if owner.__class__ is _Outbox else "call"
-                raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this {where}; ids must be unique")
-            pipeline = self.engine.get(reward)
-            inp = to_reward_input(sample, self.tokenizer, self.limits)
-            deadline = mono + timeout_s if timeout_s is not None else None
-            due = mono + step_left_s if step_left_s is not None else None
-            # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.arm(inp, self._sink, deadline, due, tenant or self.tenants.default)
-            pipeline.queue(f)
-        except SAMPLE_ERRORS as exc:
-            self._finish(f, error=exc)
-            return
-        flights[sid] = f
-        self._in_flight += 1
+    @property
+    def in_flight(self) -> int:
+        return self.scoring.in_flight
 
-    def _forget(self, f: _Flight) -> None:
-        flights = f.owner.flights
-        if flights.get(f.sid) is f:
-            del flights[f.sid]
-            self._in_flight -= 1
+    @property
+    def held(self) -> int:
+        return self.scoring.held
 
-    def _settle(self, f: _Flight, outcome: Scored | BaseException) -> None:
-        self._forget(f)
-        if isinstance(outcome, BaseException):
-            self._finish(f, error=outcome)
-        else:
-            self._finish(f, scored=outcome)
+    @property
+    def results_sent(self) -> int:
+        return self.scoring.results_sent
 
-    def _cancel(self, f: _Flight, why: str) -> None:
-        self._forget(f)
-        if f.cancel():  # every flight in an owner's flights is queued (armed)
-            self._finish(f, error=Cancelled(why))
+    @property
+    def messages_in(self) -> int:
+        return self.scoring.messages_in
 
-    def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
-        owner = f.owner
-        new = owner.add if owner.__class__ is _Outbox else _RESULT
-        result = None
-        if scored is not None:
-            try:  # fields by keyword, the timing submessage touched once: the cheapest way to build it
-                out = scored.output
-                result = new(sample_id=f.sid, reward=f.reward, score=out.score, batch_size=scored.batch_size)
-                if out.extras:
-                    result.extras.update(out.extras)
-                timing = result.timing
-                timing.queue = scored.queue_s
-                timing.compute = scored.compute_s
-                timing.total = time.monotonic() - f.arrived
-            except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
-                error = exc
-        if error is not None or result is None:
-            failure = status_proto(error or Cancelled("no result"))
-            if result is None:
-                result = new(sample_id=f.sid, reward=f.reward, error=failure)
-            else:  # already in its message: made over into the error
-                result.Clear()
-                result.sample_id, result.reward = f.sid, f.reward
-                result.error.CopyFrom(failure)
-            result.timing.total = time.monotonic() - f.arrived
-            self.telemetry.on_failure(result, f.parent, f.arrival_ns)  # a scored sample's telemetry: its batch's
-        if f.deliver is not None:
-            f.deliver(result)
-
-    def _cancel_ids(self, box: _Outbox, ids: Any) -> None:
-        """Cancel this stream's samples by id (another stream's ids are not this stream's to cancel)."""
-        # Over the limit, the stream fails INVALID_ARGUMENT before one id is looked at (a client's own stream).
-        check(len(ids), self.limits.max_ids_per_message, "ScoreRequest.cancel_sample_ids count", "max_ids_per_message")
-        flights = box.flights
-        for sid in ids:
-            f = flights.get(sid)
-            if f is not None:
-                self._cancel(f, f"sample '{sid}' was cancelled by the client")
-
-    def _keep_on_stream(self, keep: Any) -> None:
-        """A keep decision riding on the stream, as KeepTraces without a call."""
-        check(len(keep), self.limits.max_ids_per_message, "ScoreRequest.keep_traces count", "max_ids_per_message")
-        self.telemetry.keep(dict(keep))
-
-    def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
-        try:
-            check(count, self.limits.max_samples_per_request, what, "max_samples_per_request")
-        except LimitExceeded as exc:
-            return exc
-        return None
-
-    @staticmethod
-    def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
-        return duration_seconds(msg.timeout) if msg.HasField("timeout") else None
-
-    @staticmethod
-    def _step_left(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
-        return duration_seconds(msg.step_time_left) if msg.HasField("step_time_left") else None
-
-    async def score_one(
-        self,
-        sample: common_pb2.Sample,
-        reward: str,
-        timeout_s: float | None = None,
-        trace_context: Any = None,
-        *,
-        step_left_s: float | None = None,
-        tenant: Tenant | None = None,
-    ) -> reward_pb2.RewardResult:
-        """One sample, awaited (for in-process callers and tests)."""
-        done: asyncio.Future[reward_pb2.RewardResult] = asyncio.get_running_loop().create_future()
-        owner = _Owner()
-        parent = self.telemetry.begin(trace_context)
-        self._begin(sample, reward, timeout_s, parent, done.set_result, owner, step_left_s=step_left_s, tenant=tenant)
-        try:
-            return await done
-        finally:
-            for f in list(owner.flights.values()):
-                self._cancel(f, "the caller went away")
+    @property
+    def messages_out(self) -> int:
+        return self.scoring.messages_out
 
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Score(
-        self, request_iterator: AsyncIterator[reward_pb2.ScoreRequest], context: aio.ServicerContext
+        self, request_iterator: AsyncIterator[ParsedScore], context: aio.ServicerContext
     ) -> AsyncIterator[reward_pb2.ScoreResponse]:
-        """One reader task feeds one outbox (results, END, DRAIN or the reader's exception); this loop writes."""
-        box = _Outbox()
-        unanswered = 0  # samples read and not yet written back
-        per_message = 1  # the client's max_results_per_message
-        room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
-        limit = self.max_stream_unanswered
+        async for message in self.scoring.stream(request_iterator, self.tenants.of(context)):
+            yield message
 
-        begin = self._begin
-        timeout = self._timeout
-        step_left = self._step_left
-        telemetry = self.telemetry
-        tenant = self.tenants.of(context)
-
-        async def read() -> None:
-            nonlocal per_message, room, unanswered
-            try:
-                async for req in request_iterator:
-                    self.messages_in += 1
-                    unparsed = None  # samples of the message that did not parse (server/reward/sample_split.py)
-                    if req.__class__ is tuple:
-                        req, unparsed = req
-                    if req.max_results_per_message > 0:
-                        per_message = req.max_results_per_message
-                    items = req.items
-                    if items:
-                        n = len(items)
-                        refused = self._over_limit(n, "ScoreRequest.items count")
-                        arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
-                        unanswered += n
-                        self.held += n
-                        # once per message: each item's trace context is read only if one may carry it
-                        traced = telemetry.tracing and not req.items_untraced
-                        for k, item in enumerate(items):
-                            begin(
-                                item.sample,
-                                item.reward,
-                                timeout(item),
-                                telemetry.begin(item.trace_context) if traced else None,
-                                None,
-                                box,
-                                refused or (unparsed.get(k) if unparsed else None),
-                                arrived,
-                                step_left(item),
-                                tenant,
-                            )
-                    elif req.HasField("sample"):
-                        unanswered += 1
-                        self.held += 1
-                        parent = telemetry.begin(req.trace_context)
-                        begin(
-                            req.sample,
-                            req.reward,
-                            timeout(req),
-                            parent,
-                            None,
-                            box,
-                            unparsed.get(-1) if unparsed else None,
-                            None,
-                            step_left(req),
-                            tenant,
-                        )
-                    if req.cancel_sample_ids:  # after the items: a message may cancel its own
-                        self._cancel_ids(box, req.cancel_sample_ids)
-                    if req.keep_traces:  # a keep decision, as KeepTraces without a call
-                        self._keep_on_stream(req.keep_traces)
-                    while unanswered >= limit:  # stop reading: flow control pushes back on the writer
-                        room = asyncio.get_running_loop().create_future()
-                        await room
-                box.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # the stream broke: the writer re-raises it
-                box.put(exc)
-
-        self._outboxes.add(box)
-        if self._draining.is_set():
-            box.put(_DRAIN)
-        reader = asyncio.create_task(read())
-        reader_done = draining = False
-        try:
-            while True:
-                if not unanswered and (reader_done or draining):
-                    break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
-                if not box.items and not box.response.results:
-                    await box.wait()
-                items = box.items
-                while items:
-                    item = items.popleft()
-                    if item is _END:
-                        reader_done = True
-                    elif item is _DRAIN:
-                        draining = True
-                    else:
-                        raise item
-                response = box.take()
-                if response is None:
-                    continue
-                results = response.results
-                n = len(results)
-                if per_message > 1 and n <= per_message:
-                    messages: Any = (response,)  # as gathered: no copy
-                elif per_message > 1:
-                    messages = (reward_pb2.ScoreResponse(results=results[lo : lo + per_message])
-                                for lo in range(0, n, per_message))  # fmt: skip
-                else:  # a client that takes one result per message
-                    messages = (reward_pb2.ScoreResponse(result=r) for r in results)
-                for message in messages:
-                    yield message
-                    sent = len(message.results) or 1
-                    unanswered -= sent
-                    self.held -= sent
-                    self.results_sent += sent
-                    self.messages_out += 1
-                    if room is not None and not room.done() and unanswered < limit:
-                        room.set_result(None)
-        finally:
-            self.held -= unanswered
-            self._outboxes.discard(box)
-            reader.cancel()
-            for f in list(box.flights.values()):
-                self._cancel(f, "the stream ended")
-
-    async def ScoreBatch(
-        self, request: reward_pb2.ScoreBatchRequest, context: aio.ServicerContext
-    ) -> reward_pb2.ScoreBatchResponse:
-        unparsed: dict[int, InvalidInput] = {}  # samples that did not parse (server/reward/sample_split.py)
-        if request.__class__ is tuple:
-            request, unparsed = request
-        error = self._over_limit(len(request.samples), "ScoreBatchRequest.samples count")
-        if error is not None:
-            raise error
-        timeout = self._timeout(request)
-        step_left = self._step_left(request)
-        tenant = self.tenants.of(context)
-        slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
-        left = len(request.samples)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        owner = _Owner()
-
-        def deliver_to(i: int) -> Callable[[reward_pb2.RewardResult], None]:
-            def deliver(result: reward_pb2.RewardResult) -> None:
-                nonlocal left
-                slots[i] = result
-                left -= 1
-                if not left and not done.done():
-                    done.set_result(None)
-
-            return deliver
-
-        for i, s in enumerate(request.samples):
-            refused = unparsed.get(i)
-            self._begin(s, request.reward, timeout, None, deliver_to(i), owner, refused, None, step_left, tenant)
-        try:
-            if left:
-                await done
-        finally:
-            for f in list(owner.flights.values()):
-                self._cancel(f, "the call ended")
-        self.results_sent += len(slots)
-        return reward_pb2.ScoreBatchResponse(results=[r for r in slots if r is not None])
+    async def ScoreBatch(self, request: ParsedBatch, context: aio.ServicerContext) -> reward_pb2.ScoreBatchResponse:
+        return await self.scoring.batch(request, self.tenants.of(context))
 
     async def KeepTraces(
         self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext
     ) -> reward_pb2.KeepTracesResponse:
-        lim = self.limits
-        check(
-            len(request.sample_ids),
-            lim.max_ids_per_message,
-            "KeepTracesRequest.sample_ids count",
-            "max_ids_per_message",
-        )
-        check(len(request.traceparents), lim.max_ids_per_message, "KeepTracesRequest.traceparents count",
-              "max_ids_per_message")  # fmt: skip
+        keep_traces(request, self.limits)
         contexts = dict.fromkeys(request.sample_ids, "")
         contexts.update(request.traceparents)
         kept, exported = self.telemetry.keep(contexts)

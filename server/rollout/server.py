@@ -11,16 +11,21 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from rewardmesh.client.reward_client import RewardClient
-from rewardmesh.common.planes.grpc_chunks import add_rollout_service
+from rewardmesh.common.planes.grpc_chunks import parse_update_request
+from rewardmesh.server.registration import with_deserializers
 from rewardmesh.server.rollout.backends.base import Backend
 from rewardmesh.server.rollout.service import RolloutServicer
 from rewardmesh.server.rollout.worker import RolloutWorker
 from rewardmesh.server.serving import GrpcServer, MeshServer, ServerOptions
-from rewardmesh.v1 import rollout_pb2
+from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+# UpdateWeights chunks parsed without copying their bytes (common/planes/grpc_chunks.py).
+add_rollout_service = with_deserializers(
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server, UpdateWeights=parse_update_request
+)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.layout import LAYOUT_VERSION
 from rewardmesh.common.tensors import duration_seconds, ids_from, ids_tensor
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, extra_info, finite
+from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, extra_info, finite, keep_traces
 from rewardmesh.server.rollout.agent_loop import AgentSettings
 from rewardmesh.server.rollout.backends.base import GenerationRequest
 from rewardmesh.server.rollout.tools import TOOLS
@@ -75,8 +75,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         else:
             raise InvalidInput(f"{where} has no input: set token_ids or chat")
         check(len(prompt.group_id), lim.max_sample_id_chars, f"{where}.group_id length", "max_sample_id_chars")
-        for name in ("data_source", "ground_truth"):
-            check(len(getattr(prompt, name)), lim.max_text_chars, f"{where}.{name} length", "max_text_chars")
+        for name, text in (("data_source", prompt.data_source), ("ground_truth", prompt.ground_truth)):
+            check(len(text), lim.max_text_chars, f"{where}.{name} length", "max_text_chars")
         if prompt.HasField("extra_info"):  # as deep as every message that will carry it can nest it
             extra_info(prompt.extra_info, f"{where}.extra_info", lim)
         for k, sid in enumerate(prompt.sample_ids):
@@ -275,13 +275,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def KeepTraces(self, request: reward_pb2.KeepTracesRequest, context: aio.ServicerContext) -> Any:
         """Export these samples' trees here and on every reward target (a step's slowest, named by the trainer)."""
-        lim = self.limits
-        check(
-            len(request.sample_ids),
-            lim.max_ids_per_message,
-            "KeepTracesRequest.sample_ids count",
-            "max_ids_per_message",
-        )
+        keep_traces(request, self.limits)
         kept, exported = await self.worker.keep_traces(request.sample_ids)
         return reward_pb2.KeepTracesResponse(kept_samples=kept, exported_spans=exported)
 

@@ -26,15 +26,17 @@ from typing import Any, TypeVar
 
 import torch
 
+from rewardmesh.common.allocator import keep_freed_memory
 from rewardmesh.common.errors import DependencyFailed, InvalidInput
 from rewardmesh.common.planes import delta as weight_delta
-from rewardmesh.common.planes.cuda_ipc import check_ipc, check_source, open_tensors
+from rewardmesh.common.planes.base import SOURCES, Receiver, Staged, by_source
+from rewardmesh.common.planes.cuda_ipc import IpcReceiver
 from rewardmesh.common.planes.digests import digest, finite, scan
-from rewardmesh.common.planes.dist import DistReceiver, SharedWeights, dist_available
-from rewardmesh.common.planes.grpc_chunks import Message, WeightAssembler, keep_freed_memory, receive_chunks
+from rewardmesh.common.planes.dist import DistReceiver, SharedWeights
+from rewardmesh.common.planes.grpc_chunks import Message, WeightAssembler, receive_chunks
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import Entry, WeightsError, check_manifest
-from rewardmesh.common.planes.shm import host_id, receive_shm
+from rewardmesh.common.planes.shm import ShmReceiver, host_id
 from rewardmesh.common.tensors import duration_seconds
 from rewardmesh.server.rollout.backends.base import Backend
 from rewardmesh.v1 import rollout_pb2
@@ -95,11 +97,12 @@ def _recycler(spare: _Buffers | None, device: torch.device) -> Callable[[int], t
 
 
 class WeightReceiver:
-    """One update at a time: the plane named in the request stages it, then it is checked and committed."""
+    """One update at a time: the plane named in the request stages it, then it is checked and committed. The
+    `Recipient` the planes stage for (common/planes/base.py)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.host_id = host_id()
+        self.host_id = host_id()  # who shares this server's /dev/shm
         self.instance_id = uuid.uuid4().hex
         self._lock = asyncio.Lock()
         # CPU staging buffers that nothing uses (the model left them), reused by the next update over dist or grpc
@@ -118,24 +121,48 @@ class WeightReceiver:
         self._held_file: tuple[SharedWeights, dict[str, torch.Tensor]] | None = None
         self._spare_file: SharedWeights | None = None
         self._tasks: set[asyncio.Future[Any]] = set()  # commits that run on after their caller left
-        self._dist = DistReceiver()  # keeps the process groups trainers formed
+        # The planes TransferWeights names, fastest first (dist keeps the process groups trainers formed); grpc's
+        # chunks come on UpdateWeights (receive_chunks).
+        self._planes: dict[str, Receiver] = by_source([IpcReceiver(), ShmReceiver(), DistReceiver()])
+
+    # -- what the planes ask of this server (common.planes.base.Recipient) ----------------------
+
+    @property
+    def weights_device(self) -> torch.device | None:
+        return self.backend.device
+
+    @property
+    def loads_cuda_ipc(self) -> bool:
+        return self.backend.loads_cuda_ipc
 
     def cuda_uuid(self) -> str:
         """The GPU the model runs on ("" if none): a trainer with its tensors there may send CUDA IPC handles."""
         return self.backend.cuda_device_uuid  # vLLM: its engine's, when it takes IPC
 
-    def transports(self) -> list[Any]:
-        out: list[Any] = []
-        if self.cuda_uuid():
-            out.append(rollout_pb2.WEIGHT_TRANSPORT_CUDA_IPC)
-        if self.host_id:
-            out.append(rollout_pb2.WEIGHT_TRANSPORT_SHM)
-        # dist needs a backend that says where its weights live (hf); vLLM's engine would need its own
-        # weight-transfer engine on both sides (not built yet), so a vLLM server takes shm or grpc.
-        if dist_available() and self.backend.device is not None:
-            out.append(rollout_pb2.WEIGHT_TRANSPORT_DIST)
-        out.append(rollout_pb2.WEIGHT_TRANSPORT_GRPC)
-        return out
+    def staging(self, device: torch.device, delta: bool) -> Callable[[int], torch.Tensor]:
+        """Where a dist update's buckets go: the spare buffers the model left (a delta's buckets are small: the
+        spare stays for the delta to start from), else new ones."""
+        return _recycler(None if delta else self._take_spare(), device)
+
+    def host_file(self, size: int) -> SharedWeights | None:
+        """The file this server receives a host's shared copy into: its spare one when nobody serves from it."""
+        spare, self._spare_file = self._spare_file, None
+        if spare is not None and spare.size == size and spare.reusable():
+            return spare
+        if spare is not None:
+            spare.close()  # another server still serves from it (or the layout changed): it keeps its mapping
+        try:
+            return SharedWeights.create(size)
+        except OSError as exc:  # no room under /dev/shm: the bytes go on over TCP
+            log.warning("dist: no shared file for the next server on this host, sending it the bytes: %s", exc)
+            return None
+
+    # -----------------------------------------------------------------------------------------
+
+    def transports(self) -> list[rollout_pb2.WeightTransport]:
+        """What GetInfo offers: every plane this server can receive on, fastest first; grpc always."""
+        offered = [p.transport for p in self._planes.values() if p.offered(self)]
+        return [*offered, rollout_pb2.WEIGHT_TRANSPORT_GRPC]
 
     def takes_deltas(self) -> bool:
         """Delta encodings are decoded on the CPU against the tensors the backend serves (hf on a CPU)."""
@@ -223,19 +250,6 @@ class WeightReceiver:
             self._spare_file = file
         else:
             file.close()
-
-    def _host_file(self, size: int) -> SharedWeights | None:
-        """The file this server receives a host's shared copy into: its spare one when nobody serves from it."""
-        spare, self._spare_file = self._spare_file, None
-        if spare is not None and spare.size == size and spare.reusable():
-            return spare
-        if spare is not None:
-            spare.close()  # another server still serves from it (or the layout changed): it keeps its mapping
-        try:
-            return SharedWeights.create(size)
-        except OSError as exc:  # no room under /dev/shm: the bytes go on over TCP
-            log.warning("dist: no shared file for the next server on this host, sending it the bytes: %s", exc)
-            return None
 
     async def receive_chunks(
         self, requests: AsyncIterator[rollout_pb2.UpdateWeightsRequest]
@@ -382,59 +396,40 @@ class WeightReceiver:
         """TransferWeights: validate the manifest first (INVALID_ARGUMENT naming the tensor), then receive, apply."""
         started = time.perf_counter()
         entries = check_manifest(request.tensors, self.backend.weight_specs(), request.total_bytes)
-        which = request.WhichOneof("source")
-        if which is None:
-            raise InvalidInput("source: set dist, shm or cuda_ipc (gRPC chunks go on UpdateWeights)")
-        if which == "cuda_ipc":
-            check_source(request.cuda_ipc, entries, self.cuda_uuid())
-            if any(e.encoding for e in entries):
-                raise InvalidInput("tensors: cuda_ipc carries whole tensors, no delta encodings")
+        plane = self._planes.get(request.WhichOneof("source") or "")
+        if plane is None:
+            *most, last = [name for name in SOURCES if name in self._planes]
+            raise InvalidInput(f"source: set {', '.join(most)} or {last} (gRPC chunks go on UpdateWeights)")
+        plane.check(request, entries, self)
         next_version(request.policy_version, self.backend.policy_version)
         self._check_base(entries, request.delta_base_version)
         if request.validate_only:
             return rollout_pb2.TransferWeightsResponse(policy_version=self.backend.policy_version)
-        applied, spent = await self._shielded(self._transfer(request, entries, which))
+        applied, spent = await self._shielded(self._transfer(request, entries, plane))
         total = sum(e.wire for e in entries)
         seconds = time.perf_counter() - started
         log.info("applied %d tensors (%d bytes) from %s as policy version %d in %.3fs (apply %.3fs)",
-                 len(entries), total, which, applied, seconds, spent)  # fmt: skip
+                 len(entries), total, plane.source, applied, seconds, spent)  # fmt: skip
         return rollout_pb2.TransferWeightsResponse(
             policy_version=applied, num_tensors=len(entries), num_bytes=total, seconds=seconds, apply_seconds=spent
         )
 
     async def _transfer(
-        self, request: rollout_pb2.TransferWeightsRequest, entries: list[Entry], which: str
+        self, request: rollout_pb2.TransferWeightsRequest, entries: list[Entry], plane: Receiver
     ) -> tuple[int, float]:
         timeout_s = duration_seconds(request.timeout) if request.HasField("timeout") else DEFAULT_TIMEOUT_S
         version, base = request.policy_version, request.delta_base_version
         async with self._lock:
-            if which == "cuda_ipc":
-                return await self._apply_ipc(request.cuda_ipc, entries, version)
-            if which == "shm":
-                staged = await asyncio.to_thread(receive_shm, request.shm, entries, self.host_id)
-            else:
-                staged = await self._dist.receive(
-                    request.dist, entries, timeout_s, self._device(), self._staging, self._host_file
-                )
+            staged = await plane.receive(request, entries, timeout_s, self)
+            if staged.handles is not None:
+                return await self._load_handles(staged, entries, version)
             return await self._commit(staged.tensors, entries, version, base, staged.owned, staged.file)
 
-    def _staging(self, device: torch.device, delta: bool) -> Callable[[int], torch.Tensor]:
-        """Where a dist update's buckets go: the spare buffers the model left (a delta's buckets are small: the
-        spare stays for the delta to start from), else new ones."""
-        return _recycler(None if delta else self._take_spare(), device)
-
-    async def _apply_ipc(
-        self, source: rollout_pb2.CudaIpcSource, entries: list[Entry], version: int
-    ) -> tuple[int, float]:
-        """The trainer's tensors on our GPU: vLLM loads them through its weight-transfer engine (after the digests
-        are checked over the tensors the handles open); other backends copy them in (device to device: the trainer
-        owns that memory, so nothing is adopted)."""
+    async def _load_handles(self, staged: Staged, entries: list[Entry], version: int) -> tuple[int, float]:
+        """The trainer's CUDA tensors, loaded by an engine that opens their handles itself (vLLM's weight-transfer
+        engine; the plane checked the digests over what the handles open)."""
+        assert staged.handles is not None
         started = time.perf_counter()
-        if self.backend.loads_cuda_ipc:
-            version = next_version(version, self.backend.policy_version)
-            if any(e.digest is not None for e in entries):
-                await asyncio.to_thread(check_ipc, source, entries, self._device())
-            await self.backend.update_weights_ipc(entries, source, version)
-            return self.backend.policy_version, time.perf_counter() - started
-        tensors = open_tensors(source, entries, self._device())
-        return await self._commit(tensors, entries, version, 0)
+        version = next_version(version, self.backend.policy_version)
+        await self.backend.update_weights_ipc(entries, staged.handles, version)
+        return self.backend.policy_version, time.perf_counter() - started

@@ -62,7 +62,7 @@ async def test_draining_target_hands_its_new_samples_to_another() -> None:
             first = [client.submit(sample(f"a{i}", delay=0.3), "sleepy") for i in range(6)]
             await eventually(lambda: a.servicer.in_flight + b.servicer.in_flight == 6, "the first six in flight")
             drain = asyncio.create_task(a.stop(grace=5))
-            await eventually(lambda: a.servicer._draining.is_set(), "a is draining")
+            await eventually(lambda: a.servicer.scoring.draining, "a is draining")
             later = [client.submit(sample(f"b{i}", delay=0.0), "sleepy") for i in range(6)]
             results = await asyncio.gather(*first, *later)
             await drain

@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
-from rewardmesh.common.telemetry import OtlpJsonLinesExporter, Telemetry, setup_telemetry
+from rewardmesh.common.otlp_json import OtlpJsonLinesExporter
+from rewardmesh.common.telemetry import Telemetry, setup_telemetry
 from rewardmesh.v1 import rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_server, rollout_server
@@ -45,11 +46,11 @@ def tool_script(text: str, turn: int) -> tuple[str, float]:
 def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[str, Any]]]:
     """An OTLP JSON lines exporter beside the in-memory one for one test, fed kept spans as a deployment's exporter
     is: blocks straight from the flight recorder. Returns a reader: the spans written so far, by span id."""
-    from rewardmesh.common.telemetry import SerializedExporter
+    from rewardmesh.common.telemetry import serialized
 
     assert telemetry.recorder is not None
     path = tmp_path / "kept.jsonl"
-    exporter = SerializedExporter(OtlpJsonLinesExporter(path))
+    exporter = serialized(OtlpJsonLinesExporter(path))
     telemetry.tracer_provider.force_flush()  # type: ignore[union-attr]  # nothing of an earlier test's
     telemetry.recorder.exporters.append(exporter)
 
@@ -67,7 +68,7 @@ def written(telemetry: Telemetry, tmp_path: Path) -> Iterator[Callable[[], dict[
 def assert_written_as_span_objects(written: dict[str, Any], names: tuple[str, ...]) -> int:
     """Every kept span the in-memory exporter got (span objects built from the recorder's blocks) was written by
     the JSON exporter from the blocks themselves, with exactly the same content; returns how many."""
-    from rewardmesh.common.telemetry import span_to_otlp
+    from rewardmesh.common.otlp_json import span_to_otlp
 
     kept = [s for s in SPANS.get_finished_spans() if s.name in names]
     assert {f"{s.context.span_id:016x}" for s in kept} == set(written)
@@ -215,7 +216,8 @@ def test_span_json_is_span_to_otlp_as_text(telemetry: Telemetry) -> None:
     """The exporter's direct JSON writer says exactly what span_to_otlp says (links, events, odd strings)."""
     from opentelemetry.trace import Link, SpanContext, TraceFlags
 
-    from rewardmesh.common.telemetry import span_json, span_to_otlp, tracer
+    from rewardmesh.common.otlp_json import span_json, span_to_otlp
+    from rewardmesh.common.telemetry import tracer
 
     SPANS.clear()
     target = SpanContext(7, 9, True, TraceFlags(1))
@@ -236,7 +238,8 @@ def test_a_block_is_written_as_its_span_objects_are() -> None:
     """block_json (the JSON exporter's text for a block of spans, written column by column) says what span_to_otlp
     says of the block's span objects: shared and per-span attributes of every type, errors, links, roots."""
     from rewardmesh.common.flight_recorder import SpanBlock
-    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.otlp_json import block_json, span_to_otlp
+    from rewardmesh.common.telemetry import resource
 
     res = resource("test")
     t1, t2 = f"{123:032x}", f"{2**127 + 5:032x}"
@@ -263,7 +266,8 @@ def test_single_span_blocks_merge_into_blocks_of_the_same_spans() -> None:
     """A drain's blocks of one span each (a rollout server's kept trees) are merged by name, kind and attribute
     keys into column blocks that are the same spans, and written as they are."""
     from rewardmesh.common.flight_recorder import FlightRecorder, merge_singles
-    from rewardmesh.common.telemetry import block_json, resource, span_to_otlp
+    from rewardmesh.common.otlp_json import block_json, span_to_otlp
+    from rewardmesh.common.telemetry import resource
 
     rec = FlightRecorder(resource("test"))
     singles = [
@@ -684,7 +688,7 @@ def test_ring_keeps_at_least_capacity_records() -> None:
 def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kept spans wait for the recorder's builder thread in a queue bounded in spans: while an exporter hangs, the
     queue fills, what does not fit is refused and counted as dropped, and what was taken is exported once the
-    exporter answers again. An exporter without `export_blocks` gets span objects."""
+    exporter answers again. An exporter that is no BlockExporter gets span objects."""
     import threading
 
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -722,3 +726,39 @@ def test_a_stalled_exporter_costs_dropped_spans_not_memory(monkeypatch: pytest.M
     assert all(isinstance(s, ReadableSpan) and s.context.trace_id == 5 for s in exported)
     assert {s.name: s.parent is None for s in exported} == {"root": True, "child": False}
     rec.stop()
+
+
+def test_a_block_exporter_gets_blocks_and_any_other_exporter_span_objects(tmp_path: Path) -> None:
+    """The recorder hands kept spans to a BlockExporter as blocks (no span objects built for it), to any other
+    exporter as ReadableSpans; wrapping an exporter to be fed one call at a time keeps what it is."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from rewardmesh.common.flight_recorder import BlockExporter, FlightRecorder, SpanBlock, new_span_id
+    from rewardmesh.common.telemetry import resource, serialized
+
+    got: dict[str, list[Any]] = {"blocks": [], "spans": []}
+
+    class Blocks(BlockExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            got["spans"].append(("blocks exporter", list(spans)))
+            return SpanExportResult.SUCCESS
+
+        def export_blocks(self, res: Resource, blocks: Any) -> SpanExportResult:
+            got["blocks"].extend(blocks)
+            return SpanExportResult.SUCCESS
+
+    spans = InMemorySpanExporter()
+    exporters = [serialized(Blocks()), serialized(spans)]
+    assert isinstance(exporters[0], BlockExporter) and not isinstance(exporters[1], BlockExporter)
+    assert isinstance(serialized(OtlpJsonLinesExporter(tmp_path / "x.jsonl")), BlockExporter)
+
+    class Tree:
+        def spans(self, rec: FlightRecorder) -> list[SpanBlock]:
+            return [rec.span("root", 5, new_span_id(), None, 1, 2)]
+
+    rec = FlightRecorder(resource("test"), exporters=exporters)
+    assert rec.export_tree(Tree()) == 1
+    rec.stop()
+    assert [b.name for b in got["blocks"]] == ["root"] and got["spans"] == []
+    assert [s.name for s in spans.get_finished_spans()] == ["root"]

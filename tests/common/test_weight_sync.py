@@ -161,7 +161,7 @@ def test_manifest_checks_name_shape_dtype_and_total() -> None:
 
 _CHURN = """
 import resource, sys
-from rewardmesh.common.planes.grpc_chunks import keep_freed_memory
+from rewardmesh.common.allocator import keep_freed_memory
 if sys.argv[1] == "keep" and not keep_freed_memory():
     sys.exit(3)
 def churn():  # a few 4 MiB messages in flight, then all freed (one grpc update's pattern)

@@ -267,6 +267,19 @@ async def test_a_huge_chat_prompt_is_refused_before_tokenizing(tok: Any) -> None
     assert "max_prompt_chars" in str(err.value.details())
 
 
+async def test_keep_traces_id_lists_are_refused_alike_on_both_services(tok: Any) -> None:
+    over = [reward_pb2.KeepTracesRequest(sample_ids=list("abcd")),
+            reward_pb2.KeepTracesRequest(traceparents=dict.fromkeys("abcd", ""))]  # fmt: skip
+    async with limited_reward_server(max_ids_per_message=3) as rs, reward_stub(rs.address) as reward:
+        async with limited_rollout(tok, max_ids_per_message=3) as (rollout, _):
+            for stub in (reward, rollout):
+                for request, field in zip(over, ("sample_ids", "traceparents"), strict=True):
+                    with pytest.raises(aio.AioRpcError) as err:
+                        await stub.KeepTraces(request)
+                    assert err.value.code() == INVALID
+                    assert f"KeepTracesRequest.{field} count is 4" in str(err.value.details())
+
+
 async def test_id_lists_over_the_limit_are_refused() -> None:
     async with limited_reward_server(max_ids_per_message=3) as rs, reward_stub(rs.address) as stub:
         with pytest.raises(aio.AioRpcError) as err:

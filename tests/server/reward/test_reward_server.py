@@ -19,8 +19,8 @@ from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.sources.reward_model import ModelSource
 from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.server.reward.reward_input import to_reward_input
 from rewardmesh.server.reward.server import load_tokenizer
-from rewardmesh.server.reward.service import to_reward_input
 from rewardmesh.v1 import common_pb2, reward_pb2
 from tests.support.servers import EOF, FNS, fn_pipeline, reward_server, reward_stub, sample
 from tests.support.waiting import eventually
@@ -203,7 +203,7 @@ async def test_drain_finishes_in_flight_refuses_new_and_reports_not_serving() ->
             await call.write(req(sample(f"inflight{i}", delay=0.4), "sleepy"))
         await eventually(lambda: server.servicer.in_flight == 3, "the server holds the three samples")
         stopping = asyncio.create_task(server.stop(grace=5))
-        await eventually(lambda: server.servicer._draining.is_set(), "the server is draining")
+        await eventually(lambda: server.servicer.scoring.draining, "the server is draining")
         async with aio.insecure_channel(server.address) as ch:
             status = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -148,7 +148,7 @@ async def test_one_result_per_message_for_clients_that_did_not_ask_for_more() ->
 async def test_a_client_that_writes_and_never_reads_is_not_read_past_the_bound() -> None:
     # The server must not read everything a non-reading client writes and hold every result.
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as server, reward_stub(server.address) as stub:
-        server.servicer.max_stream_unanswered = 8
+        server.servicer.scoring.max_stream_unanswered = 8
         call = stub.Score()
 
         async def flood() -> None:

@@ -1,0 +1,462 @@
+"""The reward server's data plane, under its thin servicer: samples from Score streams and ScoreBatch calls
+queued on the engine's pipelines, each answered exactly once; a stream's results built in place in its next
+message; flow control (a stream is not read past its bound of unanswered samples); sample ids scoped to their
+stream or call; drain.
+
+A sample in flight is one object, its batcher ticket (`_Flight`, a Ticket): the batcher hands the outcome back
+to `Scoring._settle` itself, with no future per sample."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rewardmesh.common.errors import Cancelled, InvalidInput, Unavailable
+from rewardmesh.common.tensors import duration_seconds
+from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, Tenant
+from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check
+from rewardmesh.server.reward.reward_input import to_reward_input
+from rewardmesh.server.reward.sample_split import ParsedBatch, ParsedScore, Refusals
+from rewardmesh.server.reward.telemetry import RewardTelemetry
+from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
+from rewardmesh.v1 import common_pb2, reward_pb2
+
+DEFAULT_MAX_STREAM_UNANSWERED = 2048
+
+_RESULT = reward_pb2.RewardResult
+_END = object()  # the client half-closed the stream
+_DRAIN = object()  # the server is draining: finish what is in flight, then end the stream
+
+
+class _Owner:
+    """A ScoreBatch call: the scope of its samples' ids."""
+
+    __slots__ = ("flights",)
+
+    def __init__(self) -> None:
+        self.flights: dict[str, _Flight] = {}  # its samples between arrival and result, by id
+
+
+class _Outbox:
+    """One stream's results, gathered in place in the next ScoreResponse (a result is built where it is sent:
+    no copy into the message), and its sentinels; one waiter: the stream's writer. Also the scope of the
+    stream's sample ids (`flights`): an id names a sample only on its own stream, so no other client can
+    cancel, supersede or collide with it."""
+
+    __slots__ = ("add", "flights", "items", "response", "waiter")
+
+    def __init__(self) -> None:
+        self.flights: dict[str, _Flight] = {}
+        self.items: collections.deque[Any] = collections.deque()  # END, DRAIN or the reader's exception
+        self.response = reward_pb2.ScoreResponse()
+        self.add: Callable[..., reward_pb2.RewardResult] = self._add
+        self.waiter: asyncio.Future[None] | None = None
+
+    def _add(self, **fields: Any) -> reward_pb2.RewardResult:
+        """A new result in the response being gathered; fill it in place."""
+        self.wake()
+        return self.response.results.add(**fields)
+
+    def take(self) -> reward_pb2.ScoreResponse | None:
+        """The gathered results (None if there are none); the next ones gather in a new message."""
+        response = self.response
+        if not response.results:
+            return None
+        self.response = reward_pb2.ScoreResponse()
+        return response
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self) -> None:
+        while not self.items and not self.response.results:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+
+class _Flight(Ticket):
+    """A sample between arrival and result: who asked (its stream's outbox, where its result is built, or an
+    `owner` with a `deliver` callback), and, once queued, its own batcher ticket (a Ticket subclass: one object
+    per sample, not a record plus a ticket)."""
+
+    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid")
+
+    def __init__(  # the ticket's own fields are set by arm once the sample is decoded
+        self,
+        sid: str,
+        reward: str,
+        deliver: Callable[[reward_pb2.RewardResult], None] | None,
+        owner: _Outbox | _Owner,
+        parent: Any,
+        arrived: float,
+        arrival_ns: int,
+    ) -> None:
+        self.sid = sid
+        self.reward = reward
+        self.deliver = deliver
+        self.owner = owner  # the stream (or ScoreBatch call) it came on
+        self.arrived = arrived
+        self.arrival_ns = arrival_ns
+        self.parent = parent
+
+    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None, due: float | None, tenant: Tenant) -> None:
+        """Become the sample's ticket, answered through `sink(self, outcome)` (no future): set once its sample is
+        decoded, so a sample refused before that costs no ticket."""
+        Ticket.__init__(self, inp, None, self.arrived, deadline, self.parent, sink, self, due, tenant)
+
+
+class Scoring:
+    """Samples from Score streams and ScoreBatch calls, queued on the engine's pipelines and each answered exactly
+    once, with the counters the server reports; one bad sample is that sample's error, never the stream's."""
+
+    def __init__(
+        self,
+        engine: RewardEngine,
+        telemetry: RewardTelemetry,
+        tokenizer: Any = None,
+        *,
+        max_stream_unanswered: int = DEFAULT_MAX_STREAM_UNANSWERED,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        if max_stream_unanswered < 1:
+            raise ValueError(f"max_stream_unanswered must be >= 1, got {max_stream_unanswered}")
+        self.engine = engine
+        self.telemetry = telemetry
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._sink: Sink = self._settle  # bound once: a bound method per sample is an allocation per sample
+        # Backpressure: a Score stream with this many samples read but not yet answered is not read further,
+        # so gRPC flow control pushes back on a client that writes and never reads.
+        self.max_stream_unanswered = max_stream_unanswered
+        self._in_flight = 0  # samples queued and not yet answered, over every stream and call
+        self._outboxes: set[_Outbox] = set()
+        self._draining = asyncio.Event()
+        self.results_sent = 0
+        self.messages_in = self.messages_out = 0  # Score messages read and written: samples per message
+        self.held = 0  # samples read on Score streams and not yet answered, over all streams
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def drain(self) -> None:
+        """Refuse new samples (UNAVAILABLE, so clients resend elsewhere) and wait for those in flight."""
+        self._draining.set()
+        for box in self._outboxes:
+            box.put(_DRAIN)
+        while self._in_flight:
+            await asyncio.sleep(0.01)
+
+    # -- one sample ---------------------------------------------------------------------------
+
+    def begin(
+        self,
+        sample: common_pb2.Sample,
+        reward: str,
+        timeout_s: float | None,
+        parent: str | None,
+        deliver: Callable[[reward_pb2.RewardResult], None] | None,
+        owner: _Outbox | _Owner,
+        refused: BaseException | None = None,
+        arrived: tuple[float, int] | None = None,
+        step_left_s: float | None = None,
+        tenant: Tenant = DEFAULT_TENANT,
+    ) -> None:
+        """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
+        stream's next message when `owner` is a stream's outbox, else handed to `deliver`. Its id is scoped to
+        `owner`: the same id on another stream or call is another sample.
+        ``refused``: answer the sample with this error without looking at it (its message was over a limit).
+        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
+        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch.
+        ``step_left_s``: time left until its step must be scored (ScoreRequest.step_time_left); ``tenant``: whose
+        it is (the call's token)."""
+        sid = sample.sample_id
+        mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
+        f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
+        try:
+            if refused is not None:
+                raise refused
+            if not sid:
+                raise InvalidInput("sample.sample_id is empty; give every sample a unique id")
+            if self._draining.is_set():
+                raise Unavailable("reward server is draining; send the sample to another reward target")
+            flights = owner.flights
+            if sid in flights:
+                where = "stream" if owner.__class__ is _Outbox else "call"
+                raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this {where}; ids must be unique")
+            pipeline = self.engine.get(reward)
+            inp = to_reward_input(sample, self.tokenizer, self.limits)
+            deadline = mono + timeout_s if timeout_s is not None else None
+            due = mono + step_left_s if step_left_s is not None else None
+            # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
+            f.arm(inp, self._sink, deadline, due, tenant)
+            pipeline.queue(f)
+        except SAMPLE_ERRORS as exc:
+            self._finish(f, error=exc)
+            return
+        flights[sid] = f
+        self._in_flight += 1
+
+    def _forget(self, f: _Flight) -> None:
+        flights = f.owner.flights
+        if flights.get(f.sid) is f:
+            del flights[f.sid]
+            self._in_flight -= 1
+
+    def _settle(self, f: _Flight, outcome: Scored | BaseException) -> None:
+        self._forget(f)
+        if isinstance(outcome, BaseException):
+            self._finish(f, error=outcome)
+        else:
+            self._finish(f, scored=outcome)
+
+    def _cancel(self, f: _Flight, why: str) -> None:
+        self._forget(f)
+        if f.cancel():  # every flight in an owner's flights is queued (armed)
+            self._finish(f, error=Cancelled(why))
+
+    def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
+        owner = f.owner
+        new = owner.add if owner.__class__ is _Outbox else _RESULT
+        result = None
+        if scored is not None:
+            try:  # fields by keyword, the timing submessage touched once: the cheapest way to build it
+                out = scored.output
+                result = new(sample_id=f.sid, reward=f.reward, score=out.score, batch_size=scored.batch_size)
+                if out.extras:
+                    result.extras.update(out.extras)
+                timing = result.timing
+                timing.queue = scored.queue_s
+                timing.compute = scored.compute_s
+                timing.total = time.monotonic() - f.arrived
+            except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
+                error = exc
+        if error is not None or result is None:
+            failure = status_proto(error or Cancelled("no result"))
+            if result is None:
+                result = new(sample_id=f.sid, reward=f.reward, error=failure)
+            else:  # already in its message: made over into the error
+                result.Clear()
+                result.sample_id, result.reward = f.sid, f.reward
+                result.error.CopyFrom(failure)
+            result.timing.total = time.monotonic() - f.arrived
+            self.telemetry.on_failure(result, f.parent, f.arrival_ns)  # a scored sample's telemetry: its batch's
+        if f.deliver is not None:
+            f.deliver(result)
+
+    def _cancel_ids(self, box: _Outbox, ids: Any) -> None:
+        """Cancel this stream's samples by id (another stream's ids are not this stream's to cancel)."""
+        # Over the limit, the stream fails INVALID_ARGUMENT before one id is looked at (a client's own stream).
+        check(len(ids), self.limits.max_ids_per_message, "ScoreRequest.cancel_sample_ids count", "max_ids_per_message")
+        flights = box.flights
+        for sid in ids:
+            f = flights.get(sid)
+            if f is not None:
+                self._cancel(f, f"sample '{sid}' was cancelled by the client")
+
+    def _keep_on_stream(self, keep: Any) -> None:
+        """A keep decision riding on the stream, as KeepTraces without a call."""
+        check(len(keep), self.limits.max_ids_per_message, "ScoreRequest.keep_traces count", "max_ids_per_message")
+        self.telemetry.keep(dict(keep))
+
+    def _over_limit(self, count: int, what: str) -> LimitExceeded | None:
+        try:
+            check(count, self.limits.max_samples_per_request, what, "max_samples_per_request")
+        except LimitExceeded as exc:
+            return exc
+        return None
+
+    @staticmethod
+    def _timeout(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
+        return duration_seconds(msg.timeout) if msg.HasField("timeout") else None
+
+    @staticmethod
+    def _step_left(msg: reward_pb2.ScoreRequest | reward_pb2.ScoreBatchRequest) -> float | None:
+        return duration_seconds(msg.step_time_left) if msg.HasField("step_time_left") else None
+
+    # -- streams and calls ---------------------------------------------------------------------
+
+    async def stream(
+        self, requests: AsyncIterator[ParsedScore], tenant: Tenant
+    ) -> AsyncIterator[reward_pb2.ScoreResponse]:
+        """One Score stream: one reader task feeds one outbox (results, END, DRAIN or the reader's exception); this
+        loop writes. The reader stops reading at `max_stream_unanswered` unanswered samples (flow control)."""
+        box = _Outbox()
+        unanswered = 0  # samples read and not yet written back
+        per_message = 1  # the client's max_results_per_message
+        room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
+        limit = self.max_stream_unanswered
+
+        begin = self.begin
+        timeout = self._timeout
+        step_left = self._step_left
+        telemetry = self.telemetry
+
+        async def read() -> None:
+            nonlocal per_message, room, unanswered
+            try:
+                async for parsed in requests:
+                    self.messages_in += 1
+                    unparsed = None  # samples of the message that did not parse (server/reward/sample_split.py)
+                    if isinstance(parsed, tuple):
+                        req, unparsed = parsed
+                    else:
+                        req = parsed
+                    if req.max_results_per_message > 0:
+                        per_message = req.max_results_per_message
+                    items = req.items
+                    if items:
+                        n = len(items)
+                        refused = self._over_limit(n, "ScoreRequest.items count")
+                        arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
+                        unanswered += n
+                        self.held += n
+                        # once per message: each item's trace context is read only if one may carry it
+                        traced = telemetry.tracing and not req.items_untraced
+                        for k, item in enumerate(items):
+                            begin(
+                                item.sample,
+                                item.reward,
+                                timeout(item),
+                                telemetry.begin(item.trace_context) if traced else None,
+                                None,
+                                box,
+                                refused or (unparsed.get(k) if unparsed else None),
+                                arrived,
+                                step_left(item),
+                                tenant,
+                            )
+                    elif req.HasField("sample"):
+                        unanswered += 1
+                        self.held += 1
+                        parent = telemetry.begin(req.trace_context)
+                        begin(
+                            req.sample,
+                            req.reward,
+                            timeout(req),
+                            parent,
+                            None,
+                            box,
+                            unparsed.get(-1) if unparsed else None,
+                            None,
+                            step_left(req),
+                            tenant,
+                        )
+                    if req.cancel_sample_ids:  # after the items: a message may cancel its own
+                        self._cancel_ids(box, req.cancel_sample_ids)
+                    if req.keep_traces:  # a keep decision, as KeepTraces without a call
+                        self._keep_on_stream(req.keep_traces)
+                    while unanswered >= limit:  # stop reading: flow control pushes back on the writer
+                        room = asyncio.get_running_loop().create_future()
+                        await room
+                box.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # the stream broke: the writer re-raises it
+                box.put(exc)
+
+        self._outboxes.add(box)
+        if self._draining.is_set():
+            box.put(_DRAIN)
+        reader = asyncio.create_task(read())
+        reader_done = draining = False
+        try:
+            while True:
+                if not unanswered and (reader_done or draining):
+                    break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
+                if not box.items and not box.response.results:
+                    await box.wait()
+                items = box.items
+                while items:
+                    item = items.popleft()
+                    if item is _END:
+                        reader_done = True
+                    elif item is _DRAIN:
+                        draining = True
+                    else:
+                        raise item
+                response = box.take()
+                if response is None:
+                    continue
+                results = response.results
+                n = len(results)
+                if per_message > 1 and n <= per_message:
+                    messages: Any = (response,)  # as gathered: no copy
+                elif per_message > 1:
+                    messages = (reward_pb2.ScoreResponse(results=results[lo : lo + per_message])
+                                for lo in range(0, n, per_message))  # fmt: skip
+                else:  # a client that takes one result per message
+                    messages = (reward_pb2.ScoreResponse(result=r) for r in results)
+                for message in messages:
+                    yield message
+                    sent = len(message.results) or 1
+                    unanswered -= sent
+                    self.held -= sent
+                    self.results_sent += sent
+                    self.messages_out += 1
+                    if room is not None and not room.done() and unanswered < limit:
+                        room.set_result(None)
+        finally:
+            self.held -= unanswered
+            self._outboxes.discard(box)
+            reader.cancel()
+            for f in list(box.flights.values()):
+                self._cancel(f, "the stream ended")
+
+    async def batch(self, parsed: ParsedBatch, tenant: Tenant) -> reward_pb2.ScoreBatchResponse:
+        """One ScoreBatch call: every sample queued at once, the response once each has its result."""
+        unparsed: Refusals = {}  # samples that did not parse (server/reward/sample_split.py)
+        if isinstance(parsed, tuple):
+            request, unparsed = parsed
+        else:
+            request = parsed
+        error = self._over_limit(len(request.samples), "ScoreBatchRequest.samples count")
+        if error is not None:
+            raise error
+        timeout = self._timeout(request)
+        step_left = self._step_left(request)
+        slots: list[reward_pb2.RewardResult | None] = [None] * len(request.samples)
+        left = len(request.samples)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        owner = _Owner()
+
+        def deliver_to(i: int) -> Callable[[reward_pb2.RewardResult], None]:
+            def deliver(result: reward_pb2.RewardResult) -> None:
+                nonlocal left
+                slots[i] = result
+                left -= 1
+                if not left and not done.done():
+                    done.set_result(None)
+
+            return deliver
+
+        for i, s in enumerate(request.samples):
+            refused = unparsed.get(i)
+            self.begin(s, request.reward, timeout, None, deliver_to(i), owner, refused, None, step_left, tenant)
+        try:
+            if left:
+                await done
+        finally:
+            for f in list(owner.flights.values()):
+                self._cancel(f, "the call ended")
+        self.results_sent += len(slots)
+        return reward_pb2.ScoreBatchResponse(results=[r for r in slots if r is not None])
