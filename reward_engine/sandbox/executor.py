@@ -231,6 +231,7 @@ class Sandbox:
         self.python = python or default_python()
         self.uid_base = uid_base
         self.level: Level | None = None
+        self.filter = "?"  # the system-call filter the runner installs ("seccomp", or why none), once proven
         self.stats: Counter[str] = Counter()
         self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
         self._failure: str | None = None
@@ -255,7 +256,8 @@ class Sandbox:
             return f"unavailable ({self._failure})" if self._failure else "not started"
         reuse = self.samples_per_sandbox
         kept = f"each serving up to {reuse} samples" if reuse > 1 else "a fresh one per sample"
-        return f"{self.level.name} ({self.level.tool}), {self.workers} workers, {kept}"
+        filtered = "system-call filter on" if self.filter == "seccomp" else f"system-call filter: {self.filter}"
+        return f"{self.level.name} ({self.level.tool}), {filtered}, {self.workers} workers, {kept}"
 
     def outlook(self) -> str:
         """Which isolation this sandbox asks for and which tools are installed, without starting anything."""
@@ -316,24 +318,27 @@ class Sandbox:
         return level
 
     async def _probe(self, level: Level) -> str | None:
-        """None if a program runs in the level's sandbox with its network, tmp and root as promised."""
+        """None if a program runs in the level's sandbox with its network, tmp, root and filter as promised."""
         probe = (
             "import os, socket\n"
             "s = socket.socket()\n"
             "try:\n    s.connect(('127.0.0.1', 1)); print('net')\n"
             "except OSError:\n    pass\n"
-            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100)\n"
+            "seccomp = [line.split()[1] for line in open('/proc/self/status') if line.startswith('Seccomp:')]\n"
+            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100, *seccomp)\n"
         )
         job = Job({"probe.py": probe}, [self.python, "-I", "-S", "probe.py"], [""])
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self._threads, self._run_once, level, job, 0)
+            result, ready = await loop.run_in_executor(self._threads, self._run_once, level, job, 0)
         except OSError as exc:
             return str(exc)
         run = result.runs[0]
         if run.status != "exited" or run.exit_code != 0:
             return f"a probe program did not run ({run.status}: {(run.stderr or '').strip()[-300:]})"
-        if run.stdout.strip() != "True False True":
+        self.filter = str(ready.get("filter", "?"))
+        filtered = "2" if self.filter == "seccomp" else "0"
+        if run.stdout.split() != ["True", "False", "True", filtered]:
             return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
         return None
 
@@ -414,19 +419,24 @@ class Sandbox:
             box = self._idle.pop(slot, None)
             starting = self._starting.pop(slot, None)
         if box is None and starting is not None:
-            box = starting.result()
+            try:
+                box = starting.result()
+            except Exception as exc:  # its start failed: the job starts one of its own
+                log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
         if box is not None and not box.alive():
             box.kill()
             return None
         return box
 
-    def _run_once(self, level: Level, job: Job, slot: int) -> JobResult:
-        """A job in a sandbox started for it alone (the start probe)."""
+    def _run_once(self, level: Level, job: Job, slot: int) -> tuple[JobResult, dict[str, Any]]:
+        """A job in a sandbox started for it alone (the start probe), with the runner's ready record."""
         box = self._spawn(level, slot, (job.limits or self.limits).tmp_mb)
         try:
-            return self._exchange(box, job, fresh=True)[0]
+            result, reply = self._exchange(box, job, fresh=True)
         finally:
             box.kill()
+        ready = next((r for r in reply.records if "ready" in r), {})
+        return result, ready
 
     def _exchange(self, box: SandboxProcess, job: Job, fresh: bool) -> tuple[JobResult, Reply]:
         lim = job.limits or self.limits

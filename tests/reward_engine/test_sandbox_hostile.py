@@ -96,6 +96,18 @@ def hostiles(token_file: Path, escape: Path, port: int) -> list[Hostile]:
             ("wrong_answer",),
         ),
         Hostile(
+            "uses_kernel_interfaces",  # what the system-call filter refuses: each would widen the kernel's surface
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nok = []\n"
+            "if libc.unshare(0x10000000 | 0x00020000) == 0:\n    ok.append('user and mount namespaces')\n"
+            "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0:\n    ok.append('mount')\n"
+            "if libc.ptrace(16, 1, None, None) == 0:\n    ok.append('ptrace the runner')\n"
+            "if libc.syscall({'x86_64': 321, 'aarch64': 280}.get(os.uname().machine, -1), 0, None, 0) >= 0:\n"
+            "    ok.append('bpf')\n"
+            "print('escaped' if ok else 'none')",
+            "escaped",
+            ("wrong_answer",),
+        ),
+        Hostile(
             "kills_its_parent",
             "import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
             "    except OSError:\n        pass\nprint('still here')",
@@ -308,5 +320,6 @@ def test_the_sample_after_each_hostile_program_finds_its_sandbox_clean(level: st
         shared = asyncio.run(run())
     finally:
         listening.close()
-    assert {"reads_environment", "writes_outside_tmp", "kills_its_parent", "connects_outside"} <= set(shared), shared
+    kept = {"reads_environment", "writes_outside_tmp", "kills_its_parent", "connects_outside", "uses_kernel_interfaces"}
+    assert kept <= set(shared), shared
     assert not escape.exists() and not Path(OWN_TMP_FILE).exists()
