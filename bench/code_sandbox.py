@@ -15,8 +15,9 @@ one test) and 16-test samples. Every mode runs the same program and test harness
   `make bench-tools` (root with apt) or `apt-get install firejail`; without it its rows are skipped.
 
 Per mode: milliseconds per execution with one sample at a time, then executions/s with as many samples at once as
-the machine has CPUs (the pool's size). Rounds alternate the modes so they share the machine's noise; each
-number is the median over rounds.
+the machine has CPUs (the pool's size). The modes take turns sample by sample (latency) and burst by burst
+(throughput), so a busy moment of a shared machine falls on all of them alike; each number is the median over
+rounds.
 
 Part 2, a zygote: inside one warm sandbox, a test run as a fresh interpreter (what the sandbox does) against a
 fork of an interpreter that has already started (a zygote), per test.
@@ -154,25 +155,39 @@ class Pipeline:
 Mode = Callable[[Sample], Awaitable[None]]
 
 
-async def _latency(mode: Mode, samples: list[Sample]) -> float:
-    """ms per execution, one sample at a time."""
-    start = time.perf_counter()
+async def _latencies(modes: dict[str, Mode], samples: list[Sample]) -> dict[str, float]:
+    """ms per execution of each mode, one sample at a time, the modes taking turns sample by sample (so a busy
+    moment of the machine falls on all of them alike)."""
+    spent = dict.fromkeys(modes, 0.0)
     for s in samples:
-        await mode(s)
-    return (time.perf_counter() - start) * 1e3 / sum(map(_tests, samples))
+        for name, mode in modes.items():
+            start = time.perf_counter()
+            await mode(s)
+            spent[name] += time.perf_counter() - start
+    executions = sum(map(_tests, samples))
+    return {name: t * 1e3 / executions for name, t in spent.items()}
 
 
-async def _throughput(mode: Mode, samples: list[Sample], at_once: int) -> float:
-    """executions/s with `at_once` samples in flight."""
+async def _throughputs(modes: dict[str, Mode], samples: list[Sample], at_once: int) -> dict[str, float]:
+    """executions/s of each mode with `at_once` samples in flight, the modes taking turns burst by burst (a burst:
+    4 x `at_once` samples), so a busy moment of the machine falls on all of them alike."""
     gate = asyncio.Semaphore(at_once)
+    spent = dict.fromkeys(modes, 0.0)
 
-    async def one(s: Sample) -> None:
+    async def one(mode: Mode, s: Sample) -> None:
         async with gate:
             await mode(s)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(one(s) for s in samples))
-    return sum(map(_tests, samples)) / (time.perf_counter() - start)
+    size = 4 * at_once
+    names = list(modes)
+    for b, first in enumerate(range(0, len(samples), size)):
+        burst = samples[first : first + size]
+        for name in names[b % len(names) :] + names[: b % len(names)]:
+            start = time.perf_counter()
+            await asyncio.gather(*(one(modes[name], s) for s in burst))
+            spent[name] += time.perf_counter() - start
+    executions = sum(map(_tests, samples))
+    return {name: executions / t for name, t in spent.items()}
 
 
 def tool_versions() -> dict[str, str]:
@@ -209,10 +224,12 @@ async def executions(n: int, rounds: int) -> list[list[object]]:
     try:
         for r in range(rounds):
             for load, samples in work.items():
-                for name, mode in modes.items():
-                    progress(f"round {r + 1}/{rounds}: {load}, {name}")
-                    lat.setdefault((load, name), []).append(await _latency(mode, samples))
-                    rate.setdefault((load, name), []).append(await _throughput(mode, samples, workers))
+                progress(f"round {r + 1}/{rounds}: {load}, one at a time, the modes taking turns")
+                for name, ms in (await _latencies(modes, samples)).items():
+                    lat.setdefault((load, name), []).append(ms)
+                progress(f"round {r + 1}/{rounds}: {load}, {workers} at once, the modes taking turns")
+                for name, per_s in (await _throughputs(modes, samples, workers)).items():
+                    rate.setdefault((load, name), []).append(per_s)
     finally:
         await warm.close()
         await cold.close()
@@ -228,7 +245,7 @@ async def executions(n: int, rounds: int) -> list[list[object]]:
 
 # ------------------------------------------------------------------------------------------------------ zygote
 
-_ZYGOTE = """import json, os, subprocess, sys, time
+_ZYGOTE = """import json, os, resource, subprocess, sys, time
 import io, contextlib, runpy, socket, selectors, base64, re, math  # what a zygote would hold imported
 python, runs = sys.argv[1], int(sys.argv[2])
 stdin = sys.stdin.read()
@@ -261,19 +278,23 @@ def forked():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
+def cpu():
+    return sum(sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
 result = {}
 for name, how in (('fresh', fresh), ('forked', forked)):
     how()
-    start = time.perf_counter()
+    start, used = time.perf_counter(), cpu()
     for _ in range(runs):
         how()
-    result[name] = (time.perf_counter() - start) * 1e3 / runs
+    result[name] = ((time.perf_counter() - start) * 1e3 / runs, (cpu() - used) * 1e3 / runs)
 print(json.dumps(result))
 """
 
 
 async def zygote(runs: int) -> list[list[object]]:
-    """ms per test inside one warm sandbox: a fresh interpreter per test against a fork of a started one."""
+    """Wall and CPU ms per test inside one warm sandbox: a fresh interpreter per test against a fork of a started
+    one (CPU time is what a busy machine pays; wall time there is mostly waiting for a core)."""
     problem = next(p for p in PROBLEMS if p.form == "assert" and "entry_point" in p.ground_truth)
     job = job_of(plan(problem.canonical, problem.ground_truth), default_python())
     sandbox = Sandbox(workers=1, limits=Limits(cpu_s=60, wall_s=60))
@@ -288,8 +309,8 @@ async def zygote(runs: int) -> list[list[object]]:
     assert test.status == "exited" and test.exit_code == 0, test.stderr
     ms = json.loads(test.stdout)
     return [
-        ["a fresh interpreter per test (the sandbox's rule)", f"{ms['fresh']:.1f}"],
-        ["a fork of a started interpreter per test (a zygote)", f"{ms['forked']:.1f}"],
+        ["a fresh interpreter per test (the sandbox's rule)", f"{ms['fresh'][0]:.1f}", f"{ms['fresh'][1]:.1f}"],
+        ["a fork of a started interpreter per test (a zygote)", f"{ms['forked'][0]:.1f}", f"{ms['forked'][1]:.1f}"],
     ]
 
 
@@ -368,7 +389,7 @@ def main() -> None:
     print()
     print(markdown_table(["workload", "mode", "ms per execution", "executions/s", "vs bare (executions/s)"], rows))
     print()
-    print(markdown_table(["inside one warm sandbox", "ms per test"], zygote_rows))
+    print(markdown_table(["inside one warm sandbox", "ms per test", "CPU ms per test"], zygote_rows))
     if stepped is not None:
         streamed, after = stepped
         print()
