@@ -170,7 +170,8 @@ async def _latencies(modes: dict[str, Mode], samples: list[Sample]) -> dict[str,
 
 async def _throughputs(modes: dict[str, Mode], samples: list[Sample], at_once: int) -> dict[str, float]:
     """executions/s of each mode with `at_once` samples in flight, the modes taking turns burst by burst (a burst:
-    4 x `at_once` samples), so a busy moment of the machine falls on all of them alike."""
+    about 4 x `at_once` executions, at least `at_once` samples), so a busy moment of the machine falls on all of
+    them alike."""
     gate = asyncio.Semaphore(at_once)
     spent = dict.fromkeys(modes, 0.0)
 
@@ -178,7 +179,7 @@ async def _throughputs(modes: dict[str, Mode], samples: list[Sample], at_once: i
         async with gate:
             await mode(s)
 
-    size = 4 * at_once
+    size = max(at_once, 4 * at_once // max(1, _tests(samples[0])))
     names = list(modes)
     for b, first in enumerate(range(0, len(samples), size)):
         burst = samples[first : first + size]

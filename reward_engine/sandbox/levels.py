@@ -3,9 +3,9 @@
 
 Both give a program its own user, network (empty: loopback down, no routes), PID, mount, IPC and UTS namespaces,
 a read-only view of the system's /usr (and the /bin, /lib links into it), a private size-limited tmpfs as its
-only writable place (gone with the mount namespace), no capabilities and no_new_privs. bubblewrap is the higher
-level: it is a small, audited setuid-free tool whose whole job is this, where the fallback is a shell script of
-the same steps.
+only writable place (gone with the mount namespace), no capabilities and no_new_privs; the runner adds its
+system-call filter inside. bubblewrap is the higher level: it is a small, audited setuid-free tool whose whole
+job is this, where the fallback is a shell script of the same steps.
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ another, runs each test in a fresh process under resource limits, and streams on
 It is started with the system's Python and uses the standard library only (nothing of the project is visible
 inside). As PID 1 of the sandbox's PID namespace it cannot be killed by the programs it runs (the kernel drops
 signals sent to a namespace's init from inside it), and it is made non-dumpable so they cannot attach to it or
-read its pipes. It never sees expected outputs: the host compares, so a program cannot learn or forge verdicts.
+read its pipes. Before anything runs it installs a seccomp filter that every test inherits (new namespaces,
+mounts, tracing, BPF, io_uring, keys and kernel modules refused). It never sees expected outputs: the host
+compares, so a program cannot learn or forge verdicts.
 
 One sandbox serves many jobs (a warm sandbox). Between two tests, and again between two jobs, it is reset: every
 other process in the namespace is killed, /tmp is wiped, System V IPC objects are removed and the keyrings are
 cleared; each test gets its limits afresh. After a job the runner checks that nothing is left (no process, no
 file in /tmp, no IPC object, no key) and says so on its ``done`` line; anything left and the host retires the
 sandbox. Protocol: one ``{"ready": pid}`` line at start, then per job (one JSON line on stdin) its ``compile`` and
-``test`` lines and a ``done`` line; end of stdin ends the sandbox.
+``test`` lines and a ``done`` line; end of stdin ends the sandbox. The ready line says which filter is in place.
 """
 
 from __future__ import annotations

@@ -125,16 +125,13 @@ class CodeSource:
         self.target = isolation
         self.score = score
         self.prestart = bool(prestart)
-        reuse = samples_per_sandbox
-        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
-            raise ValueError(f"{where}: 'samples_per_sandbox' must be an integer >= 1, got {reuse!r}")
         # The pool: its size (sandbox.workers) is how many samples run at once.
         self.sandbox = Sandbox(
             isolation=isolation,
             allow_weaker_isolation=allow_weaker_isolation,
             workers=workers,
             limits=limits,
-            samples_per_sandbox=reuse,
+            samples_per_sandbox=samples_per_sandbox,
         )
 
     async def warmup(self) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
 
+MakeSource = Callable[..., CodeSource]
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
 needs_gpp = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
@@ -59,8 +61,24 @@ def test_score_follows_data_source_like_verl() -> None:
 
 
 @pytest.fixture(scope="module")
-def bwrap_source() -> CodeSource:
-    return CodeSource("code", timeout_s=5.0, workers=2)
+def bwrap_source() -> Iterator[CodeSource]:
+    source = CodeSource("code", timeout_s=5.0, workers=2)
+    yield source
+    source.sandbox.close()
+
+
+@pytest.fixture
+def code_source() -> Iterator[MakeSource]:
+    """Code sources whose warm sandboxes end with the test."""
+    made: list[CodeSource] = []
+
+    def make(**options: Any) -> CodeSource:
+        made.append(CodeSource("code", **options))
+        return made[-1]
+
+    yield make
+    for source in made:
+        source.sandbox.close()
 
 
 @needs_bwrap
@@ -92,10 +110,10 @@ async def test_outcomes_per_test_and_pass_fraction(bwrap_source: CodeSource) -> 
     assert g.score == 0.0 and [t.outcome for t in g.tests] == ["passed", "wrong_answer", "runtime_error", "skipped"]
 
 
-async def test_unshare_level_runs_and_contains() -> None:
+async def test_unshare_level_runs_and_contains(code_source: MakeSource) -> None:
     if levels.Level.find("unshare") is None:
         pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
-    src = CodeSource("code", isolation="unshare", timeout_s=5.0, workers=1)
+    src = code_source(isolation="unshare", timeout_s=5.0, workers=1)
     problem = PROBLEMS[0]
     assert (await src.grade(problem.canonical, problem.ground_truth, problem.data_source)).score == 1.0
     assert (await src.grade(problem.wrong, problem.ground_truth, problem.data_source)).score == 0.0
@@ -105,17 +123,19 @@ async def test_unshare_level_runs_and_contains() -> None:
     assert src.sandbox.level is not None and src.sandbox.level.name == "unshare"
 
 
-async def test_refuses_weaker_isolation_unless_allowed(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+async def test_refuses_weaker_isolation_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, code_source: MakeSource
+) -> None:
     if levels.Level.find("unshare") is None:
         pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
     monkeypatch.setenv("PATH", str(tmp_path))  # bubblewrap is looked up on PATH: here it is missing
     assert levels.Level.find("bwrap") is None
-    strict = CodeSource("code", workers=1)
+    strict = code_source(workers=1)
     with pytest.raises(SandboxUnavailable, match=r"'bwrap' is not available: bwrap: not installed.*allow_weaker"):
         await strict.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)
     [out] = await strict.score_batch([_input(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)])
     assert isinstance(out, SandboxUnavailable)  # a sample error, never a score
-    lenient = CodeSource("code", workers=1, allow_weaker_isolation=True)
+    lenient = code_source(workers=1, allow_weaker_isolation=True)
     assert (await lenient.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)).score == 1.0
     assert lenient.sandbox.level is not None and lenient.sandbox.level.name == "unshare"
 
@@ -137,6 +157,8 @@ def test_engine_offers_a_code_pipeline_and_config_type() -> None:
     assert engine.get("my_code").sources[0].source.kind == "code"
     with pytest.raises(ValueError, match="unknown option"):
         engine.add_from_config({"bad": {"sources": [{"type": "code", "timeout": 2}]}})
+    with pytest.raises(ValueError, match="'samples_per_sandbox' must be an integer >= 1, got 0"):
+        engine.add_from_config({"bad": {"sources": [{"type": "code", "samples_per_sandbox": 0}]}})
 
 
 @needs_bwrap
@@ -203,10 +225,10 @@ async def _sample(source: CodeSource, program: str, truth: str) -> tuple[JobResu
 
 
 @pytest.mark.parametrize("level", LEVELS)
-async def test_tests_of_a_sample_are_independent_runs(level: str) -> None:
+async def test_tests_of_a_sample_are_independent_runs(level: str, code_source: MakeSource) -> None:
     """A sample's tests share its sandbox: each sees a wiped /tmp and no leftover process."""
     _level_or_skip(level)
-    src = CodeSource("code", isolation=level, timeout_s=5.0, workers=1)
+    src = code_source(isolation=level, timeout_s=5.0, workers=1)
     program = (
         "import os, subprocess\n"
         "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
@@ -217,7 +239,6 @@ async def test_tests_of_a_sample_are_independent_runs(level: str) -> None:
     truth = json.dumps({"inputs": [""] * 5, "outputs": ["False 2"] * 5})  # itself and the runner (PID 1)
     result, outcomes = await _sample(src, program, truth)
     assert outcomes == ["passed"] * 5, result.runs
-    await src.close()
 
 
 # What one sample leaves behind, and what the next one looks for.
@@ -275,11 +296,13 @@ NOTHING = json.dumps({"inputs": [""], "outputs": ["nothing"]})
 
 
 @pytest.mark.parametrize("level", LEVELS)
-async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(level: str) -> None:
+async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(
+    level: str, code_source: MakeSource
+) -> None:
     """A file in /tmp (one locked with chmod 000 too), a daemon, a changed environment variable and working
     directory, a System V shared memory segment and a key: the next sample in the same sandbox sees none of it."""
     _level_or_skip(level)
-    src = CodeSource("code", isolation=level, timeout_s=5.0, workers=1)
+    src = code_source(isolation=level, timeout_s=5.0, workers=1)
     await src.warmup()
     left, _ = await _sample(src, LEAVER, NOTHING)
     run = left.runs[0]
@@ -291,13 +314,12 @@ async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(l
         looked, outcomes = await _sample(src, LOOKER, NOTHING)
         assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
         assert looked.sandbox == left.sandbox and looked.nth > left.nth, "not the same sandbox"
-    await src.close()
 
 
 @pytest.mark.parametrize("level", LEVELS)
-async def test_a_sandbox_serves_a_bounded_number_of_samples(level: str) -> None:
+async def test_a_sandbox_serves_a_bounded_number_of_samples(level: str, code_source: MakeSource) -> None:
     _level_or_skip(level)
-    src = CodeSource("code", isolation=level, workers=1, samples_per_sandbox=3)
+    src = code_source(isolation=level, workers=1, samples_per_sandbox=3)
     await src.warmup()
     seen = []
     for _ in range(7):
@@ -308,13 +330,12 @@ async def test_a_sandbox_serves_a_bounded_number_of_samples(level: str) -> None:
     assert len({box for box, _ in seen}) == 3 and seen[0][0] == seen[2][0] != seen[3][0] == seen[5][0]
     assert src.sandbox.stats["retired: served its samples"] == 2
     assert src.sandbox.stats["jobs in a warm sandbox"] == 7  # each replacement was started ahead
-    await src.close()
 
 
 @pytest.mark.parametrize("level", LEVELS)
-async def test_a_test_that_hits_a_limit_retires_its_sandbox(level: str) -> None:
+async def test_a_test_that_hits_a_limit_retires_its_sandbox(level: str, code_source: MakeSource) -> None:
     _level_or_skip(level)
-    src = CodeSource("code", isolation=level, workers=1, timeout_s=1.0, max_output_bytes=1000)
+    src = code_source(isolation=level, workers=1, timeout_s=1.0, max_output_bytes=1000)
     first, _ = await _sample(src, LOOKER, NOTHING)
     for program, expected in [("while True: pass", "timeout"), ("print('x' * 5000)", "output_limit")]:
         hit, outcomes = await _sample(src, program, NOTHING)
@@ -324,19 +345,17 @@ async def test_a_test_that_hits_a_limit_retires_its_sandbox(level: str) -> None:
         assert hit.sandbox != after.sandbox and after.nth == 1, (hit.sandbox, after.sandbox, after.nth)
     assert first.sandbox == hit.sandbox or src.sandbox.stats["retired: a test hit a limit"] == 2
     assert src.sandbox.stats["retired: a test hit a limit"] == 2
-    await src.close()
 
 
 @needs_bwrap
-async def test_a_sandbox_that_died_while_warm_is_replaced() -> None:
-    src = CodeSource("code", workers=1)
+async def test_a_sandbox_that_died_while_warm_is_replaced(code_source: MakeSource) -> None:
+    src = code_source(workers=1)
     await src.warmup()
     first, _ = await _sample(src, LOOKER, NOTHING)
     [box] = src.sandbox._idle.values()
     os.kill(box.proc.pid, signal.SIGKILL)  # as the kernel's OOM killer would
     again, outcomes = await _sample(src, LOOKER, NOTHING)
     assert outcomes == ["passed"] and again.sandbox != first.sandbox
-    await src.close()
 
 
 def _patched_runner(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
@@ -348,33 +367,35 @@ def _patched_runner(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
 
 
 @needs_bwrap
-async def test_a_reset_that_leaves_something_retires_the_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_reset_that_leaves_something_retires_the_sandbox(
+    monkeypatch: pytest.MonkeyPatch, code_source: MakeSource
+) -> None:
     _patched_runner(monkeypatch, "_leftovers = lambda: ['/tmp/stuck']")
-    src = CodeSource("code", workers=1)
+    src = code_source(workers=1)
     first, outcomes = await _sample(src, LOOKER, NOTHING)
     assert outcomes == ["passed"]
     second, _ = await _sample(src, LOOKER, NOTHING)
     assert second.sandbox != first.sandbox
     assert src.sandbox.stats["retired: left something after the reset"] == 2
-    await src.close()
 
 
 @needs_bwrap
-async def test_a_runner_that_prints_garbage_fails_the_sample_and_is_retired(monkeypatch: pytest.MonkeyPatch) -> None:
-    src = CodeSource("code", workers=1)
+async def test_a_runner_that_prints_garbage_fails_the_sample_and_is_retired(
+    monkeypatch: pytest.MonkeyPatch, code_source: MakeSource
+) -> None:
+    src = code_source(workers=1)
     await src.sandbox.start()  # proven with the real runner; the sandbox that serves the sample is started after
     _patched_runner(monkeypatch, "_serve = lambda job: print('{not json', flush=True)")
     with pytest.raises(SourceFailed, match="unreadable line from the sandbox"):
         await src.grade(LOOKER, NOTHING)
     assert src.sandbox.stats["retired: runner misbehaved"] == 1
-    await src.close()
 
 
 @needs_bwrap
 @needs_gpp
-async def test_cpp_compiles_and_runs_in_a_warm_sandbox() -> None:
+async def test_cpp_compiles_and_runs_in_a_warm_sandbox(code_source: MakeSource) -> None:
     problem = next(p for p in PROBLEMS if p.language == "cpp")
-    src = CodeSource("code", workers=1)
+    src = code_source(workers=1)
     await src.warmup()
     good, outcomes = await _sample(src, problem.canonical, problem.ground_truth)
     assert set(outcomes) == {"passed"}, good.runs
@@ -382,7 +403,6 @@ async def test_cpp_compiles_and_runs_in_a_warm_sandbox() -> None:
     assert "wrong_answer" in outcomes and bad.sandbox == good.sandbox and bad.nth == good.nth + 1
     looked, outcomes = await _sample(src, LOOKER, NOTHING)  # the compiler and its binary left nothing
     assert outcomes == ["passed"] and looked.sandbox == good.sandbox, looked.runs[0].stdout
-    await src.close()
 
 
 async def test_run_code_sits_behind_the_gateways_token() -> None:

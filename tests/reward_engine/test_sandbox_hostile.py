@@ -36,6 +36,7 @@ LIMITS = {"timeout_s": 3.0, "memory_mb": 256, "max_processes": 32, "max_output_b
 LEVELS = [name for name in ("bwrap", "unshare") if Level.find(name) is not None]
 MODES = {"warm": 100, "cold": 1}  # samples_per_sandbox
 RUNNER_MARK = b"The program that runs inside a sandbox as its PID 1"
+RUNNERS_BEFORE: set[int] = set()
 
 
 @dataclass
@@ -161,6 +162,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         for level in LEVELS
         for mode, reuse in MODES.items()
     }
+    RUNNERS_BEFORE.update(_runners())  # sandboxes of other tests' sources, not this server's
     try:
         with server_thread(pipelines) as running:
             yield running
@@ -224,7 +226,7 @@ def test_hostile_programs_are_contained(level: str, mode: str, server: RunningSe
     # Sandboxes end after their sample (cold), or wait for the next one holding only their runner (warm): either
     # way no program's process is left.
     wait_until(lambda: not _in_sandboxes(), "no process runs in a sandbox but its runner", 30)
-    runners = _runners()
+    runners = _runners() - RUNNERS_BEFORE
     assert len(runners) <= 2 * LIMITS["workers"] * len(LEVELS), runners  # warm pools: a sandbox, and its next
     assert mode == "cold" or runners, "the warm pool keeps sandboxes for its next samples"
 
@@ -276,6 +278,7 @@ def test_reasons_name_what_happened(server: RunningServer) -> None:
         for program in ("x = bytearray(1 << 30)", "import socket\nsocket.create_connection(('198.51.100.7', 80), 1)"):
             grade = await source.grade(program, truth)
             out.append(f"{grade.tests[0].outcome}: {grade.tests[0].reason}")
+        await source.close()
         return out
 
     memory, network = asyncio.run(reasons())
