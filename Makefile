@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm==0.32.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools
+.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools bench-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,14 @@ sandbox-tools:
 		&& { apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
 		     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; } \
 		|| echo "note: bubblewrap not installed (needs root and apt); the code sandbox falls back or skips"; }
+
+# firejail, the namespace sandbox bench.code_sandbox compares the code sandbox with (root with apt; elsewhere the
+# bench skips its rows and says how to install it). Not needed to run or test the project.
+bench-tools:
+	@command -v firejail >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -qq firejail >/dev/null 2>&1 \
+		     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq firejail >/dev/null 2>&1; }; } \
+		|| echo "note: firejail not installed (needs root and apt); bench.code_sandbox skips its rows"; }
 
 # One command for a CUDA machine: torch 2.13.0 with CUDA (Linux wheels from the default index carry CUDA) and
 # vLLM 0.32.0, pinned together so pip never swaps torch for another build, then the project with its extras.
@@ -60,7 +68,7 @@ protos: $(STAMP)
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc --mypy_grpc_out=protos $(PROTO_SRC)
 
 # Each prints a table of ratios measured side by side in one run (minutes each; not part of `make test`).
-bench: $(STAMP)
+bench: $(STAMP) sandbox-tools bench-tools
 	$(BIN)/python -m bench.reward_batching
 	$(BIN)/python -m bench.hf_backend
 	$(BIN)/python -m bench.reward_overlap

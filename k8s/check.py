@@ -2,7 +2,11 @@
 
 Rendering uses `kubectl kustomize` (or a standalone `kustomize build`); validation uses the
 kubernetes-validate package, which ships the Kubernetes OpenAPI schemas as JSON files, in strict mode
-(unknown fields are errors) against the oldest and the newest Kubernetes version the manifests support.
+(unknown fields are errors) against the oldest and the newest Kubernetes version the manifests support (a
+kustomization, or a component it uses, may raise the oldest with the annotation
+`rewardmesh.dev/min-kubernetes` on its kustomization file). Every Localhost seccomp profile a pod names must be
+installed by a DaemonSet of the same render (the kubelet's seccomp directory as a hostPath, the profile from a
+ConfigMap), and each profile must be a well-formed OCI seccomp profile that refuses what it does not list.
 Nothing here touches a cluster or the network.
 
     python k8s/check.py               # base, every overlay
@@ -12,6 +16,7 @@ Nothing here touches a cluster or the network.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -24,6 +29,14 @@ import yaml
 K8S_DIR = Path(__file__).resolve().parent
 # Oldest: native gRPC probes are GA from 1.27 on; newest: the latest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
+MIN_VERSION_ANNOTATION = "rewardmesh.dev/min-kubernetes"
+# Where the kubelet reads Localhost seccomp profiles from (<kubelet root dir>/seccomp).
+KUBELET_SECCOMP = "/var/lib/kubelet/seccomp"
+_SECCOMP_DEFAULTS = {"SCMP_ACT_ERRNO", "SCMP_ACT_KILL", "SCMP_ACT_KILL_PROCESS", "SCMP_ACT_KILL_THREAD",
+                     "SCMP_ACT_TRAP"}  # fmt: skip
+_SECCOMP_ACTIONS = _SECCOMP_DEFAULTS | {"SCMP_ACT_ALLOW", "SCMP_ACT_LOG", "SCMP_ACT_TRACE", "SCMP_ACT_NOTIFY"}
+_SECCOMP_OPS = {"SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCMP_CMP_GE", "SCMP_CMP_GT",
+                "SCMP_CMP_MASKED_EQ"}  # fmt: skip
 
 
 def kustomizations() -> dict[str, Path]:
@@ -32,6 +45,32 @@ def kustomizations() -> dict[str, Path]:
     for kfile in sorted((K8S_DIR / "overlays").glob("*/kustomization.yaml")):
         found[kfile.parent.name] = kfile.parent
     return found
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def min_kubernetes(path: Path, seen: set[Path] | None = None) -> str:
+    """The oldest Kubernetes a kustomization supports: the highest `rewardmesh.dev/min-kubernetes` among it, the
+    components it uses and the kustomizations it builds on, else the oldest this check knows."""
+    seen = set() if seen is None else seen
+    path = path.resolve()
+    if path in seen or not (path / "kustomization.yaml").is_file():
+        return KUBERNETES_VERSIONS[0]
+    seen.add(path)
+    spec = yaml.safe_load((path / "kustomization.yaml").read_text()) or {}
+    floors = [str((spec.get("metadata") or {}).get("annotations", {}).get(MIN_VERSION_ANNOTATION, ""))]
+    for entry in [*(spec.get("components") or []), *(spec.get("resources") or [])]:
+        if (path / entry).is_dir():
+            floors.append(min_kubernetes(path / entry, seen))
+    return max((f for f in floors if f), key=_version, default=KUBERNETES_VERSIONS[0])
+
+
+def versions_for(path: Path) -> tuple[str, ...]:
+    """The Kubernetes versions a kustomization is validated against: its oldest supported one and the newest."""
+    oldest = max(KUBERNETES_VERSIONS[0], min_kubernetes(path), key=_version)
+    return tuple(dict.fromkeys((oldest, KUBERNETES_VERSIONS[-1])))
 
 
 def renderer() -> list[str]:
@@ -78,6 +117,90 @@ def validate(objects: list[dict[str, Any]], versions: tuple[str, ...] = KUBERNET
     return errors
 
 
+def _pods(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    kinds = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+    return [
+        (f"{o['kind']}/{o['metadata']['name']}", o["spec"]["template"]["spec"]) for o in objects if o["kind"] in kinds
+    ]
+
+
+def localhost_profiles(pod: dict[str, Any]) -> set[str]:
+    """The Localhost seccomp profiles a pod's containers run under (the pod's, unless a container sets its own)."""
+    contexts = [pod.get("securityContext") or {}]
+    for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+        contexts.append(c.get("securityContext") or {})
+    return {
+        str(ctx["seccompProfile"].get("localhostProfile"))
+        for ctx in contexts
+        if (ctx.get("seccompProfile") or {}).get("type") == "Localhost"
+    }
+
+
+def seccomp_profile_errors(name: str, text: str) -> list[str]:
+    """What keeps `text` from being an OCI seccomp profile that refuses every system call it does not list."""
+    try:
+        profile = json.loads(text)
+    except ValueError as exc:
+        return [f"{name}: not JSON ({exc})"]
+    if not isinstance(profile, dict):
+        return [f"{name}: expected a JSON object"]
+    errors = []
+    if profile.get("defaultAction") not in _SECCOMP_DEFAULTS:
+        errors.append(f"{name}: defaultAction {profile.get('defaultAction')!r} must refuse (one of "
+                      f"{', '.join(sorted(_SECCOMP_DEFAULTS))})")  # fmt: skip
+    arches = profile.get("architectures")
+    if not isinstance(arches, list) or not arches or not all(str(a).startswith("SCMP_ARCH_") for a in arches):
+        errors.append(f"{name}: architectures must be a non-empty list of SCMP_ARCH_* names")
+    rules = profile.get("syscalls")
+    if not isinstance(rules, list) or not rules:
+        return [*errors, f"{name}: syscalls must be a non-empty list of rules"]
+    for i, rule in enumerate(rules):
+        where = f"{name}: syscalls[{i}]"
+        names = rule.get("names") if isinstance(rule, dict) else None
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            errors.append(f"{where}: names must be a non-empty list of system call names")
+            continue
+        if rule.get("action") not in _SECCOMP_ACTIONS:
+            errors.append(f"{where}: unknown action {rule.get('action')!r}")
+        for arg in rule.get("args") or []:
+            if not (isinstance(arg, dict) and arg.get("index") in range(6) and arg.get("op") in _SECCOMP_OPS
+                    and isinstance(arg.get("value"), int)):  # fmt: skip
+                errors.append(f"{where}: bad argument condition {arg!r}")
+        if len(set(names)) != len(names):
+            errors.append(f"{where}: names listed twice")
+    return errors
+
+
+def seccomp_errors(objects: list[dict[str, Any]]) -> list[str]:
+    """Every Localhost profile a pod names is installed by a DaemonSet here, from a ConfigMap here, and is valid."""
+    config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    installed: dict[str, str] = {}  # profile path under the kubelet's seccomp directory -> its text
+    for o in objects:
+        if o["kind"] != "DaemonSet":
+            continue
+        pod = o["spec"]["template"]["spec"]
+        volumes = pod.get("volumes", [])
+        if not any((v.get("hostPath") or {}).get("path") == KUBELET_SECCOMP for v in volumes):
+            continue
+        commands = " ".join(" ".join(c.get("command", [])) for c in [*pod.get("initContainers", []),
+                                                                      *pod.get("containers", [])])  # fmt: skip
+        for v in volumes:
+            data = config_maps.get((v.get("configMap") or {}).get("name", ""), {}).get("data", {})
+            for key, text in data.items():
+                target = next((t for t in (f"profiles/{key}", key) if f"/{t}" in commands), None)
+                if target is not None:
+                    installed[target] = text
+    errors = []
+    for where, pod in _pods(objects):
+        for profile in sorted(localhost_profiles(pod)):
+            if profile not in installed:
+                errors.append(f"{where}: seccomp profile {profile!r} is installed by no DaemonSet here "
+                              f"(a hostPath {KUBELET_SECCOMP} and the profile from a ConfigMap)")  # fmt: skip
+    for profile, text in sorted(installed.items()):
+        errors += seccomp_profile_errors(profile, text)
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", dest="show", metavar="NAME", help="print one rendered kustomization and exit")
@@ -92,16 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name, path in targets.items():
         objects = render(path)
-        errors = validate(objects)
+        versions = versions_for(path)
+        errors = validate(objects, versions) + seccomp_errors(objects)
         kinds = sorted({str(o.get("kind")) for o in objects})
         status = "ok" if not errors else f"{len(errors)} error(s)"
-        print(f"k8s-check: {name}: {len(objects)} objects ({', '.join(kinds)}): {status}")
+        since = f", Kubernetes {versions[0]}+" if versions[0] != KUBERNETES_VERSIONS[0] else ""
+        print(f"k8s-check: {name}: {len(objects)} objects ({', '.join(kinds)}){since}: {status}")
         for err in errors:
             print(f"  {err}")
         failed += bool(errors)
-    versions = " and ".join(KUBERNETES_VERSIONS)
-    print(f"k8s-check: {len(targets)} kustomizations rendered and validated against Kubernetes {versions} "
-          f"(strict) in {time.perf_counter() - started:.1f}s")  # fmt: skip
+    oldest, newest = KUBERNETES_VERSIONS
+    took = time.perf_counter() - started
+    print(f"k8s-check: {len(targets)} kustomizations rendered and validated against Kubernetes {oldest} (or the "
+          f"oldest one a kustomization supports) and {newest} (strict) in {took:.1f}s")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shutil
@@ -548,3 +549,161 @@ def test_the_queue_autoscaler_scales_on_metrics_a_reward_server_exports(tmp_path
         assert any('pipeline="gsm8k"' in line and 'tenant="default"' in line for line in lines), (name, body[:3000])
     in_flight = [line for line in body.splitlines() if line.startswith("rewardmesh_reward_in_flight{")]
     assert any('tenant="default"' in line for line in in_flight), body[:3000]
+
+
+# ------------------------------------------------------------------------------------------------ code rewards
+
+CODE_SANDBOX = K8S / "components" / "code-sandbox"
+PROFILE = "profiles/rewardmesh-sandbox.json"
+# What the code sandbox calls beyond what the runtime's default seccomp profile allows a container without
+# CAP_SYS_ADMIN (bubblewrap: new namespaces, then its own root: mounts, pivot_root, the old root unmounted).
+SANDBOX_CALLS = ("unshare", "clone", "clone3", "mount", "umount2", "pivot_root")
+# Never allowed: other processes' memory, the kernel's modules, keys, tracing, io_uring, other namespaces.
+REFUSED_CALLS = ("ptrace", "process_vm_readv", "process_vm_writev", "init_module", "finit_module", "kexec_load",
+                 "bpf", "perf_event_open", "keyctl", "add_key", "setns", "open_by_handle_at", "userfaultfd",
+                 "io_uring_setup", "reboot", "swapon", "mount_setattr", "move_mount")  # fmt: skip
+
+
+def _profile() -> dict[str, Any]:
+    profile: dict[str, Any] = yaml.safe_load((CODE_SANDBOX / "rewardmesh-sandbox.json").read_text())
+    return profile
+
+
+def _allowed_always(profile: dict[str, Any]) -> set[str]:
+    """System calls the profile allows whatever their arguments."""
+    return {
+        name
+        for rule in profile["syscalls"]
+        if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args")
+        for name in rule["names"]
+    }
+
+
+def test_the_code_rewards_reward_pod_carries_what_the_sandbox_needs() -> None:
+    objects = CHECK.render(KUSTOMIZATIONS["code-rewards"])
+    reward = the_server(objects, "reward")
+    pod, ctx = reward.container.pod, reward.container.spec["securityContext"]
+    assert pod["hostUsers"] is False, "the pod needs a user namespace of its own (and procMount needs it)"
+    assert ctx["procMount"] == "Unmasked", "the sandbox mounts its own /proc: the runtime's masks forbid that"
+    assert ctx["seccompProfile"] == {"type": "Localhost", "localhostProfile": PROFILE}
+    assert ctx["appArmorProfile"] == {"type": "Unconfined"}, "the runtime's AppArmor profile forbids mounts"
+    # ... and nothing more: still non-root, no capabilities, no privilege escalation, not privileged.
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert not ctx.get("privileged")
+    # The profile the pod names is the component's, installed by a DaemonSet of this overlay on the same nodes.
+    assert CHECK.seccomp_errors(objects) == []
+    installer = find(objects, "DaemonSet", "seccomp-installer")["spec"]["template"]["spec"]
+    [config_map] = [v["configMap"]["name"] for v in installer["volumes"] if "configMap" in v]
+    shipped = find(objects, "ConfigMap", config_map)["data"]["rewardmesh-sandbox.json"]
+    assert shipped == (CODE_SANDBOX / "rewardmesh-sandbox.json").read_text()
+    for key in ("nodeSelector", "tolerations"):
+        assert installer.get(key) == pod.get(key), f"the profile installer runs elsewhere than the reward pods: {key}"
+    profile = _profile()
+    assert set(SANDBOX_CALLS) <= _allowed_always(profile)
+    assert not set(REFUSED_CALLS) & {n for rule in profile["syscalls"] for n in rule["names"]}
+    # The server starts its sandboxes with the pod (a node that cannot run them fails the pod at start), one per
+    # CPU it may use.
+    [code] = reward.file_config["pipelines"]["code"]["sources"]
+    assert code["type"] == "code" and code.get("prestart", True) is True
+    assert code["workers"] == int(reward.container.spec["resources"]["limits"]["cpu"])
+    # Validated from the Kubernetes the component needs.
+    assert CHECK.versions_for(KUSTOMIZATIONS["code-rewards"])[0] == "1.33.0"
+
+
+def test_the_base_says_code_rewards_are_off() -> None:
+    objects = CHECK.render(KUSTOMIZATIONS["base"])
+    reward = the_server(objects, "reward")
+    assert reward.container.pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert reward.container.pod.get("hostUsers") is not False and "procMount" not in reward.container.spec.get(
+        "securityContext", {}
+    )
+    for doc in (K8S / "base" / "kustomization.yaml", K8S / "base" / "reward.yaml", K8S / "README.md"):
+        text = " ".join(doc.read_text().replace("#", " ").split())
+        assert "code rewards are off" in text.lower() and "components/code-sandbox" in text, doc
+    assert CHECK.versions_for(KUSTOMIZATIONS["base"])[0] == CHECK.KUBERNETES_VERSIONS[0]
+
+
+# Loads an OCI seccomp profile with libseccomp (as runc does), sets no_new_privs (allowPrivilegeEscalation: false)
+# and runs a command under it.
+_UNDER_PROFILE = """import ctypes, json, os, sys
+profile = json.load(open(sys.argv[1]))
+lib = ctypes.CDLL('libseccomp.so.2')
+lib.seccomp_init.restype = ctypes.c_void_p
+lib.seccomp_init.argtypes = [ctypes.c_uint32]
+lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+lib.seccomp_load.argtypes = [ctypes.c_void_p]
+lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+class Cmp(ctypes.Structure):
+    _fields_ = [('arg', ctypes.c_uint), ('op', ctypes.c_int), ('a', ctypes.c_uint64), ('b', ctypes.c_uint64)]
+OPS = {'SCMP_CMP_NE': 1, 'SCMP_CMP_LT': 2, 'SCMP_CMP_LE': 3, 'SCMP_CMP_EQ': 4, 'SCMP_CMP_GE': 5, 'SCMP_CMP_GT': 6,
+       'SCMP_CMP_MASKED_EQ': 7}
+def action(name, errno):
+    return {'SCMP_ACT_ALLOW': 0x7FFF0000, 'SCMP_ACT_ERRNO': 0x00050000 | errno}[name]
+ctx = lib.seccomp_init(action(profile['defaultAction'], profile.get('defaultErrnoRet', 1)))
+for rule in profile['syscalls']:
+    args = rule.get('args') or []
+    conds = (Cmp * max(1, len(args)))(*[Cmp(a['index'], OPS[a['op']], a['value'], a.get('valueTwo', 0)) for a in args])
+    act = action(rule['action'], rule.get('errnoRet', 1))
+    for name in rule['names']:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:
+            assert lib.seccomp_rule_add_array(ctx, act, number, len(args), conds) == 0, name
+assert ctypes.CDLL(None).prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert lib.seccomp_load(ctx) == 0
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+_GRADE = """import asyncio, json
+from rewardmesh.reward_engine.sources.code import CodeSource
+async def main():
+    source = CodeSource('code', workers=1)
+    try:
+        grade = await source.grade('print(int(input()) * 2)', json.dumps({'inputs': ['21'], 'outputs': ['42']}))
+        print('score', grade.score)
+    finally:
+        await source.close()
+asyncio.run(main())
+"""
+
+
+def _runtime_default_like(profile: dict[str, Any]) -> dict[str, Any]:
+    """The profile without what it adds for the sandbox, as the runtime's default treats a container without
+    CAP_SYS_ADMIN: clone without namespace flags only, clone3 answered ENOSYS (so libc falls back to clone)."""
+    rules = [dict(rule, names=[n for n in rule["names"] if n not in SANDBOX_CALLS]) for rule in profile["syscalls"]]
+    new_namespaces = 0x7E020000  # CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | ... | CLONE_NEWNET
+    rules.append(
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{"index": 0, "value": new_namespaces, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
+    )
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})  # fmt: skip
+    return {**profile, "syscalls": [r for r in rules if r["names"]]}
+
+
+@pytest.mark.slow
+def test_the_sandbox_runs_under_the_profile_and_not_under_the_runtime_default(tmp_path: Path) -> None:
+    """The component's profile, loaded with libseccomp as the runtime does, lets the code sandbox score a
+    program; the same profile without the sandbox's calls (the runtime's default) makes it refuse."""
+    import ctypes.util
+
+    if shutil.which("bwrap") is None or ctypes.util.find_library("seccomp") is None:
+        pytest.skip("needs bubblewrap and libseccomp")
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("the profile lists x86_64 and aarch64")
+    loader = tmp_path / "under_profile.py"
+    loader.write_text(_UNDER_PROFILE)
+    ours, default = tmp_path / "ours.json", tmp_path / "runtime-default.json"
+    ours.write_text(json.dumps(_profile()))
+    default.write_text(json.dumps(_runtime_default_like(_profile())))
+
+    def grade_under(profile: Path) -> subprocess.CompletedProcess[str]:
+        argv = ["/usr/bin/python3", str(loader), str(profile), sys.executable, "-c", _GRADE]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    allowed = grade_under(ours)
+    assert allowed.returncode == 0 and "score 1.0" in allowed.stdout, allowed.stderr[-2000:]
+    refused = grade_under(default)
+    assert refused.returncode != 0 and "SandboxUnavailable" in refused.stderr, refused.stderr[-2000:]
+    assert "namespace" in refused.stderr  # bubblewrap says why: it may not create a user namespace

@@ -1,10 +1,17 @@
-"""A pool of sandbox starts sized to the machine: one job (a program and a batch of its test inputs) per start.
+"""A pool of warm sandboxes sized to the machine: each slot keeps a sandbox started ahead of need, and a job (one
+sample's program and all its tests) holds one slot, and so one sandbox, for its time budget.
+
+A sandbox serves up to ``samples_per_sandbox`` jobs. Between two jobs its runner resets it as between two tests
+(every process but the runner killed, /tmp wiped, IPC objects and keys removed, limits fresh per test) and checks
+that nothing is left; the pool retires it at once on any anomaly: something left after the reset, a runner that
+misbehaves (garbage, silence past the budget, an exit), or a test that hit a limit. A retired or used-up sandbox
+is replaced in the background, so the next job of its slot finds one warm.
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
-runs as root, each pool slot runs its sandbox as an unprivileged uid of its own (``uid_base + slot``, set with
-util-linux ``setpriv``), so a
-program cannot signal or read anything of the server's or of another slot even outside the namespaces.
+runs as root, each pool slot runs its sandboxes as an unprivileged uid of its own (``uid_base + slot``, set with
+util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another slot even
+outside the namespaces.
 """
 
 from __future__ import annotations
@@ -12,29 +19,31 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import json
 import logging
 import os
-import selectors
 import shutil
-import signal
-import subprocess
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import Unavailable
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
+from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
 
 log = logging.getLogger(__name__)
 
 # Starting a sandbox (namespaces, mounts, the runner's interpreter) may take this long before its first test.
 STARTUP_S = 10.0
+# The runner's reset after a job (kill, wipe, check) may take this long.
+RESET_S = 2.0
 # A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
 RETRY_START_S = 30.0
-_SANDBOX_ENV = {"PATH": PATH + ":/usr/sbin:/sbin", "LANG": "C.UTF-8"}
+# stderr that says a test ran out of memory or processes: a limit was hit, the sandbox is retired.
+_LIMIT_MARKS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "Resource temporarily unavailable")
 
 
 class SandboxUnavailable(Unavailable):
@@ -109,69 +118,8 @@ class JobResult:
     compile_time_s: float = 0.0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def _exchange(argv: list[str], data: bytes, budget: float, cap: int) -> tuple[bytes, bytes, bool, bool, int]:
-    """Start a sandbox, feed it the job, read its lines (at most ``cap`` bytes) within ``budget`` seconds, and
-    kill it if it is still there: (stdout, stderr head, timed out, over the cap, exit status). Runs in a thread
-    with plain Popen: asyncio's child watcher in Python 3.11 races with itself here and logs every sandbox."""
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=_SANDBOX_ENV,
-        start_new_session=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    out, err = bytearray(), bytearray()
-    timed_out = over = False
-    deadline = time.monotonic() + budget
-    pending = memoryview(data)
-    sel = selectors.DefaultSelector()
-    try:
-        sel.register(proc.stdout, selectors.EVENT_READ, out)
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
-        while any(key.data is not None for key in sel.get_map().values()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(min(left, 1.0)):
-                if key.fileobj is proc.stdin:
-                    try:
-                        pending = pending[os.write(key.fd, pending[:65536]) :]
-                    except BrokenPipeError:
-                        pending = pending[:0]
-                    if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                elif key.data is out:
-                    out.extend(chunk)
-                    over = len(out) > cap
-                elif len(err) < 65536:
-                    err.extend(chunk)
-            if over:
-                break
-    finally:
-        sel.close()
-        try:
-            proc.wait(timeout=0 if timed_out or over else max(0.1, min(2.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            with contextlib.suppress(OSError):
-                pipe.close()
-    return bytes(out[:cap]), bytes(err), timed_out, over, proc.returncode
+    sandbox: int = 0  # which sandbox ran it (a serial number, unique in the process)
+    nth: int = 0  # the how-manieth job of that sandbox it was (1: the sandbox was started for it or ahead)
 
 
 def _decode(value: Any) -> str:
@@ -202,12 +150,58 @@ def _run_of(record: dict[str, Any]) -> TestRun:
     )
 
 
+def hit_limit(run: TestRun) -> bool:
+    """Whether a test ran into a limit (time, output, memory, processes) or was killed: its sandbox is retired."""
+    if run.status not in ("exited", "skipped", "compile_error") or run.signal is not None:
+        return True
+    return any(mark in run.stderr for mark in _LIMIT_MARKS)
+
+
+def result_of(job: Job, reply: Reply, exit_status: int | None, stderr: bytes, wall_s: float) -> JobResult:
+    """The job's runs from the runner's records; every test it did not report is a failure, never a pass."""
+    compile_info: dict[str, Any] | None = None
+    records: list[dict[str, Any]] = []
+    for record in reply.records:
+        if isinstance(record.get("compile"), dict):
+            compile_info = record["compile"]
+        elif record.get("test") == len(records):
+            records.append(record)
+    notes = []
+    if reply.over:
+        notes.append("sandbox output over its cap")
+    if reply.unreadable:
+        notes.append("unreadable line from the sandbox")
+    if reply.ended and reply.final is None:
+        notes.append(f"exit {exit_status}: " + stderr.decode(errors="replace").strip()[-500:])
+    result = JobResult([_run_of(r) for r in records], wall_s=wall_s, notes=notes)
+    if compile_info is not None:
+        result.compile_ok = bool(compile_info.get("ok"))
+        result.compile_stderr = str(compile_info.get("stderr", ""))
+        result.compile_time_s = float(compile_info.get("time", 0.0) or 0.0)
+        if not result.compile_ok:
+            status = "timeout" if compile_info.get("status") == "timeout" else "compile_error"
+            why = f"{status}: {result.compile_stderr}"
+            result.runs = [TestRun("compile_error", stderr=why) for _ in job.stdins]
+            return result
+    timed_out = reply.timed_out
+    why = "sandbox wall budget exceeded" if timed_out else ("; ".join(notes) or "sandbox ended early")
+    status = "timeout" if timed_out else "sandbox_error"
+    last = result.runs[-1] if result.runs else None
+    if job.stop_on_error and last and not timed_out and (last.status != "exited" or last.exit_code != 0):
+        status, why = "skipped", "not run: an earlier test failed"
+    while len(result.runs) < len(job.stdins):
+        result.runs.append(TestRun(status, stderr=why))
+    return result
+
+
 class Sandbox:
-    """Runs jobs in fresh sandboxes, at most ``workers`` at once.
+    """Runs jobs in warm sandboxes, at most ``workers`` at once (one per slot), each sandbox serving up to
+    ``samples_per_sandbox`` jobs (1: a sandbox is started for every job, and nothing ahead).
 
     ``isolation`` is the level the operator asks for ("bwrap" or "unshare"). ``start()`` proves it works by
     running a program; if it does not, a lower level is used only with ``allow_weaker_isolation=True``, and
-    otherwise every job fails with SandboxUnavailable. There is no level without namespaces.
+    otherwise every job fails with SandboxUnavailable. There is no level without namespaces. ``prestart()``
+    also starts a sandbox for every slot. ``stats`` counts sandboxes started, jobs run, and why sandboxes retired.
     """
 
     def __init__(
@@ -219,34 +213,51 @@ class Sandbox:
         limits: Limits | None = None,
         python: str = "",
         uid_base: int = 61000,
+        samples_per_sandbox: int = 100,
     ) -> None:
         if isolation not in LEVELS:
             raise ValueError(f"sandbox: 'isolation' must be one of {', '.join(LEVELS)}, got {isolation!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"sandbox: 'workers' must be an integer >= 0 (0: one per CPU), got {workers!r}")
+        reuse = samples_per_sandbox
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
+            raise ValueError(f"sandbox: 'samples_per_sandbox' must be an integer >= 1, got {reuse!r}")
         self.requested = isolation
         self.allow_weaker = bool(allow_weaker_isolation)
         self.workers = workers or max(1, len(os.sched_getaffinity(0)))
+        self.samples_per_sandbox = reuse
         self.limits = limits or Limits()
         self.limits.check("sandbox")
         self.python = python or default_python()
         self.uid_base = uid_base
         self.level: Level | None = None
+        self.filter = "?"  # the system-call filter the runner installs ("seccomp", or why none), once proven
+        self.stats: Counter[str] = Counter()
         self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
         self._failure: str | None = None
         self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
-        # One thread per running sandbox (it blocks on the sandbox's pipes), plus the start probe.
-        self._threads = ThreadPoolExecutor(self.workers + 1, thread_name_prefix="sandbox")
+        # Threads block on the sandboxes' pipes: one per slot serving a job, one per slot starting its next
+        # sandbox, one for the start probe. They live as long as the pool: a sandbox dies with the thread that
+        # started it (bubblewrap's --die-with-parent).
+        self._threads = ThreadPoolExecutor(2 * self.workers + 1, thread_name_prefix="sandbox")
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(self.workers):
             self._slots.put_nowait(slot)
+        self._lock = threading.Lock()  # guards the dicts below and the counters
+        self._idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
+        self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
+        self._busy = 0
+        self._closed = False
 
     @property
     def description(self) -> str:
         if self.level is None:
             return f"unavailable ({self._failure})" if self._failure else "not started"
-        return f"{self.level.name} ({self.level.tool}), {self.workers} workers"
+        reuse = self.samples_per_sandbox
+        kept = f"each serving up to {reuse} samples" if reuse > 1 else "a fresh one per sample"
+        filtered = "system-call filter on" if self.filter == "seccomp" else f"system-call filter: {self.filter}"
+        return f"{self.level.name} ({self.level.tool}), {filtered}, {self.workers} workers, {kept}"
 
     def outlook(self) -> str:
         """Which isolation this sandbox asks for and which tools are installed, without starting anything."""
@@ -297,40 +308,137 @@ class Sandbox:
             log.error("code sandbox: %s (tried again in %gs when asked)", self._failure, RETRY_START_S)
             raise SandboxUnavailable(self._failure)
 
+    async def prestart(self) -> Level:
+        """Prove the level, then start a sandbox for every slot that has none, and wait until they are ready."""
+        level = await self.start()
+        if self.samples_per_sandbox > 1:
+            starting = [self._start_ahead(level, slot) for slot in range(self.workers)]
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in starting if f is not None))
+            log.info("code sandbox: %d sandboxes started ahead", len(self._idle) + len(self._starting))
+        return level
+
     async def _probe(self, level: Level) -> str | None:
-        """None if a program runs in the level's sandbox with its network, tmp and root as promised."""
+        """None if a program runs in the level's sandbox with its network, tmp, root and filter as promised."""
         probe = (
             "import os, socket\n"
             "s = socket.socket()\n"
             "try:\n    s.connect(('127.0.0.1', 1)); print('net')\n"
             "except OSError:\n    pass\n"
-            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100)\n"
+            "seccomp = [line.split()[1] for line in open('/proc/self/status') if line.startswith('Seccomp:')]\n"
+            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100, *seccomp)\n"
         )
         job = Job({"probe.py": probe}, [self.python, "-I", "-S", "probe.py"], [""])
+        loop = asyncio.get_running_loop()
         try:
-            result = await self._execute(level, job, 0)
+            result, ready = await loop.run_in_executor(self._threads, self._run_once, level, job, 0)
         except OSError as exc:
             return str(exc)
         run = result.runs[0]
         if run.status != "exited" or run.exit_code != 0:
             return f"a probe program did not run ({run.status}: {(run.stderr or '').strip()[-300:]})"
-        if run.stdout.strip() != "True False True":
+        self.filter = str(ready.get("filter", "?"))
+        filtered = "2" if self.filter == "seccomp" else "0"
+        if run.stdout.split() != ["True", "False", "True", filtered]:
             return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
         return None
 
     async def run(self, job: Job) -> JobResult:
+        """Run a job in the sandbox of a free slot (waiting for one when all are busy)."""
         level = await self.start()
         slot = await self._slots.get()
+        with self._lock:
+            self._busy += 1
+        loop = asyncio.get_running_loop()
         # A caller that goes away does not free the slot early: its sandbox runs on (within its budget).
-        task = asyncio.ensure_future(self._execute(level, job, slot))
-        task.add_done_callback(lambda _: self._slots.put_nowait(slot))
-        return await asyncio.shield(task)
+        future = loop.run_in_executor(self._threads, self._serve, level, job, slot)
+        future.add_done_callback(lambda _: self._release(slot))
+        return await asyncio.shield(future)
+
+    def _release(self, slot: int) -> None:
+        self._slots.put_nowait(slot)
+        with self._lock:
+            self._busy -= 1
+            last = self._closed and self._busy == 0
+        if last:
+            self._threads.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        """No new sandboxes; those running end within their budgets."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """No new sandboxes; the warm ones end now, those running a job end within their budgets."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = list(self._idle.values()), {}
+            starting, self._starting = list(self._starting.values()), {}
+            quiet = self._busy == 0
+        for box in idle:
+            box.kill()
+        for future in starting:
+            future.add_done_callback(_kill_result)
+        if quiet:
+            self._threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _execute(self, level: Level, job: Job, slot: int) -> JobResult:
+    # ------------------------------------------------------------------ blocking, in the pool's threads
+
+    def _spawn(self, level: Level, slot: int, tmp_mb: int) -> SandboxProcess:
+        argv = level.command(self.python, tmp_mb << 20)
+        if os.geteuid() == 0 and self._setpriv:
+            # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a
+            # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
+            uid = str(self.uid_base + slot)
+            argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
+        with self._lock:
+            self.stats["started"] += 1
+        return SandboxProcess(argv)
+
+    def _start_ahead(self, level: Level, slot: int) -> Future[SandboxProcess | None] | None:
+        """Start the next sandbox of a slot in the background (None: it has one, or the pool is closed)."""
+        with self._lock:
+            if self._closed or slot in self._idle or slot in self._starting:
+                return None
+            future = self._threads.submit(self._start_ready, level, slot)
+            self._starting[slot] = future
+            return future
+
+    def _start_ready(self, level: Level, slot: int) -> SandboxProcess | None:
+        try:
+            box = self._spawn(level, slot, self.limits.tmp_mb)
+        except OSError as exc:
+            log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
+            return None
+        reply = box.exchange(b"", "ready", STARTUP_S, 1 << 16)
+        if reply.final is None or self._closed:
+            if reply.final is None:
+                why = box.stderr.decode(errors="replace").strip()[-300:] or "no ready line"
+                log.warning("code sandbox: a sandbox started ahead did not come up: %s", why)
+            box.kill()
+            return None
+        return box
+
+    def _take(self, slot: int) -> SandboxProcess | None:
+        """The slot's warm sandbox (waiting for the one starting), or None when it has none that lives."""
+        with self._lock:
+            box = self._idle.pop(slot, None)
+            starting = self._starting.pop(slot, None)
+        if box is None and starting is not None:
+            try:
+                box = starting.result()
+            except Exception as exc:  # its start failed: the job starts one of its own
+                log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
+        if box is not None and not box.alive():
+            box.kill()
+            return None
+        return box
+
+    def _run_once(self, level: Level, job: Job, slot: int) -> tuple[JobResult, dict[str, Any]]:
+        """A job in a sandbox started for it alone (the start probe), with the runner's ready record."""
+        box = self._spawn(level, slot, (job.limits or self.limits).tmp_mb)
+        try:
+            result, reply = self._exchange(box, job, fresh=True)
+        finally:
+            box.kill()
+        ready = next((r for r in reply.records if "ready" in r), {})
+        return result, ready
+
+    def _exchange(self, box: SandboxProcess, job: Job, fresh: bool) -> tuple[JobResult, Reply]:
         lim = job.limits or self.limits
         payload = {
             "files": job.files,
@@ -342,51 +450,66 @@ class Sandbox:
             "binary": job.binary,
             "stop_on_error": job.stop_on_error,
         }
-        budget = STARTUP_S + len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
+        tests_s = len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
+        budget = (STARTUP_S if fresh else 0.0) + RESET_S + tests_s
         cap = len(job.stdins) * (lim.output_bytes * 4 // 3 + 65536) + 65536  # base64 stdout, 4 KiB stderr
-        argv = level.command(self.python, lim.tmp_mb << 20)
-        if os.geteuid() == 0 and self._setpriv:
-            # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a
-            # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
-            uid = str(self.uid_base + slot)
-            argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
         start = time.monotonic()
-        data = json.dumps(payload).encode()
-        loop = asyncio.get_running_loop()
-        out, err, timed_out, over, code = await loop.run_in_executor(self._threads, _exchange, argv, data, budget, cap)
-        records: list[dict[str, Any]] = []
-        compile_info: dict[str, Any] | None = None
-        notes = ["sandbox output over its cap"] if over else []
-        for line in out.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                notes.append("unreadable line from the sandbox")
-                break
-            if not isinstance(record, dict):
-                break
-            if isinstance(record.get("compile"), dict):
-                compile_info = record["compile"]
-            elif record.get("test") == len(records):
-                records.append(record)
-        if not records and compile_info is None:
-            notes.append(f"exit {code}: " + err.decode(errors="replace").strip()[-500:])
-        runs = [_run_of(r) for r in records]
-        result = JobResult(runs, wall_s=time.monotonic() - start, notes=notes)
-        if compile_info is not None:
-            result.compile_ok = bool(compile_info.get("ok"))
-            result.compile_stderr = str(compile_info.get("stderr", ""))
-            result.compile_time_s = float(compile_info.get("time", 0.0) or 0.0)
-            if not result.compile_ok:
-                status = "timeout" if compile_info.get("status") == "timeout" else "compile_error"
-                why = f"{status}: {result.compile_stderr}"
-                result.runs = [TestRun("compile_error", stderr=why) for _ in job.stdins]
-                return result
-        why = "sandbox wall budget exceeded" if timed_out else ("; ".join(notes) or "sandbox ended early")
-        status = "timeout" if timed_out else "sandbox_error"
-        last = result.runs[-1] if result.runs else None
-        if job.stop_on_error and last and not timed_out and (last.status != "exited" or last.exit_code != 0):
-            status, why = "skipped", "not run: an earlier test failed"
-        while len(result.runs) < len(job.stdins):
-            result.runs.append(TestRun(status, stderr=why))
+        reply = box.exchange(json.dumps(payload).encode() + b"\n", "done", budget, cap)
+        box.served += 1
+        status = box.exit_status() if reply.ended else None
+        result = result_of(job, reply, status, bytes(box.stderr), time.monotonic() - start)
+        result.sandbox, result.nth = box.serial, box.served
+        return result, reply
+
+    def _serve(self, level: Level, job: Job, slot: int) -> JobResult:
+        """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it."""
+        lim = job.limits or self.limits
+        reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
+        box = self._take(slot) if reuse else None
+        fresh = box is None
+        if box is None:
+            box = self._spawn(level, slot, lim.tmp_mb)
+        try:
+            result, reply = self._exchange(box, job, fresh)
+            if not fresh and reply.final is None and not reply.records and not reply.timed_out:
+                # A warm sandbox that died while it waited (killed from outside) ran nothing: start one for the job.
+                box.kill()
+                with self._lock:
+                    self.stats["retired: died while warm"] += 1
+                box, fresh = self._spawn(level, slot, lim.tmp_mb), True
+                result, reply = self._exchange(box, job, fresh)
+        except BaseException:
+            box.kill()
+            raise
+        why = self._retire_reason(box, result, reply) if reuse else "single use"
+        with self._lock:
+            self.stats["jobs"] += 1
+            self.stats["jobs in a warm sandbox"] += not fresh
+            keep = why is None and not self._closed
+            if keep:
+                self._idle[slot] = box
+            else:
+                self.stats[f"retired: {why or 'pool closed'}"] += 1
+        if not keep:
+            box.kill()
+            if reuse:
+                self._start_ahead(level, slot)
         return result
+
+    def _retire_reason(self, box: SandboxProcess, result: JobResult, reply: Reply) -> str | None:
+        if reply.final is None:
+            return "runner misbehaved"
+        if not reply.final.get("clean"):
+            left = reply.final.get("left")
+            log.info("code sandbox: retired sandbox %d, left after the reset: %s", box.serial, left)
+            return "left something after the reset"
+        if any(hit_limit(run) for run in result.runs):
+            return "a test hit a limit"
+        if box.served >= self.samples_per_sandbox:
+            return "served its samples"
+        return None
+
+
+def _kill_result(future: Future[SandboxProcess | None]) -> None:
+    if not future.cancelled() and future.exception() is None and (box := future.result()) is not None:
+        box.kill()

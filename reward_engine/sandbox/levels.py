@@ -3,9 +3,9 @@
 
 Both give a program its own user, network (empty: loopback down, no routes), PID, mount, IPC and UTS namespaces,
 a read-only view of the system's /usr (and the /bin, /lib links into it), a private size-limited tmpfs as its
-only writable place (gone with the mount namespace), no capabilities and no_new_privs. bubblewrap is the higher
-level: it is a small, audited setuid-free tool whose whole job is this, where the fallback is a shell script of
-the same steps.
+only writable place (gone with the mount namespace), no capabilities and no_new_privs; the runner adds its
+system-call filter inside. bubblewrap is the higher level: it is a small, audited setuid-free tool whose whole
+job is this, where the fallback is a shell script of the same steps.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ class Level:
             argv += ["--ro-bind-try", f"/{rel}", f"/{rel}"]
         for path in _extra_ro(python):
             argv += ["--ro-bind", path, path]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+        # /dev holds the device nodes only: read-only, so /tmp stays the one writable place (no /dev/shm).
+        argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+        argv += ["--size", str(tmp_bytes), "--tmpfs", "/tmp"]
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", PATH]
         argv += ["--setenv", "LANG", "C.UTF-8", "--"]
         return argv + inner
@@ -121,6 +123,7 @@ class Level:
             lines.append(f"touch $r/dev/{dev} && mount --bind /dev/{dev} $r/dev/{dev}")
         lines += [
             "ln -s /proc/self/fd $r/dev/fd",
+            "for n in 0:stdin 1:stdout 2:stderr; do ln -s /proc/self/fd/${n%%:*} $r/dev/${n#*:}; done",
             "mount -t proc -o nosuid,nodev,noexec proc $r/proc",
             f"mount -t tmpfs -o mode=1777,nosuid,nodev,size={tmp_bytes} sandbox-tmp $r/tmp",
             "mount -o remount,bind,ro $r",

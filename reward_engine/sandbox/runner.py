@@ -1,23 +1,32 @@
-"""The program that runs inside a sandbox as its PID 1: it runs one job's tests one after another, each in a
-fresh process under resource limits, and streams one JSON line per test to the host.
+"""The program that runs inside a sandbox as its PID 1: it serves jobs (a program and its tests) one after
+another, runs each test in a fresh process under resource limits, and streams one JSON line per test to the host.
 
 It is started with the system's Python and uses the standard library only (nothing of the project is visible
 inside). As PID 1 of the sandbox's PID namespace it cannot be killed by the programs it runs (the kernel drops
 signals sent to a namespace's init from inside it), and it is made non-dumpable so they cannot attach to it or
-read its pipes. It never sees expected outputs: the host compares, so a program cannot learn or forge verdicts.
-Between tests every other process in the namespace is killed and the working directory is wiped, so the tests
-of one job are independent runs even though they share a sandbox start.
+read its pipes. Before anything runs it installs a seccomp filter that every test inherits (new namespaces,
+mounts, tracing, BPF, io_uring, keys and kernel modules refused). It never sees expected outputs: the host
+compares, so a program cannot learn or forge verdicts.
+
+One sandbox serves many jobs (a warm sandbox). Between two tests, and again between two jobs, it is reset: every
+other process in the namespace is killed, /tmp is wiped, System V IPC objects are removed and the keyrings are
+cleared; each test gets its limits afresh. After a job the runner checks that nothing is left (no process, no
+file in /tmp, no IPC object, no key) and says so on its ``done`` line; anything left and the host retires the
+sandbox. Protocol: one ``{"ready": pid}`` line at start, then per job (one JSON line on stdin) its ``compile`` and
+``test`` lines and a ``done`` line; end of stdin ends the sandbox. The ready line says which filter is in place.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import resource
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -26,16 +35,84 @@ from typing import Any
 
 WORK = "/tmp/work"
 STDERR_KEEP = 4096
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# The system-call filter: calls no test needs that widen what the kernel exposes (namespaces and mounts, other
+# processes' memory, kernel modules and keys, BPF, io_uring, tracing, the clock, the host name), refused with
+# EPERM. Numbers on x86_64 and aarch64; elsewhere no filter is installed (the pool says so).
+_REFUSED = {
+    "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "chroot": (161, 51), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "move_mount": (429, 429), "open_tree": (428, 428), "mount_setattr": (442, 442), "ptrace": (101, 117),
+    "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426), "io_uring_register": (427, 427), "keyctl": (250, 219), "add_key": (248, 217),
+    "request_key": (249, 218), "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264), "acct": (163, 89), "reboot": (169, 142), "swapon": (167, 224),
+    "swapoff": (168, 225), "syslog": (103, 116), "quotactl": (179, 60), "quotactl_fd": (443, 443),
+    "lookup_dcookie": (212, 18), "vhangup": (153, 58), "settimeofday": (164, 170), "clock_settime": (227, 112),
+    "clock_adjtime": (305, 266), "adjtimex": (159, 171), "sethostname": (170, 161), "setdomainname": (171, 162),
+    "kcmp": (312, 272), "pidfd_getfd": (438, 438), "process_madvise": (440, 440), "personality": (135, 92),
+    "iopl": (172, -1), "ioperm": (173, -1), "modify_ldt": (154, -1), "uselib": (134, -1),
+}  # fmt: skip
+_ARCHES = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}  # column, AUDIT_ARCH_*
+_CLONE, _CLONE3 = (56, 220), (435, 435)
+_CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)  # the keyctl syscall's number, where known
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_CLEAR = 1, 7
+_SESSION, _USER, _USER_SESSION = -3, -4, -5  # KEY_SPEC_* keyrings a test could leave keys in
+_IPC_RMID = 0
+# Keyrings every process of the sandbox's user has (empty once cleared); any other key is a leftover.
+_OWN_KEYRINGS = ("_uid.", "_uid_ses.", ".user_reg", "_ses")
 
 
-def _harden() -> None:
+def _filter(machine: str) -> bytes | None:
+    """A seccomp BPF program refusing _REFUSED, clone with namespace flags, and clone3 (ENOSYS: libc then uses
+    clone, whose flags a filter can see); any other architecture's calls (x32, i386) kill. None where unknown."""
+    if machine not in _ARCHES:
+        return None
+    column, arch = _ARCHES[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    allow, kill = 0x7FFF0000, 0x80000000
+    refuse, nosys = 0x00050000 | 1, 0x00050000 | 38  # SECCOMP_RET_ERRNO | EPERM, ENOSYS
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]
+    if machine == "x86_64":
+        prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # the x32 ABI's numbers
+    for numbers in _REFUSED.values():
+        if numbers[column] >= 0:
+            prog += [(jeq, 0, 1, numbers[column]), (ret, 0, 0, refuse)]
+    prog += [(jeq, 0, 1, _CLONE3[column]), (ret, 0, 0, nosys)]
+    prog += [(jeq, 0, 3, _CLONE[column]), (ld, 0, 0, 16), (jset, 0, 1, _CLONE_NEW), (ret, 0, 0, refuse)]
+    prog += [(ret, 0, 0, allow)]
+    return b"".join(struct.pack("<HBBI", *op) for op in prog)
+
+
+def _install_filter() -> str:
+    """Load the system-call filter for this process and all it starts; what is in place, for the host."""
+    program = _filter(os.uname().machine)
+    if program is None:
+        return "none (no table for this architecture)"
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = Prog(len(program) // 8, program)
+    if _LIBC.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS (bubblewrap and setpriv set it already)
+        raise OSError(ctypes.get_errno(), "no_new_privs")
+    if _LIBC.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "loading the system-call filter failed")
+    return "seccomp"
+
+
+def _harden() -> str:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+        _LIBC.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     except Exception:
         pass
+    if _KEYCTL is not None:  # a session keyring of its own: the host's (a container runtime's) is never written
+        _LIBC.syscall(_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None)
+    return _install_filter()
 
 
 def _limiter(limits: dict[str, Any], cpu_s: float) -> Callable[[], None]:
@@ -47,6 +124,7 @@ def _limiter(limits: dict[str, Any], cpu_s: float) -> Callable[[], None]:
             (resource.RLIMIT_NOFILE, (int(limits["files"]),) * 2),
             (resource.RLIMIT_FSIZE, (int(limits["file_bytes"]),) * 2),
             (resource.RLIMIT_CORE, (0, 0)),
+            (resource.RLIMIT_MSGQUEUE, (0, 0)),  # no POSIX message queue (one would outlive the test)
         ]
         if mem > 0:
             pairs.append((resource.RLIMIT_AS, (mem, mem)))
@@ -56,38 +134,124 @@ def _limiter(limits: dict[str, Any], cpu_s: float) -> Callable[[], None]:
     return apply
 
 
-def _sweep() -> None:
-    """Kill every process of the namespace but this one and reap them all."""
-    me = os.getpid()
-    for _ in range(50):
-        others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
-        for pid in others:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        while True:
-            try:
-                pid, _status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-        if not others:
+def _reap() -> None:
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
             return
+        if pid == 0:
+            return
+
+
+def _sweep() -> None:
+    """Kill every process of the namespace but this one (kill(-1) from its init reaches them all) and reap them."""
+    for _ in range(500):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            _reap()
+            return
+        except OSError:
+            pass
+        _reap()
         time.sleep(0.002)
 
 
-def _fresh_workdir(files: dict[str, bytes]) -> None:
+def _ipc_ids(kind: str) -> list[int]:
+    try:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    return [int(row.split()[1]) for row in rows if len(row.split()) > 1]
+
+
+def _clear_ipc() -> None:
+    """Remove the System V shared memory, message queues and semaphores the tests left (they outlive processes)."""
+    for i in _ipc_ids("shm"):
+        _LIBC.shmctl(i, _IPC_RMID, None)
+    for i in _ipc_ids("msg"):
+        _LIBC.msgctl(i, _IPC_RMID, None)
+    for i in _ipc_ids("sem"):
+        _LIBC.semctl(i, 0, _IPC_RMID)
+
+
+def _clear_keys() -> None:
+    """Unlink every key from the keyrings that outlive a process (the user's, the user session's, this one's)."""
+    if _KEYCTL is not None:
+        for ring in (_SESSION, _USER, _USER_SESSION):
+            _LIBC.syscall(_KEYCTL, _KEYCTL_CLEAR, ring)
+
+
+def _leftover_keys() -> list[str]:
+    try:
+        with open("/proc/keys") as f:
+            rows = f.read().splitlines()
+    except OSError:
+        return []
+    left = []
+    for row in rows:
+        parts = row.split(None, 8)
+        if len(parts) < 9:
+            continue
+        kind, description = parts[7], parts[8]
+        if kind == "keyring" and description.startswith(_OWN_KEYRINGS):
+            continue
+        left.append(f"key {kind}:{description.split(':')[0]}")
+    return left
+
+
+def _give_back(path: str) -> None:
+    """Owner permissions on every directory under ``path``, so a test's chmod 000 cannot keep its files."""
+    for root, dirs, _files in os.walk(path):
+        for name in dirs:
+            try:
+                os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
+            except OSError:
+                pass
+
+
+def _wipe_tmp() -> None:
     for name in os.listdir("/tmp"):
         path = os.path.join("/tmp", name)
         if os.path.isdir(path) and not os.path.islink(path):
+            try:
+                os.chmod(path, 0o700)
+            except OSError:
+                pass
+            _give_back(path)
             shutil.rmtree(path, ignore_errors=True)
         else:
             try:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def _reset() -> None:
+    """Between tests: no process but this one, no IPC object, no key."""
+    _sweep()
+    _clear_ipc()
+    _clear_keys()
+
+
+def _leftovers() -> list[str]:
+    """What a job left after the reset (empty when the sandbox is as it started)."""
+    me = os.getpid()
+    left = [f"process {p}" for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+    left += [f"/tmp/{name}" for name in os.listdir("/tmp")]
+    left += [f"System V {kind} {i}" for kind in ("shm", "msg", "sem") for i in _ipc_ids(kind)]
+    for _ in range(50):  # an unlinked key lingers until the kernel's key collector runs
+        keys = _leftover_keys()
+        if not keys:
+            break
+        time.sleep(0.002)
+    return left + keys
+
+
+def _fresh_workdir(files: dict[str, bytes]) -> None:
+    _wipe_tmp()
     os.makedirs(WORK, exist_ok=True)
     for name, data in files.items():
         path = os.path.join(WORK, name)
@@ -138,7 +302,7 @@ def _run(
             break
         if exited_at is None and proc.poll() is not None:
             exited_at = now
-            _sweep_others(proc.pid)
+            _kill_others()  # the test's main process exited: its leftovers (background children) die with it
         for key, _ in sel.select(min(0.05, deadline - now)):
             chunk = os.read(key.fd, 65536)
             if not chunk:
@@ -166,7 +330,7 @@ def _run(
         proc.kill()
         proc.wait()
     wall = time.monotonic() - start
-    _sweep()
+    _reset()
     proc.stdout.close()
     proc.stderr.close()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -180,15 +344,12 @@ def _run(
     return status, (code if code is not None and code >= 0 else None), sig, bytes(out[:out_cap]), bytes(err), wall, cpu
 
 
-def _sweep_others(keep: int) -> None:
-    """The test's main process exited: its leftovers (background children) die with it."""
-    me = os.getpid()
-    for p in os.listdir("/proc"):
-        if p.isdigit() and int(p) not in (me, keep):
-            try:
-                os.kill(int(p), signal.SIGKILL)
-            except OSError:
-                pass
+def _kill_others() -> None:
+    """Every process but this one (an exited test's main process stays a zombie until waited for)."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -201,9 +362,8 @@ def _text(data: bytes, keep: int | None = None) -> str:
     return text[-keep:] if keep else text
 
 
-def main() -> None:
-    _harden()
-    job = json.loads(sys.stdin.buffer.read())
+def _serve(job: dict[str, Any]) -> None:
+    """One job: its compile (if any), then each test in a fresh process, one line each."""
     limits = job["limits"]
     files = {name: text.encode() for name, text in job["files"].items()}
     if job.get("compile"):
@@ -243,7 +403,20 @@ def main() -> None:
         )
         if job.get("stop_on_error") and (status != "exited" or code != 0):
             break
-    _fresh_workdir({})
+
+
+def main() -> None:
+    _emit({"ready": os.getpid(), "filter": _harden()})
+    for line in sys.stdin.buffer:  # one job per line; the end of stdin ends the sandbox
+        if not line.strip():
+            continue
+        _serve(json.loads(line))
+        _reset()
+        _wipe_tmp()
+        left = _leftovers()
+        _emit({"done": True, "clean": not left, "left": left[:20]})
+        if left:
+            return
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 """Code-execution rewards: the response's program run against the sample's tests in a sandbox.
 
-The tests of one sample go to one sandbox start (in chunks of ``tests_per_sandbox``, run side by side), each
-test still a fresh process under its own limits; samples run at once up to the sandbox pool's size, so a step's
-code samples are scored as they stream in. The score follows ``data_source`` as verl's default_compute_score
-does: the pass fraction for the sources verl scores continuously (codecontests, apps, codeforces, taco), all
-tests passed (1/0) for the others. Extras: ``acc`` (all passed), ``pass_rate``, ``tests``, ``passed``, a count
-per failure kind, and per test (the first ``MAX_TEST_EXTRAS``) ``outcome/<i>`` (codes in
-sandbox.grading.OUTCOMES) and ``time_s/<i>``.
+A sample holds one sandbox of the pool for all its tests, each test still a fresh process under its own limits;
+samples run at once up to the pool's size (``sandbox.workers``), so a step's code samples are scored as they
+stream in. The pool's sandboxes are started ahead and serve many samples, reset between them. The score follows
+``data_source`` as verl's default_compute_score does: the pass fraction for the sources verl scores continuously
+(codecontests, apps, codeforces, taco), all tests passed (1/0) for the others. Extras: ``acc`` (all passed),
+``pass_rate``, ``tests``, ``passed``, a count per failure kind, and per test (the first ``MAX_TEST_EXTRAS``)
+``outcome/<i>`` (codes in sandbox.grading.OUTCOMES) and ``time_s/<i>``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable
@@ -82,9 +82,10 @@ class CodeSource:
       workers: sandboxes running at once (0: one per CPU).
       timeout_s: wall and CPU seconds per test; memory_mb: address space per test; max_processes,
         max_open_files, max_output_bytes (stdout per test), tmp_mb (the sandbox's tmpfs).
-      tests_per_sandbox: tests of one sample run in one sandbox start (a fresh process each).
+      samples_per_sandbox: samples one sandbox serves (reset between them) before a fresh one replaces it;
+        1: a sandbox is started for every sample.
       score: "auto" (by data_source, as verl), "pass_rate" or "all_passed".
-      prestart: prove the sandbox when the server starts (else on the first sample).
+      prestart: prove the sandbox and start the pool's sandboxes when the server starts (else on first use).
     """
 
     kind = "code"
@@ -101,7 +102,7 @@ class CodeSource:
         max_open_files: int = 64,
         max_output_bytes: int = 1 << 20,
         tmp_mb: int = 64,
-        tests_per_sandbox: int = 32,
+        samples_per_sandbox: int = 100,
         score: str = "auto",
         prestart: bool = True,
     ) -> None:
@@ -110,8 +111,6 @@ class CodeSource:
         where = f"code source {name!r}"
         if score not in SCORES:
             raise ValueError(f"{where}: 'score' must be one of {', '.join(SCORES)}, got {score!r}")
-        if isinstance(tests_per_sandbox, bool) or not isinstance(tests_per_sandbox, int) or tests_per_sandbox < 1:
-            raise ValueError(f"{where}: 'tests_per_sandbox' must be an integer >= 1, got {tests_per_sandbox!r}")
         limits = Limits(
             cpu_s=timeout_s,
             wall_s=timeout_s,
@@ -126,29 +125,30 @@ class CodeSource:
         self.target = isolation
         self.score = score
         self.prestart = bool(prestart)
-        self.tests_per_sandbox = tests_per_sandbox
+        # The pool: its size (sandbox.workers) is how many samples run at once.
         self.sandbox = Sandbox(
-            isolation=isolation, allow_weaker_isolation=allow_weaker_isolation, workers=workers, limits=limits
+            isolation=isolation,
+            allow_weaker_isolation=allow_weaker_isolation,
+            workers=workers,
+            limits=limits,
+            samples_per_sandbox=samples_per_sandbox,
         )
 
     async def warmup(self) -> None:
-        """Prove the sandbox now (prestart), or at least say which isolation tools it will try."""
+        """Prove the sandbox and start the pool now (prestart), or at least say which isolation tools it will try."""
         if self.prestart:
-            await self.sandbox.start()
+            await self.sandbox.prestart()
         else:
             log.info("code source %r: %s; proven on first use", self.name, self.sandbox.outlook())
 
     async def _runs(self, p: Plan, stop_on_error: bool) -> list[TestRun]:
         job = job_of(p, self.sandbox.python)
         job.stop_on_error = stop_on_error
-        size = self.tests_per_sandbox
-        chunks = [job.stdins[i : i + size] for i in range(0, len(job.stdins), size)]
-        results = await asyncio.gather(*(self.sandbox.run(replace(job, stdins=c)) for c in chunks))
-        runs = [run for result in results for run in result.runs]
-        if all(r.status == "sandbox_error" for r in runs):
-            notes = "; ".join(n for result in results for n in result.notes)
+        result = await self.sandbox.run(job)
+        if all(r.status == "sandbox_error" for r in result.runs):
+            notes = "; ".join(result.notes)
             raise SourceFailed(f"code sandbox failed before running any test: {notes or 'no output'}")
-        return runs
+        return result.runs
 
     async def grade(
         self, response: str, ground_truth: str, data_source: str = "", extra_info: dict[str, Any] | None = None
@@ -189,5 +189,5 @@ class CodeSource:
         return list(await asyncio.gather(*(guarded(s) for s in batch)))
 
     async def close(self) -> None:
-        """Sandboxes in flight end within their budgets (and die with the server: --die-with-parent)."""
+        """Warm sandboxes end now; those running a sample end within their budgets (and die with the server)."""
         self.sandbox.close()

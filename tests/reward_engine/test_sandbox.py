@@ -5,22 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from rewardmesh.common.errors import InvalidInput
+from rewardmesh.common.errors import InvalidInput, SourceFailed
 from rewardmesh.demo.code_problems import PROBLEMS
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.sandbox import levels
-from rewardmesh.reward_engine.sandbox.executor import SandboxUnavailable
-from rewardmesh.reward_engine.sandbox.grading import extract_program, plan, stdout_matches
+from rewardmesh.reward_engine.sandbox.executor import JobResult, SandboxUnavailable
+from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, outcome, plan, stdout_matches
 from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
 
+MakeSource = Callable[..., CodeSource]
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
 needs_gpp = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
@@ -57,8 +61,24 @@ def test_score_follows_data_source_like_verl() -> None:
 
 
 @pytest.fixture(scope="module")
-def bwrap_source() -> CodeSource:
-    return CodeSource("code", timeout_s=5.0, workers=2)
+def bwrap_source() -> Iterator[CodeSource]:
+    source = CodeSource("code", timeout_s=5.0, workers=2)
+    yield source
+    source.sandbox.close()
+
+
+@pytest.fixture
+def code_source() -> Iterator[MakeSource]:
+    """Code sources whose warm sandboxes end with the test."""
+    made: list[CodeSource] = []
+
+    def make(**options: Any) -> CodeSource:
+        made.append(CodeSource("code", **options))
+        return made[-1]
+
+    yield make
+    for source in made:
+        source.sandbox.close()
 
 
 @needs_bwrap
@@ -90,10 +110,10 @@ async def test_outcomes_per_test_and_pass_fraction(bwrap_source: CodeSource) -> 
     assert g.score == 0.0 and [t.outcome for t in g.tests] == ["passed", "wrong_answer", "runtime_error", "skipped"]
 
 
-async def test_unshare_level_runs_and_contains() -> None:
+async def test_unshare_level_runs_and_contains(code_source: MakeSource) -> None:
     if levels.Level.find("unshare") is None:
         pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
-    src = CodeSource("code", isolation="unshare", timeout_s=5.0, workers=1)
+    src = code_source(isolation="unshare", timeout_s=5.0, workers=1)
     problem = PROBLEMS[0]
     assert (await src.grade(problem.canonical, problem.ground_truth, problem.data_source)).score == 1.0
     assert (await src.grade(problem.wrong, problem.ground_truth, problem.data_source)).score == 0.0
@@ -103,17 +123,19 @@ async def test_unshare_level_runs_and_contains() -> None:
     assert src.sandbox.level is not None and src.sandbox.level.name == "unshare"
 
 
-async def test_refuses_weaker_isolation_unless_allowed(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+async def test_refuses_weaker_isolation_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, code_source: MakeSource
+) -> None:
     if levels.Level.find("unshare") is None:
         pytest.skip("util-linux unshare/mount/setpriv/chroot missing")
     monkeypatch.setenv("PATH", str(tmp_path))  # bubblewrap is looked up on PATH: here it is missing
     assert levels.Level.find("bwrap") is None
-    strict = CodeSource("code", workers=1)
+    strict = code_source(workers=1)
     with pytest.raises(SandboxUnavailable, match=r"'bwrap' is not available: bwrap: not installed.*allow_weaker"):
         await strict.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)
     [out] = await strict.score_batch([_input(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)])
     assert isinstance(out, SandboxUnavailable)  # a sample error, never a score
-    lenient = CodeSource("code", workers=1, allow_weaker_isolation=True)
+    lenient = code_source(workers=1, allow_weaker_isolation=True)
     assert (await lenient.grade(PROBLEMS[0].canonical, PROBLEMS[0].ground_truth)).score == 1.0
     assert lenient.sandbox.level is not None and lenient.sandbox.level.name == "unshare"
 
@@ -135,6 +157,8 @@ def test_engine_offers_a_code_pipeline_and_config_type() -> None:
     assert engine.get("my_code").sources[0].source.kind == "code"
     with pytest.raises(ValueError, match="unknown option"):
         engine.add_from_config({"bad": {"sources": [{"type": "code", "timeout": 2}]}})
+    with pytest.raises(ValueError, match="'samples_per_sandbox' must be an integer >= 1, got 0"):
+        engine.add_from_config({"bad": {"sources": [{"type": "code", "samples_per_sandbox": 0}]}})
 
 
 @needs_bwrap
@@ -184,12 +208,27 @@ async def test_run_code_over_plain_http() -> None:
         assert [r[1]["run_result"]["stdout"] for r in replies] == [f"{i}\n" for i in range(4)]
 
 
-@pytest.mark.parametrize("level", ["bwrap", "unshare"])
-async def test_tests_sharing_a_start_are_independent_runs(level: str) -> None:
-    """Batched tests (2 per start here, 5 tests: 3 starts) each see a wiped /tmp and no leftover process."""
+LEVELS = ["bwrap", "unshare"]
+_SYSCALLS = {"x86_64": {"add_key": 248}, "aarch64": {"add_key": 217}}.get(os.uname().machine, {})
+
+
+def _level_or_skip(level: str) -> None:
     if levels.Level.find(level) is None:
         pytest.skip(f"the {level} level's tools are not installed")
-    src = CodeSource("code", isolation=level, timeout_s=5.0, workers=2, tests_per_sandbox=2)
+
+
+async def _sample(source: CodeSource, program: str, truth: str) -> tuple[JobResult, list[str]]:
+    """A sample through the source's pool, with the sandbox it ran in (JobResult.sandbox) and each test's outcome."""
+    p = plan(program, truth)
+    result = await source.sandbox.run(job_of(p, source.sandbox.python))
+    return result, [outcome(p, i, run)[0] for i, run in enumerate(result.runs)]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_tests_of_a_sample_are_independent_runs(level: str, code_source: MakeSource) -> None:
+    """A sample's tests share its sandbox: each sees a wiped /tmp and no leftover process."""
+    _level_or_skip(level)
+    src = code_source(isolation=level, timeout_s=5.0, workers=1)
     program = (
         "import os, subprocess\n"
         "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
@@ -198,8 +237,172 @@ async def test_tests_sharing_a_start_are_independent_runs(level: str) -> None:
         "subprocess.Popen(['sleep', '100'], start_new_session=True)\n"
     )
     truth = json.dumps({"inputs": [""] * 5, "outputs": ["False 2"] * 5})  # itself and the runner (PID 1)
-    grade = await src.grade(program, truth)
-    assert [t.outcome for t in grade.tests] == ["passed"] * 5, grade.tests
+    result, outcomes = await _sample(src, program, truth)
+    assert outcomes == ["passed"] * 5, result.runs
+
+
+# What one sample leaves behind, and what the next one looks for.
+LEAVER = f"""import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+os.environ['LEFT_BEHIND'] = '1'
+os.putenv('LEFT_BEHIND', '1')
+os.chdir('/tmp')
+open('/tmp/left-behind', 'w').write('x')
+os.makedirs('/tmp/locked/inner')
+open('/tmp/locked/inner/f', 'w').write('x')
+os.chmod('/tmp/locked/inner', 0)
+os.chmod('/tmp/locked', 0)
+if os.fork() == 0:  # a daemon: its own session, SIGTERM ignored, its parent gone
+    os.setsid()
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(100)
+    os._exit(0)
+os.wait()
+made = ['shm'] if libc.shmget(0x5eed, 4096, 0o1000 | 0o600) >= 0 else []
+add_key = {_SYSCALLS.get("add_key")!r}
+if add_key and libc.syscall(add_key, b'user', b'left-behind', b'x', 1, ctypes.c_int(-4)) > 0:  # the user keyring
+    made.append('key')
+for path in ('/dev/shm/left-behind', '/dev/left-behind'):
+    try:
+        open(path, 'w').write('x')
+        made.append(path)
+    except OSError:
+        pass
+print(' '.join(made))
+"""
+LOOKER = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+seen = []
+if 'LEFT_BEHIND' in os.environ:
+    seen.append('environment')
+if os.getcwd() != '/tmp/work':
+    seen.append('cwd ' + os.getcwd())
+if sorted(os.listdir('/tmp')) != ['work'] or os.listdir('.') != ['main.py']:
+    seen.append(f"files {os.listdir('/tmp')} {os.listdir('.')}")
+for path in ('/dev/shm/left-behind', '/dev/left-behind'):
+    if os.path.exists(path):
+        seen.append(path)
+pids = {int(p) for p in os.listdir('/proc') if p.isdigit()}
+if pids != {1, os.getpid()}:
+    seen.append(f'processes {sorted(pids)}')
+if libc.shmget(0x5eed, 0, 0) >= 0:
+    seen.append('shm')
+if 'left-behind' in open('/proc/keys').read():
+    seen.append('key')
+print(' '.join(seen) or 'nothing')
+"""
+NOTHING = json.dumps({"inputs": [""], "outputs": ["nothing"]})
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(
+    level: str, code_source: MakeSource
+) -> None:
+    """A file in /tmp (one locked with chmod 000 too), a daemon, a changed environment variable and working
+    directory, a System V shared memory segment and a key: the next sample in the same sandbox sees none of it."""
+    _level_or_skip(level)
+    src = code_source(isolation=level, timeout_s=5.0, workers=1)
+    await src.warmup()
+    left, _ = await _sample(src, LEAVER, NOTHING)
+    run = left.runs[0]
+    assert run.status == "exited" and run.exit_code == 0, run.stderr
+    assert "shm" in run.stdout.split(), run.stdout
+    assert "key" not in run.stdout.split() or not _SYSCALLS, run.stdout  # the system-call filter refuses keys
+    assert "/dev" not in run.stdout, run.stdout  # /tmp is the only writable place
+    for _ in range(2):
+        looked, outcomes = await _sample(src, LOOKER, NOTHING)
+        assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
+        assert looked.sandbox == left.sandbox and looked.nth > left.nth, "not the same sandbox"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_a_sandbox_serves_a_bounded_number_of_samples(level: str, code_source: MakeSource) -> None:
+    _level_or_skip(level)
+    src = code_source(isolation=level, workers=1, samples_per_sandbox=3)
+    await src.warmup()
+    seen = []
+    for _ in range(7):
+        result, outcomes = await _sample(src, LOOKER, NOTHING)
+        assert outcomes == ["passed"], result.runs[0].stdout
+        seen.append((result.sandbox, result.nth))
+    assert [nth for _, nth in seen] == [1, 2, 3, 1, 2, 3, 1]
+    assert len({box for box, _ in seen}) == 3 and seen[0][0] == seen[2][0] != seen[3][0] == seen[5][0]
+    assert src.sandbox.stats["retired: served its samples"] == 2
+    assert src.sandbox.stats["jobs in a warm sandbox"] == 7  # each replacement was started ahead
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_a_test_that_hits_a_limit_retires_its_sandbox(level: str, code_source: MakeSource) -> None:
+    _level_or_skip(level)
+    src = code_source(isolation=level, workers=1, timeout_s=1.0, max_output_bytes=1000)
+    first, _ = await _sample(src, LOOKER, NOTHING)
+    for program, expected in [("while True: pass", "timeout"), ("print('x' * 5000)", "output_limit")]:
+        hit, outcomes = await _sample(src, program, NOTHING)
+        assert outcomes == [expected]
+        after, outcomes = await _sample(src, LOOKER, NOTHING)
+        assert outcomes == ["passed"], after.runs[0].stdout
+        assert hit.sandbox != after.sandbox and after.nth == 1, (hit.sandbox, after.sandbox, after.nth)
+    assert first.sandbox == hit.sandbox or src.sandbox.stats["retired: a test hit a limit"] == 2
+    assert src.sandbox.stats["retired: a test hit a limit"] == 2
+
+
+@needs_bwrap
+async def test_a_sandbox_that_died_while_warm_is_replaced(code_source: MakeSource) -> None:
+    src = code_source(workers=1)
+    await src.warmup()
+    first, _ = await _sample(src, LOOKER, NOTHING)
+    [box] = src.sandbox._idle.values()
+    os.kill(box.proc.pid, signal.SIGKILL)  # as the kernel's OOM killer would
+    again, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"] and again.sandbox != first.sandbox
+
+
+def _patched_runner(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """The real runner with ``code`` run before its main(): a runner that misbehaves in a way no program can cause."""
+    source = levels.runner_source()
+    patched = source.replace('\nif __name__ == "__main__":', f'\n{code}\n\nif __name__ == "__main__":')
+    assert patched != source
+    monkeypatch.setattr(levels, "runner_source", lambda: patched)
+
+
+@needs_bwrap
+async def test_a_reset_that_leaves_something_retires_the_sandbox(
+    monkeypatch: pytest.MonkeyPatch, code_source: MakeSource
+) -> None:
+    _patched_runner(monkeypatch, "_leftovers = lambda: ['/tmp/stuck']")
+    src = code_source(workers=1)
+    first, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"]
+    second, _ = await _sample(src, LOOKER, NOTHING)
+    assert second.sandbox != first.sandbox
+    assert src.sandbox.stats["retired: left something after the reset"] == 2
+
+
+@needs_bwrap
+async def test_a_runner_that_prints_garbage_fails_the_sample_and_is_retired(
+    monkeypatch: pytest.MonkeyPatch, code_source: MakeSource
+) -> None:
+    src = code_source(workers=1)
+    await src.sandbox.start()  # proven with the real runner; the sandbox that serves the sample is started after
+    _patched_runner(monkeypatch, "_serve = lambda job: print('{not json', flush=True)")
+    with pytest.raises(SourceFailed, match="unreadable line from the sandbox"):
+        await src.grade(LOOKER, NOTHING)
+    assert src.sandbox.stats["retired: runner misbehaved"] == 1
+
+
+@needs_bwrap
+@needs_gpp
+async def test_cpp_compiles_and_runs_in_a_warm_sandbox(code_source: MakeSource) -> None:
+    problem = next(p for p in PROBLEMS if p.language == "cpp")
+    src = code_source(workers=1)
+    await src.warmup()
+    good, outcomes = await _sample(src, problem.canonical, problem.ground_truth)
+    assert set(outcomes) == {"passed"}, good.runs
+    bad, outcomes = await _sample(src, problem.wrong, problem.ground_truth)
+    assert "wrong_answer" in outcomes and bad.sandbox == good.sandbox and bad.nth == good.nth + 1
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)  # the compiler and its binary left nothing
+    assert outcomes == ["passed"] and looked.sandbox == good.sandbox, looked.runs[0].stdout
 
 
 async def test_run_code_sits_behind_the_gateways_token() -> None:

@@ -1,11 +1,15 @@
-"""Hostile programs against the real sandbox, at both isolation levels: each is contained and scored as a
-failure with its reason, the server keeps answering others meanwhile, and nothing is left behind."""
+"""Hostile programs against the real sandbox, at both isolation levels, in warm sandboxes (serving many samples)
+and in cold ones (a sandbox per sample): each is contained and scored as a failure with its reason, the server
+keeps answering others meanwhile, nothing is left behind, and the next sample in the same sandbox finds it clean."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import threading
 import time
@@ -20,6 +24,7 @@ import pytest
 from rewardmesh.reward_engine.sandbox.levels import Level
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.integrations.support import RunningServer, server_thread
+from tests.reward_engine.test_sandbox import LOOKER, NOTHING
 from tests.support.servers import sample
 from tests.support.waiting import wait_until
 
@@ -29,6 +34,9 @@ SECRET = f"secret-{uuid.uuid4().hex}"
 OWN_TMP_FILE = f"/tmp/rewardmesh-sandbox-{uuid.uuid4().hex}"  # written inside: must land in the private tmpfs
 LIMITS = {"timeout_s": 3.0, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 20, "workers": 2}
 LEVELS = [name for name in ("bwrap", "unshare") if Level.find(name) is not None]
+MODES = {"warm": 100, "cold": 1}  # samples_per_sandbox
+RUNNER_MARK = b"The program that runs inside a sandbox as its PID 1"
+RUNNERS_BEFORE: set[int] = set()
 
 
 @dataclass
@@ -89,6 +97,18 @@ def hostiles(token_file: Path, escape: Path, port: int) -> list[Hostile]:
             ("wrong_answer",),
         ),
         Hostile(
+            "uses_kernel_interfaces",  # what the system-call filter refuses: each would widen the kernel's surface
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nok = []\n"
+            "if libc.unshare(0x10000000 | 0x00020000) == 0:\n    ok.append('user and mount namespaces')\n"
+            "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0:\n    ok.append('mount')\n"
+            "if libc.ptrace(16, 1, None, None) == 0:\n    ok.append('ptrace the runner')\n"
+            "if libc.syscall({'x86_64': 321, 'aarch64': 280}.get(os.uname().machine, -1), 0, None, 0) >= 0:\n"
+            "    ok.append('bpf')\n"
+            "print('escaped' if ok else 'none')",
+            "escaped",
+            ("wrong_answer",),
+        ),
+        Hostile(
             "kills_its_parent",
             "import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
             "    except OSError:\n        pass\nprint('still here')",
@@ -134,9 +154,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         pytest.skip("neither bubblewrap nor util-linux unshare is available")
     os.environ["REWARDMESH_HOSTILE_SECRET"] = SECRET
     pipelines = {
-        f"hostile_{level}": {"sources": [{"type": "code", "isolation": level, "score": "pass_rate", **LIMITS}]}
+        f"hostile_{level}_{mode}": {
+            "sources": [
+                {"type": "code", "isolation": level, "score": "pass_rate", "samples_per_sandbox": reuse, **LIMITS}
+            ]
+        }
         for level in LEVELS
+        for mode, reuse in MODES.items()
     }
+    RUNNERS_BEFORE.update(_runners())  # sandboxes of other tests' sources, not this server's
     try:
         with server_thread(pipelines) as running:
             yield running
@@ -151,8 +177,9 @@ def _rule_latency(stub: reward_pb2_grpc.RewardServiceStub) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("level", LEVELS)
-def test_hostile_programs_are_contained(level: str, server: RunningServer, tmp_path: Path) -> None:
+def test_hostile_programs_are_contained(level: str, mode: str, server: RunningServer, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(SECRET)
     escape = tmp_path / "escaped"
@@ -162,13 +189,17 @@ def test_hostile_programs_are_contained(level: str, server: RunningServer, tmp_p
     for h in cases:
         truth = json.dumps({"inputs": list(h.stdins), "outputs": [h.expected] * len(h.stdins)})
         samples.append(sample(h.name, response=f"```python\n{h.program}\n```", truth=truth))
+        # In warm sandboxes a sample may follow any hostile one in the same sandbox: it must find nothing there.
+        samples.append(sample(f"after_{h.name}", response=LOOKER, truth=NOTHING))
     with grpc.insecure_channel(server.address) as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
         baseline = statistics.median(_rule_latency(stub) for _ in range(5))
         replies: list[reward_pb2.ScoreBatchResponse] = []
         hostile = threading.Thread(
             target=lambda: replies.append(
-                stub.ScoreBatch(reward_pb2.ScoreBatchRequest(reward=f"hostile_{level}", samples=samples), timeout=120)
+                stub.ScoreBatch(
+                    reward_pb2.ScoreBatchRequest(reward=f"hostile_{level}_{mode}", samples=samples), timeout=180
+                )
             )
         )
         hostile.start()
@@ -185,25 +216,50 @@ def test_hostile_programs_are_contained(level: str, server: RunningServer, tmp_p
         assert result.score == 0.0, h.name
         outcomes = [codes.get(int(result.extras[f"outcome/{i}"]), "?") for i in range(len(h.stdins))]
         assert all(o in h.outcomes for o in outcomes), (h.name, outcomes)
+        after = by_id[f"after_{h.name}"]
+        assert not after.HasField("error") and after.score == 1.0, (h.name, "a later sample found something")
     assert not escape.exists() and not Path(OWN_TMP_FILE).exists()
     # Other clients kept being answered at about their usual latency while the hostile set ran (the median), and
     # none of them ever waited as long as one hostile program ran (the longest: a shared 2-core machine stalls).
     assert during and statistics.median(during) < max(0.25, 20 * baseline), (baseline, sorted(during))
     assert max(during) < LIMITS["timeout_s"], (baseline, sorted(during)[-5:])
-    wait_until(lambda: not _descendants() - _server_helpers(), "every sandbox process is gone", 30)
+    # Sandboxes end after their sample (cold), or wait for the next one holding only their runner (warm): either
+    # way no program's process is left.
+    wait_until(lambda: not _in_sandboxes(), "no process runs in a sandbox but its runner", 30)
+    runners = _runners() - RUNNERS_BEFORE
+    assert len(runners) <= 2 * LIMITS["workers"] * len(LEVELS), runners  # warm pools: a sandbox, and its next
+    assert mode == "cold" or runners, "the warm pool keeps sandboxes for its next samples"
 
 
-def _server_helpers() -> set[int]:
-    """Processes the server keeps on purpose (rule worker pools), not sandboxes."""
-    keep = set()
+def _runners() -> set[int]:
+    """The sandboxes' PID 1 processes among this process's descendants (the tools that start them carry the
+    runner's code in their command lines too: a runner is the interpreter)."""
+    found = set()
     for pid in _descendants():
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"multiprocessing" in cmd:
-            keep.add(pid)
-    return keep
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            if os.path.basename(argv[0]).startswith(b"python") and RUNNER_MARK in argv[-1]:
+                found.add(pid)
+    return found
+
+
+def _in_sandboxes() -> set[int]:
+    """Processes running inside a sandbox other than its runner (a test's, or one it left)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    runners = _runners()
+    inside = set()
+    for pid in parents:
+        at = parents.get(pid, 0)
+        while at > 1:
+            if at in runners:
+                inside.add(pid)
+                break
+            at = parents.get(at, 0)
+    return inside
 
 
 def test_reasons_name_what_happened(server: RunningServer) -> None:
@@ -222,8 +278,51 @@ def test_reasons_name_what_happened(server: RunningServer) -> None:
         for program in ("x = bytearray(1 << 30)", "import socket\nsocket.create_connection(('198.51.100.7', 80), 1)"):
             grade = await source.grade(program, truth)
             out.append(f"{grade.tests[0].outcome}: {grade.tests[0].reason}")
+        await source.close()
         return out
 
     memory, network = asyncio.run(reasons())
     assert memory.startswith("memory: MemoryError"), memory
     assert network.startswith("runtime_error") and "Network is unreachable" in network, network
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_sample_after_each_hostile_program_finds_its_sandbox_clean(level: str, tmp_path: Path) -> None:
+    """One warm sandbox at a time: each hostile program, then a sample that looks for anything left. A sandbox
+    whose test hit a limit is retired; every other one serves the next sample, which must find it as new."""
+    from rewardmesh.reward_engine.sandbox.executor import hit_limit
+    from rewardmesh.reward_engine.sources.code import CodeSource
+    from tests.reward_engine.test_sandbox import _sample
+
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET)
+    escape = tmp_path / "escaped"
+    listening = socket.create_server(("127.0.0.1", 0))
+    cases = hostiles(token_file, escape, listening.getsockname()[1])
+
+    async def run() -> list[str]:
+        source = CodeSource("code", isolation=level, **{**LIMITS, "workers": 1})  # type: ignore[arg-type]
+        await source.warmup()
+        shared = []
+        try:
+            for h in cases:
+                truth = json.dumps({"inputs": list(h.stdins), "outputs": [h.expected] * len(h.stdins)})
+                hostile, outcomes = await _sample(source, h.program, truth)
+                assert all(o in h.outcomes for o in outcomes), (h.name, outcomes)
+                after, outcomes = await _sample(source, LOOKER, NOTHING)
+                assert outcomes == ["passed"], (h.name, after.runs[0].stdout, after.runs[0].stderr)
+                kept = not any(hit_limit(run) for run in hostile.runs)
+                assert (after.sandbox == hostile.sandbox) == kept, (h.name, kept)
+                if kept:
+                    shared.append(h.name)
+        finally:
+            await source.close()
+        return shared
+
+    try:
+        shared = asyncio.run(run())
+    finally:
+        listening.close()
+    kept = {"reads_environment", "writes_outside_tmp", "kills_its_parent", "connects_outside", "uses_kernel_interfaces"}
+    assert kept <= set(shared), shared
+    assert not escape.exists() and not Path(OWN_TMP_FILE).exists()
