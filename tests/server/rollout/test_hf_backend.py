@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -209,16 +208,8 @@ async def test_token_budget_bounds_the_running_batch(tiny_models: TinyModelPaths
 
 @pytest.mark.slow
 async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBackend) -> None:
-    done_at: dict[str, float] = {}
-
-    async def timed(tag: str, request: GenerationRequest) -> GenerationOutput:
-        out = await backend.generate(request)
-        done_at[tag] = time.perf_counter()
-        return out
-
-    long_task = asyncio.create_task(timed("long", greedy(backend, PROMPTS[3], max_tokens=300)))
-    short_task = asyncio.create_task(timed("short", greedy(backend, PROMPTS[0], max_tokens=2)))
-    t0 = time.perf_counter()
+    long_task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[3], max_tokens=300)))
+    short_task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=2)))
     done, _ = await asyncio.wait({long_task, short_task}, return_when=asyncio.FIRST_COMPLETED)
     assert done == {short_task}
     assert not long_task.done()
@@ -226,7 +217,6 @@ async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBacken
     short, long = short_task.result(), await long_task
     assert backend.batch_sizes[-1] == 2  # they really were prefilled together
     assert len(short.token_ids) == 2 and len(long.token_ids) == 300
-    assert done_at["short"] - t0 < (done_at["long"] - t0) / 5
 
 
 async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBackend) -> None:
