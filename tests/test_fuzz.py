@@ -92,6 +92,7 @@ class LiveServers:
         self._run(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")

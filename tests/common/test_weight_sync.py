@@ -937,6 +937,7 @@ class LiveFleet:
         self.run(self._stack.aclose())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")

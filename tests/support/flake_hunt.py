@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL_LINES = 30  # of each failure's traceback, printed
+BURNER = "flake-hunt-burner"  # the name of the load processes this module starts where stress-ng is missing
 SUMMARY = re.compile(r"^=*\s*(\d+ \w+|no tests ran)[^=]* in [\d.]+s")  # pytest's closing line
 
 
@@ -83,7 +84,7 @@ def cpu_load(load_percent: int) -> Iterator[str]:
             proc.wait(30)
         return
     ctx = multiprocessing.get_context("spawn")
-    burners = [ctx.Process(target=burn, args=(load_percent,), daemon=True) for _ in range(cores)]
+    burners = [ctx.Process(target=burn, args=(load_percent,), name=BURNER, daemon=True) for _ in range(cores)]
     for p in burners:
         p.start()
     try:
