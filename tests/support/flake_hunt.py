@@ -108,12 +108,11 @@ def node_id(classname: str, name: str) -> str:
 def failures_in(junit: Path, run: int, seed: int) -> dict[str, Failure]:
     found: dict[str, Failure] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
-        for kind in ("failure", "error"):
-            for element in case.findall(kind):
-                nid = node_id(case.get("classname", ""), case.get("name", ""))
-                if kind == "error":
-                    nid += " (setup or teardown)" if case.find("failure") is None else ""
-                found.setdefault(nid, Failure(run, seed, element.get("message", kind), element.text or ""))
+        nid = node_id(case.get("classname", ""), case.get("name", ""))
+        for kind, where in (("failure", ""), ("error", " (in setup or teardown)")):
+            element = case.find(kind)
+            if element is not None:
+                found.setdefault(nid + where, Failure(run, seed, element.get("message", kind), element.text or ""))
     return found
 
 
