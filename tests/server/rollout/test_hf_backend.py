@@ -14,6 +14,7 @@ from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.rollout.backends import make_backend
 from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest, WeightsError
 from rewardmesh.server.rollout.backends.hf import HFBackend
+from rewardmesh.server.rollout.backends.hf_decode import cache_argument
 from rewardmesh.server.rollout.backends.hf_kv_cache import SlotCache
 from rewardmesh.server.rollout.backends.requests import trim_at_stop
 from rewardmesh.server.rollout.backends.sampling import sample
@@ -655,3 +656,16 @@ async def test_eager_attention_takes_the_additive_mask_and_matches_sdpa(
     for x, y in zip(sdpa, eager, strict=True):
         assert x.logprobs is not None and y.logprobs is not None
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_the_kv_cache_goes_under_the_name_the_models_forward_takes() -> None:
+    """`cache` where transformers renamed it (`past_key_values` warns there, and goes in 5.40), the old name before;
+    the whole suite runs with warnings as errors, so a decode step that warned would fail every hf test."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: Any = None) -> None: ...
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: Any = None) -> None: ...
+
+    assert cache_argument(Renamed()) == "cache" and cache_argument(Before()) == "past_key_values"
