@@ -63,7 +63,7 @@ async def test_a_new_client_reaches_a_server_on_an_address_another_channel_faile
         finally:
             await new.stop(grace=0.5)
     finally:
-        await stale.close()
+        await stale.close(None)
     assert not result.HasField("error") and result.score == 1.0
 
 
