@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm==0.32.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools bench-tools
+.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools bench-tools flake-hunt load-tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,22 @@ pytest: $(STAMP) sandbox-tools
 	$(BIN)/pytest -q
 
 test: lint typecheck k8s-check pytest
+
+# Flaky tests: the suite RUNS times, each in a new random order (pytest-random-order), beside a CPU load of LOAD per
+# cent on every core (stress-ng), then every test that failed at least once, with its failure and the seed that
+# replays its run. PYTEST_ARGS narrows what runs (a file, -k EXPR, -m "not slow").
+RUNS ?= 10
+LOAD ?= 60
+PYTEST_ARGS ?=
+flake-hunt: $(STAMP) sandbox-tools load-tools
+	$(BIN)/python -m tests.support.flake_hunt --runs $(RUNS) --load $(LOAD) -- $(PYTEST_ARGS)
+
+# stress-ng for the flake hunt's load, installed where we can (root with apt); elsewhere the hunt runs its own.
+load-tools:
+	@command -v stress-ng >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -qq stress-ng >/dev/null 2>&1 \
+		     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq stress-ng >/dev/null 2>&1; }; } \
+		|| echo "note: stress-ng not installed (needs root and apt); the flake hunt makes its own load"; }
 
 # Regenerate the committed stubs; tests/test_protos.py fails when they are stale.
 protos: $(STAMP)

@@ -34,6 +34,7 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 5_000),
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

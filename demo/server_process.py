@@ -14,7 +14,6 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from grpc import aio
 
@@ -32,7 +31,6 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.host = "127.0.0.1"
-        self._log_file: IO[bytes] | None = None
 
     @property
     def address(self) -> str:
@@ -46,11 +44,11 @@ class ServerProcess:
         """Start the process and wait until it has written its port file; returns the port."""
         # The log goes to a file rather than a pipe: a chatty server can never block on a full pipe.
         self.port_path.unlink(missing_ok=True)
-        self._log_file = open(self.log_path, "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
-        )
+        with open(self.log_path, "wb") as log_file:  # the child writes through its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.port_path.exists():
@@ -99,9 +97,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             log.warning("%s did not exit within %.0fs of SIGTERM; killing it", self.name, timeout_s)
             self.kill()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -36,7 +36,7 @@ from tests.support.paths import REPO as ROOT
 SUBNET = "10.231.0"  # a /24 that exists only inside this test's namespaces
 REWARD_PORT, ROLLOUT_PORT = 50051, 50061
 PROMPTS, N = 8, 2
-REWARD_SLEEP_S = 1.5  # long enough for a sample to be in flight on host A when it is killed
+REWARD_SLEEP_S = 1.5  # host B's time per sample (host A holds its samples until it is killed)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -298,12 +298,13 @@ def test_reward_host_dies_mid_step_and_the_other_takes_over(
             """)
     )
     cli = [sys.executable, "-m", "rewardmesh.server.cli"]
-    reward_env = {"RM_TEST_MARKS": str(marks), "RM_TEST_SLEEP_S": str(REWARD_SLEEP_S)}
+    # Host A holds every sample it starts until it is killed, so it surely has work in flight when it dies.
+    sleep_s = {"a": "600", "b": str(REWARD_SLEEP_S)}
     servers = {
         host: hosts.start(
             f"reward-{host}", f"reward-{host}",
             [*cli, "serve", "reward", "--host", "0.0.0.0", "--port", str(REWARD_PORT), "--config", str(config)],
-            RM_TEST_HOST=host, **reward_env,
+            RM_TEST_HOST=host, RM_TEST_MARKS=str(marks), RM_TEST_SLEEP_S=sleep_s[host],
         )
         for host in ("a", "b")
     }  # fmt: skip

@@ -241,6 +241,7 @@ async def test_a_call_that_fails_after_its_last_sample_is_not_sent_again(tok: An
     from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2, rollout_pb2_grpc
 
     calls: list[rollout_pb2.GenerateRequest] = []
+    first_failed = asyncio.Event()
 
     class AllThenUnavailable(rollout_pb2_grpc.RolloutServiceServicer):
         async def Generate(self, request: Any, context: Any) -> Any:
@@ -248,15 +249,18 @@ async def test_a_call_that_fails_after_its_last_sample_is_not_sent_again(tok: An
             if request.n < 1:  # as the real server answers it
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"n must be >= 1, got {request.n}")
             last = request.prompts[0].group_id.endswith("-0")  # the first group: killed after its last sample
-            if not last:
-                await asyncio.sleep(1.0)  # the other group is still running when the first one's call fails
+            if not last:  # the other group is still running when the first one's call fails
+                await asyncio.wait_for(first_failed.wait(), 60)
             for k in range(request.n):
                 sid = request.prompts[0].sample_ids[k]
                 sample = common_pb2.Sample(sample_id=sid, group_id=request.prompts[0].group_id,
                                            prompt_ids=ids_tensor([1]), response_ids=ids_tensor([2]))  # fmt: skip
                 yield rollout_pb2.GenerateResponse(sample=sample, result=reward_pb2.RewardResult(sample_id=sid))
             if last:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "killed before the call's end")
+                try:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "killed before the call's end")
+                finally:
+                    first_failed.set()
 
     server = aio.server()
     only_generate: Any = AllThenUnavailable  # the other methods are never called here

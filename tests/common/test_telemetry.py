@@ -108,6 +108,17 @@ async def test_one_trace_per_step_across_three_services(
 ) -> None:
     head_ratio(1.0)  # every sample traced in full, RPC spans included
     SPANS.clear()
+
+    def totals() -> tuple[float, float, float]:
+        """What the pipeline's histograms and counter hold (other tests of this process recorded there too)."""
+        mine = [
+            [p for p in metric_points(name) if p.attributes["pipeline"] == "gsm8k_batched"]
+            for name in ("rewardmesh.reward.latency", "rewardmesh.reward.batch_size", "rewardmesh.reward.scored")
+        ]
+        latency, sizes, scored = mine
+        return sum(p.count for p in latency), sum(p.sum for p in sizes), sum(p.value for p in scored)
+
+    before = totals()
     pipelines = {"gsm8k_batched": {"sources": [{"type": "rule", "rule": "gsm8k"}],
                                    "batching": {"max_batch_size": 8, "max_queue_delay_ms": 20}}}  # fmt: skip
     agent = rollout_pb2.AgentLoopConfig(max_turns=3, tools=["calculator"])
@@ -166,12 +177,7 @@ async def test_one_trace_per_step_across_three_services(
     slow_span = next(s for s in samples if s.attributes["rewardmesh.sample_id"] == slow.sample_id)
     assert event.attributes["span_id"] == f"{slow_span.context.span_id:016x}"
     # Histograms count every scored sample; the batch-size histogram sums to the samples served.
-    latency = [p for p in metric_points("rewardmesh.reward.latency") if p.attributes["pipeline"] == "gsm8k_batched"]
-    assert sum(p.count for p in latency) == 4
-    sizes = [p for p in metric_points("rewardmesh.reward.batch_size") if p.attributes["pipeline"] == "gsm8k_batched"]
-    assert sum(p.sum for p in sizes) == 4
-    scored = [p for p in metric_points("rewardmesh.reward.scored") if p.attributes["pipeline"] == "gsm8k_batched"]
-    assert sum(p.value for p in scored) == 4
+    assert [after - was for after, was in zip(totals(), before, strict=True)] == [4, 4, 4]
     # A deployment's exporter wrote the same kept spans from the recorder's blocks (4 samples: 5 spans each on
     # the rollout server, 2 on the reward server, plus the batch spans).
     assert assert_written_as_span_objects(written(), KEPT_NAMES) == 4 * 7 + len(named["reward.batch"])

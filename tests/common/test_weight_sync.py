@@ -568,6 +568,7 @@ async def test_restarted_and_added_servers_get_current_weights_and_no_stale_samp
             lambda: (
                 min(b.backend.policy_version, c.backend.policy_version) >= final - 1
                 and d.backend.policy_version >= final
+                and client.join_updates >= 1  # d's join is over once its hook counted it, after d applied it
             ),
             "every server caught up",
             30,
@@ -612,8 +613,9 @@ async def test_a_server_still_booting_is_left_out_of_an_update_and_joins_with_th
         assert a.backend.policy_version == 1 and slow.backend.policy_version == 0
         gate.set()
         await slow.ready()
-        # Its backoff over, a pick starts its join.
-        await eventually(lambda: slow.backend.policy_version >= 1, "the late server joined", 30, poke=client.pool.pick)
+        # Its backoff over, a pick starts its join; the join is over when its hook has counted the update (the
+        # server applies the version before the hook's push returns).
+        await eventually(lambda: client.join_updates >= 1, "the late server joined", 30, poke=client.pool.pick)
         assert slow.backend.policy_version == 1 and same(model_weights(slow), state)
         assert client.join_updates == 1
 
@@ -780,6 +782,8 @@ def process_making(make: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_shm_files_of_a_killed_trainer_are_removed_by_the_next_one() -> None:
@@ -933,6 +937,7 @@ class LiveFleet:
         self.run(self._stack.aclose())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")

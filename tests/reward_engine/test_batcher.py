@@ -57,17 +57,17 @@ async def test_collects_concurrent_samples_up_to_max_batch_size() -> None:
 
 async def test_waits_at_most_max_queue_delay_for_a_fuller_batch() -> None:
     rec = Recorder()
-    # A delay far longer than the 10 ms gap, so the second joins even when a loaded machine wakes us late.
-    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_queue_delay_ms=300))
+    # A delay far longer than a loaded machine takes to queue the second sample after the first.
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_queue_delay_ms=1000))
     t0 = time.monotonic()
     first = asyncio.create_task(b.submit(inp("a")))
-    await asyncio.sleep(0.01)  # the scenario: the second sample arrives a moment after the first
-    second = asyncio.create_task(b.submit(inp("b")))
+    await eventually(lambda: b.queue_depth == 1, "the first sample waits in the queue")
+    second = asyncio.create_task(b.submit(inp("b")))  # the scenario: it arrives while the first waits
     r1, r2 = await asyncio.gather(first, second)
     elapsed = time.monotonic() - t0
     assert rec.batches == [["a", "b"]]  # the second arrived within the delay and joined
-    assert 0.29 <= elapsed < 30.0  # it waited for the delay (a lower bound), not for ever
-    assert r1.queue_s >= 0.29 and r2.queue_s < r1.queue_s
+    assert 0.99 <= elapsed < 30.0  # it waited for the delay (a lower bound), not for ever
+    assert r1.queue_s >= 0.99 and r2.queue_s < r1.queue_s
     await b.close()
 
 

@@ -15,6 +15,7 @@ import pytest
 from rewardmesh.common.errors import DeadlineExceeded, ResourceExhausted, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.custom import FunctionSource
 from rewardmesh.reward_engine.types import RewardOutput
+from tests.support import reward_fns
 from tests.support.paths import REPO
 from tests.support.samples import reward_input as sample
 from tests.support.waiting import eventually
@@ -162,12 +163,13 @@ async def test_process_timeout_replaces_only_the_stuck_worker() -> None:
         assert str(results[1]) == f"function '{FILE}:sleepy' timed out after 1s"
         hung_pid = (first_workers - {int(results[0].extras["pid"])}).pop()
 
-        # The stuck worker is killed and replaced; the source keeps working on two warm workers.
+        # The stuck worker is killed; the source keeps working, never on it. (Its lane starts a new worker when it
+        # next takes a call: which lane takes the next ones is the machine's timing, so how many run is not fixed.)
         await eventually(lambda: hung_pid not in {p.pid for p in multiprocessing.active_children()}, "hung worker gone")
         again = await source.score_batch([sample("a"), sample("b", sleep_s=0.1)])
         assert all(isinstance(r, RewardOutput) and r.score == 1.0 for r in again)
         assert hung_pid not in {r.extras["pid"] for r in again if isinstance(r, RewardOutput)}
-        assert len(source.pool.pids) == 2 and hung_pid not in source.pool.pids
+        assert 1 <= len(source.pool.pids) <= 2 and hung_pid not in source.pool.pids
 
 
 async def test_calls_behind_a_hung_one_run_on_a_fresh_worker() -> None:
@@ -187,13 +189,17 @@ async def test_memory_budget_is_resource_exhausted_and_the_worker_is_replaced() 
 
 
 async def test_thread_timeout_then_next_calls_succeed() -> None:
-    async with function_source(function=f"{FILE}:sleepy", executor="thread", timeout_s=0.2, max_workers=1) as source:
-        results = await source.score_batch([sample("hung", sleep_s=4.0), sample("fine")])
-        assert isinstance(results[0], DeadlineExceeded) and results[1] == RewardOutput(1.0, {"pid": float(os.getpid())})
-        # With max_workers=1 the stuck thread (3.8 s to go) would block this call if its pool were reused.
-        started = time.monotonic()
-        (result,) = await source.score_batch([sample("fine")])
-        assert isinstance(result, RewardOutput) and time.monotonic() - started < 3.0
+    reward_fns.RELEASE.clear()
+    try:
+        async with function_source(function=f"{MODULE}:held", executor="thread", timeout_s=0.2, max_workers=1) as src:
+            results = await src.score_batch([sample("hung", hold=True), sample("fine")])
+            assert isinstance(results[0], DeadlineExceeded) and results[1] == RewardOutput(1.0, {})
+            # The timed-out call still holds its thread (until the test releases it): with max_workers=1 this call
+            # would wait behind it for good had its pool been reused.
+            (result,) = await asyncio.wait_for(src.score_batch([sample("fine")]), 30)
+            assert result == RewardOutput(1.0, {}) and not reward_fns.RELEASE.is_set()
+    finally:
+        reward_fns.RELEASE.set()
 
 
 async def test_async_timeout_cancels_only_that_sample() -> None:

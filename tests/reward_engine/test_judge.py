@@ -14,6 +14,7 @@ from rewardmesh.reward_engine.sources.judge import JudgeSource, RateLimiter, cha
 from rewardmesh.reward_engine.types import RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
 from tests.support.samples import reward_input
+from tests.support.waiting import eventually
 
 # What the judge is asked about unless a test says otherwise.
 sample = functools.partial(reward_input, prompt="What is 6 x 7?", ground_truth="42")
@@ -98,7 +99,14 @@ async def test_default_template_shows_everything() -> None:
 
 
 async def test_max_concurrency_is_respected() -> None:
-    async with FakeOpenAI(reply=Reply(content="Score: 5", delay_s=0.05)) as server:
+    """Each request is answered only once three are in flight together (or all twelve have arrived): the limit
+    is reached by construction, whatever the machine's timing, and a fourth would show in the peak."""
+
+    async def when_three_in_flight(body: dict[str, Any]) -> Reply:
+        await eventually(lambda: server.in_flight >= 3 or len(server.requests) == 12, "three requests in flight")
+        return Reply(content="Score: 5")
+
+    async with FakeOpenAI(reply=when_three_in_flight) as server:
         source = judge(server.url, max_concurrency=3)
         try:
             results = await source.score_batch([sample(str(i)) for i in range(12)])

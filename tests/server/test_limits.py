@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, rollout_pb2, rollout_pb2_grpc
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import reward_stub, sample
+from tests.support.waiting import eventually
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -298,29 +300,57 @@ async def test_id_lists_over_the_limit_are_refused() -> None:
         assert ok.results[0].score == 1.0
 
 
-async def test_a_long_chat_prompt_is_tokenized_off_the_event_loop(tok: Any) -> None:
-    """A chat prompt just under max_prompt_chars takes a while to tokenize (then its length is refused against
-    the model's context); meanwhile other calls are answered: the event loop was never held for the duration."""
-    async with limited_rollout(tok) as (stub, _):
-        await stub.GetInfo(rollout_pb2.GetInfoRequest())
-        loop = asyncio.get_running_loop()
-        chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="hello world " * 87_000)])
-        started = loop.time()
-        heavy = asyncio.ensure_future(
-            _drain(stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(chat=chat)], n=1)))
+class HeldChatTemplate:
+    """The policy's tokenizer, whose chat template waits for the test's release and records the thread it ran on."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[int] = []
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        # Had it run on the event loop, nothing could set `release`: the test fails here instead of hanging.
+        if not self.release.wait(30):
+            raise TimeoutError("the chat template was never released: it held the event loop")
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+async def test_a_chat_prompt_is_tokenized_off_the_event_loop(tok: Any) -> None:
+    """Tokenizing a chat prompt (a long one takes a while) runs on a worker thread: while the test holds the chat
+    template open, the server's event loop (the test's own) answers other calls, and the prompt is generated
+    from once released."""
+    held = HeldChatTemplate(tok)
+    async with limited_rollout(held) as (stub, _):
+        chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="hello world")])
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(chat=chat)], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=8)
         )
-        waits: list[float] = []
-        while not heavy.done():
-            asked = loop.time()
-            await asyncio.wait_for(stub.GetInfo(rollout_pb2.GetInfoRequest()), 60)
-            waits.append(loop.time() - asked)
-        took = loop.time() - started
+        call = asyncio.ensure_future(_collect(stub.Generate(request)))
+        try:
+            await eventually(held.entered.is_set, "the chat template is entered")
+            for _ in range(3):  # a heartbeat through the server while the template is held open
+                await asyncio.wait_for(stub.GetInfo(rollout_pb2.GetInfoRequest()), 60)
+            assert not call.done() and not held.release.is_set()
+        finally:
+            held.release.set()
+        replies = await asyncio.wait_for(call, 60)
+    assert held.threads and threading.get_ident() not in held.threads
+    assert len(replies) == 1 and not replies[0].result.HasField("error")
+
+
+async def test_a_chat_prompt_over_the_model_context_is_refused_naming_it(tok: Any) -> None:
+    async with limited_rollout(tok) as (stub, _):
+        chat = rollout_pb2.ChatPrompt(messages=[rollout_pb2.ChatMessage(role="user", content="hello world " * 600)])
         with pytest.raises(aio.AioRpcError) as err:
-            heavy.result()
+            await _collect(stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(chat=chat)], n=1)))
     assert err.value.code() == INVALID and "exceeds the model's context" in str(err.value.details())
-    assert len(waits) >= 3 and max(waits) < took / 3, (took, max(waits), len(waits))
 
 
-async def _drain(call: Any) -> None:
-    async for _ in call:
-        pass
+async def _collect(call: Any) -> list[Any]:
+    return [reply async for reply in call]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -55,6 +56,17 @@ def sleepy(
     """Sleeps extra_info['sleep_s'] seconds (0 if absent): a hung call when that exceeds timeout_s."""
     time.sleep(float((extra_info or {}).get("sleep_s", 0.0)))
     return {"score": 1.0, "pid": os.getpid()}
+
+
+# Set by a test to let `held` calls return (thread executor only: the test and the call share the process).
+RELEASE = threading.Event()
+
+
+def held(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None) -> float:
+    """Holds its thread until the test sets RELEASE when extra_info['hold'] is set (at most 60 s); scores 1."""
+    if (extra_info or {}).get("hold"):
+        RELEASE.wait(60)
+    return 1.0
 
 
 async def sleepy_async(

@@ -8,6 +8,7 @@ runs on the backend's worker thread.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,18 @@ from rewardmesh.server.rollout.backends.hf_rows import Row, next_uniform
 from rewardmesh.server.rollout.backends.requests import trim_at_stop
 from rewardmesh.server.rollout.backends.sampling import sample_with_logprobs
 
-__all__ = ["Decoder", "DynamicBatch", "DynamicDecoder", "positions"]
+__all__ = ["Decoder", "DynamicBatch", "DynamicDecoder", "cache_argument", "positions"]
+
+
+def cache_argument(lm: Any) -> str:
+    """The name the model's forward takes its KV cache under, which its output also returns it as: ``cache`` in the
+    transformers releases that renamed it (``past_key_values`` warns there, and goes in 5.40), ``past_key_values``
+    in the releases before."""
+    try:
+        parameters = inspect.signature(lm.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the name every release before the rename takes
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @dataclass(eq=False)
@@ -46,6 +58,7 @@ class Decoder:
         self.dtype = dtype
         self._bool_mask = bool_mask  # sdpa takes a boolean mask; eager an additive one
         self._decode_tokenizer = tokenizer  # the worker thread's own copy (see HFBackend.__init__)
+        self._cache_argument = cache_argument(lm)
 
     def _right_aligned(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts left-padded to the longest (CPU): their ids and the mask of real tokens."""
@@ -65,12 +78,12 @@ class Decoder:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_argument: cache},
         )
         logits: torch.Tensor = out.logits[:, -1, :]
-        return logits, out.past_key_values
+        return logits, getattr(out, self._cache_argument)
 
     def _sample(
         self,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +14,7 @@ from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.rollout.backends import make_backend
 from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest, WeightsError
 from rewardmesh.server.rollout.backends.hf import HFBackend
+from rewardmesh.server.rollout.backends.hf_decode import cache_argument
 from rewardmesh.server.rollout.backends.hf_kv_cache import SlotCache
 from rewardmesh.server.rollout.backends.requests import trim_at_stop
 from rewardmesh.server.rollout.backends.sampling import sample
@@ -209,16 +209,8 @@ async def test_token_budget_bounds_the_running_batch(tiny_models: TinyModelPaths
 
 @pytest.mark.slow
 async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBackend) -> None:
-    done_at: dict[str, float] = {}
-
-    async def timed(tag: str, request: GenerationRequest) -> GenerationOutput:
-        out = await backend.generate(request)
-        done_at[tag] = time.perf_counter()
-        return out
-
-    long_task = asyncio.create_task(timed("long", greedy(backend, PROMPTS[3], max_tokens=300)))
-    short_task = asyncio.create_task(timed("short", greedy(backend, PROMPTS[0], max_tokens=2)))
-    t0 = time.perf_counter()
+    long_task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[3], max_tokens=300)))
+    short_task = asyncio.create_task(backend.generate(greedy(backend, PROMPTS[0], max_tokens=2)))
     done, _ = await asyncio.wait({long_task, short_task}, return_when=asyncio.FIRST_COMPLETED)
     assert done == {short_task}
     assert not long_task.done()
@@ -226,7 +218,6 @@ async def test_each_request_resolves_when_its_own_row_finishes(backend: HFBacken
     short, long = short_task.result(), await long_task
     assert backend.batch_sizes[-1] == 2  # they really were prefilled together
     assert len(short.token_ids) == 2 and len(long.token_ids) == 300
-    assert done_at["short"] - t0 < (done_at["long"] - t0) / 5
 
 
 async def test_a_request_arriving_mid_batch_joins_within_two_steps(backend: HFBackend) -> None:
@@ -615,16 +606,16 @@ async def test_a_sliding_window_model_runs_on_the_general_cache(sliding_policy: 
         assert not b._use_slots
         together = await asyncio.gather(*(b.generate(r) for r in requests))
         assert b.batch_sizes[-1] == 3 and [o.token_ids for o in together] == [o.token_ids for o in alone]
-        # a request arriving mid-batch waits for an empty batch here, then runs
-        order: list[str] = []
+        # a request arriving mid-batch waits for an empty batch here, then runs: no step decodes the two together
+        # (counted by the decode loop; which of their results the event loop hands out first is its own timing)
+        since = len(b.running_sizes)
         first = asyncio.create_task(b.generate(greedy(b, PROMPTS[0], max_tokens=40)))
-        first.add_done_callback(lambda _: order.append("first"))
         steps = b.steps
         await eventually(lambda: b.steps >= steps + 3, "b.steps >= steps + 3", 30, every_s=0.002)
         second = await b.generate(greedy(b, PROMPTS[1], max_tokens=5))
-        order.append("second")
         assert len(second.token_ids) == 5 or second.finish_reason == "stop"
-        assert order == ["first", "second"] and max(b.running_sizes) == 3
+        assert len((await first).token_ids) == 40 or first.result().finish_reason == "stop"
+        assert set(list(b.running_sizes)[since:]) == {1} and max(b.running_sizes) == 3
     finally:
         await b.close()
 
@@ -665,3 +656,16 @@ async def test_eager_attention_takes_the_additive_mask_and_matches_sdpa(
     for x, y in zip(sdpa, eager, strict=True):
         assert x.logprobs is not None and y.logprobs is not None
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_the_kv_cache_goes_under_the_name_the_models_forward_takes() -> None:
+    """`cache` where transformers renamed it (`past_key_values` warns there, and goes in 5.40), the old name before;
+    the whole suite runs with warnings as errors, so a decode step that warned would fail every hf test."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: Any = None) -> None: ...
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: Any = None) -> None: ...
+
+    assert cache_argument(Renamed()) == "cache" and cache_argument(Before()) == "past_key_values"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import grpc
@@ -36,11 +35,32 @@ def gen_request(prompts: list[rollout_pb2.Prompt], n: int = 1, reward: str = "",
                                        sampling=rollout_pb2.SamplingParams(max_tokens=64), **kw)  # fmt: skip
 
 
+def hold_until(backend: ScriptedBackend, marker: str, released: asyncio.Event) -> None:
+    """Prompts containing `marker` start generating only once `released` is set (at most 60 s: then they fail, and
+    the test with them): an order the test controls, not one timing makes likely."""
+    original = backend.generate
+
+    async def held(request: Any) -> Any:
+        if marker in backend.tokenizer.decode(request.prompt_ids):
+            await asyncio.wait_for(released.wait(), 60)
+        return await original(request)
+
+    backend.generate = held  # type: ignore[method-assign]
+
+
 async def test_samples_stream_back_scored_fast_ones_first(tok: Any) -> None:
+    """The slow group generates only once both fast samples have come back scored: they stream out as they
+    finish, not in request order or at the end."""
     backend = ScriptedBackend(tok, timed_script)
+    fast_back = asyncio.Event()
+    hold_until(backend, "slow", fast_back)
     async with reward_server() as rs, rollout_server(backend, [rs.address]) as ro, rollout_stub(ro.address) as stub:
         prompts = [prompt(tok, "wait 0.4 slow", "slow"), prompt(tok, "wait 0.0 fast", "fast")]
-        got = [r async for r in stub.Generate(gen_request(prompts, n=2, reward="gsm8k"))]
+        got = []
+        async for r in stub.Generate(gen_request(prompts, n=2, reward="gsm8k")):
+            got.append(r)
+            if [g.sample.group_id for g in got] == ["fast", "fast"]:
+                fast_back.set()
     assert [r.sample.group_id for r in got] == ["fast", "fast", "slow", "slow"]
     assert sorted(r.sample.sample_id for r in got) == ["fast/0", "fast/1", "slow/0", "slow/1"]
     for r in got:
@@ -55,28 +75,23 @@ async def test_samples_stream_back_scored_fast_ones_first(tok: Any) -> None:
 
 
 async def test_reward_overlaps_generation(tok: Any) -> None:
-    """With a reward that sleeps per sample, the first scored sample arrives before the last finished generating."""
+    """With a reward that sleeps per sample, a scored sample comes back while later samples of the same call have
+    not even started generating: they are held until the first scored sample has arrived."""
     backend = ScriptedBackend(tok, timed_script)
-    finished: list[float] = []
-    original = backend.generate
-
-    async def recording(req: Any) -> Any:
-        out = await original(req)
-        finished.append(time.monotonic())
-        return out
-
-    backend.generate = recording  # type: ignore[method-assign,assignment]
+    first_back = asyncio.Event()
+    hold_until(backend, "later", first_back)
     async with reward_server({"sleepy": fn_pipeline("sleepy")}) as rs, rollout_server(backend, [rs.address]) as ro:
         async with rollout_stub(ro.address) as stub:
-            prompts = [prompt(tok, f"wait {0.1 * (i + 1):.1f}", f"g{i}", extra_info=None) for i in range(6)]
+            texts = ["wait 0.1 first", *(f"wait 0.1 later {i}" for i in range(5))]
+            prompts = [prompt(tok, text, f"g{i}", extra_info=None) for i, text in enumerate(texts)]
             for p in prompts:
                 p.extra_info.update({"delay": 0.15})
-            arrivals = []
+            got = []
             async for r in stub.Generate(gen_request(prompts, reward="sleepy")):
-                arrivals.append(time.monotonic())
                 assert not r.result.HasField("error")
-    assert len(arrivals) == 6
-    assert arrivals[0] < max(finished)  # scoring of early samples ran while later ones generated
+                first_back.set()  # had the call held its samples back until all were generated: a hang, failed
+                got.append(r.sample.group_id)
+    assert len(got) == 6 and got[0] == "g0"
 
 
 async def test_reward_target_killed_mid_stream_is_rerouted(tok: Any) -> None:
