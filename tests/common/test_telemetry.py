@@ -757,7 +757,11 @@ def test_a_block_exporter_gets_blocks_and_any_other_exporter_span_objects(tmp_pa
     spans = InMemorySpanExporter()
     exporters = [serialized(Blocks()), serialized(spans)]
     assert isinstance(exporters[0], BlockExporter) and not isinstance(exporters[1], BlockExporter)
-    assert isinstance(serialized(OtlpJsonLinesExporter(tmp_path / "x.jsonl")), BlockExporter)
+    lines = OtlpJsonLinesExporter(tmp_path / "x.jsonl")
+    try:
+        assert isinstance(serialized(lines), BlockExporter)
+    finally:
+        lines.shutdown()
 
     class Tree:
         def spans(self, rec: FlightRecorder) -> list[SpanBlock]:
