@@ -225,10 +225,6 @@ class FairQueue(Generic[Q]):
         for lane in self.lanes.values():
             yield from lane.items()
 
-    def earliest_due(self) -> float | None:
-        """The earliest step deadline queued (to within DUE_TICK; cancelled samples' included), if any."""
-        return min((lane.edf[0][2].due for lane in self.lanes.values() if lane.edf), default=None)  # type: ignore[type-var]
-
     def share(self, tenant: Tenant) -> float:
         """The tenant's weighted share of the queued tenants (itself counted as queued)."""
         total = sum(lane.tenant.weight for lane in self.lanes.values() if lane.count and lane.tenant is not tenant)

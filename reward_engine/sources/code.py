@@ -1,12 +1,12 @@
 """Code-execution rewards: the response's program run against the sample's tests in a sandbox.
 
-The tests of one sample go to one sandbox start (in chunks of ``tests_per_sandbox``, run side by side), each
-test still a fresh process under its own limits; samples run at once up to the sandbox pool's size, so a step's
-code samples are scored as they stream in. The score follows ``data_source`` as verl's default_compute_score
-does: the pass fraction for the sources verl scores continuously (codecontests, apps, codeforces, taco), all
-tests passed (1/0) for the others. Extras: ``acc`` (all passed), ``pass_rate``, ``tests``, ``passed``, a count
-per failure kind, and per test (the first ``MAX_TEST_EXTRAS``) ``outcome/<i>`` (codes in
-sandbox.grading.OUTCOMES) and ``time_s/<i>``.
+The tests of one sample go to one sandbox start (in chunks of ``tests_per_sandbox``, one after another), each test
+still a fresh process under its own limits; samples run at once up to the sandbox pool's size (the source's
+capacity: a sample holds one sandbox slot), so a step's code samples are scored as they stream in. The score follows
+``data_source`` as verl's default_compute_score does: the pass fraction for the sources verl scores continuously
+(codecontests, apps, codeforces, taco), all tests passed (1/0) for the others. Extras: ``acc`` (all passed),
+``pass_rate``, ``tests``, ``passed``, a count per failure kind, and per test (the first ``MAX_TEST_EXTRAS``)
+``outcome/<i>`` (codes in sandbox.grading.OUTCOMES) and ``time_s/<i>``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Un
 from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import ApartResult, BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +73,13 @@ class Grade:
         return out
 
 
-class CodeSource:
+class CodeSource(RewardSource):
     """Runs each sample's program against its tests in the sandbox (rewardmesh.reward_engine.sandbox).
 
     Config keys:
       isolation: "bwrap" (bubblewrap, the default) or "unshare" (util-linux, the fallback level).
       allow_weaker_isolation: run with a lower level than ``isolation`` when it is missing (off: refuse).
-      workers: sandboxes running at once (0: one per CPU).
+      workers: sandboxes running at once (0: one per CPU); the source's capacity, one slot per sample.
       timeout_s: wall and CPU seconds per test; memory_mb: address space per test; max_processes,
         max_open_files, max_output_bytes (stdout per test), tmp_mb (the sandbox's tmpfs).
       tests_per_sandbox: tests of one sample run in one sandbox start (a fresh process each).
@@ -88,6 +88,7 @@ class CodeSource:
     """
 
     kind = "code"
+    sandbox: Sandbox
 
     def __init__(
         self,
@@ -131,6 +132,10 @@ class CodeSource:
             isolation=isolation, allow_weaker_isolation=allow_weaker_isolation, workers=workers, limits=limits
         )
 
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(self.sandbox.workers, "sandbox slots", "sample")
+
     async def warmup(self) -> None:
         """Prove the sandbox now (prestart), or at least say which isolation tools it will try."""
         if self.prestart:
@@ -143,7 +148,7 @@ class CodeSource:
         job.stop_on_error = stop_on_error
         size = self.tests_per_sandbox
         chunks = [job.stdins[i : i + size] for i in range(0, len(job.stdins), size)]
-        results = await asyncio.gather(*(self.sandbox.run(replace(job, stdins=c)) for c in chunks))
+        results = [await self.sandbox.run(replace(job, stdins=c)) for c in chunks]  # one slot per sample
         runs = [run for result in results for run in result.runs]
         if all(r.status == "sandbox_error" for r in runs):
             notes = "; ".join(n for result in results for n in result.notes)
@@ -179,14 +184,18 @@ class CodeSource:
             return SourceFailed(f"code source {self.name!r} raised {describe_exception(exc)}")
         return RewardOutput(g.score, g.extras())
 
-    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
-        async def guarded(sample: RewardInput) -> RewardOutput | BaseException:
-            try:
-                return await self._one(sample)
-            except RewardError as exc:
-                return exc
+    async def _guarded(self, sample: RewardInput) -> RewardOutput | BaseException:
+        try:
+            return await self._one(sample)
+        except RewardError as exc:
+            return exc
 
-        return list(await asyncio.gather(*(guarded(s) for s in batch)))
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        return list(await asyncio.gather(*(self._guarded(s) for s in batch)))
+
+    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
+        """At once: each sample's run started, its task in its place (answered when its own tests are done)."""
+        return [asyncio.ensure_future(self._guarded(s)) for s in batch]
 
     async def close(self) -> None:
         """Sandboxes in flight end within their budgets (and die with the server: --die-with-parent)."""

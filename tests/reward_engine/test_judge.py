@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
-from rewardmesh.reward_engine.sources.judge import JudgeSource, RateLimiter, chat_completions_url
+from rewardmesh.common.rate_limit import RateLimiter
+from rewardmesh.reward_engine.sources.judge import JudgeSource, chat_completions_url
 from rewardmesh.reward_engine.types import RewardOutput
 from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
 from tests.support.samples import reward_input
