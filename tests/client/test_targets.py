@@ -20,8 +20,7 @@ import pytest
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.client.targets import Member, TargetPool, expand_targets
 from rewardmesh.common.channels import open_channel
-from rewardmesh.demo.mesh import build_engine
-from rewardmesh.server.reward.server import RewardServer
+from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import fn_pipeline, reward_server, sample
@@ -207,7 +206,7 @@ async def test_a_caller_never_waits_on_a_backoff_that_earlier_failures_grew() ->
     for attempt in range(1, 6):
         assert 0.05 * 2 ** (attempt - 1) <= pool.retry_in(attempt) <= 0.1 * 2 ** (attempt - 1)
     a, b = pool.members
-    a.down_until -= 1.0  # a's backoff ends first
+    a.down_until = b.down_until - 1.0  # a's backoff ends first
     assert pool.pick(probe=True) is a and pool.pick(avoid=a, probe=True) is b
     woke: list[Member] = []
     pool.on_up(woke.append)
