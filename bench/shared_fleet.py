@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -41,6 +42,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +107,21 @@ def _sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) 
     return s
 
 
+def _a_program(sid: str) -> common_pb2.Sample:
+    return _sample(sid, _A_PROGRAM, _TESTS)
+
+
+def _b_program(sid: str) -> common_pb2.Sample:
+    return _sample(sid, _B_PROGRAM, _TESTS)
+
+
 def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str, Kind]:
     burn = workdir / "fleet_burn.py"
     burn.write_text(_BURN)
     kinds = {
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
-        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200,
-                     lambda sid: _sample(sid, _A_PROGRAM, _TESTS), lambda sid: _sample(sid, _B_PROGRAM, _TESTS), 40),
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 8,
                                  "prompt_template": "{response}"}], 1000, _sample, _sample),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample),
@@ -188,30 +197,75 @@ def _pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _flood_main(address: str, pipeline: str, make: Callable[[str], common_pb2.Sample], in_flight: int,
+                conn: Connection) -> None:  # fmt: skip
+    """Tenant A, in a process of its own (a job of its own): floods on "start", counts from "mark", reports what
+    it got scored on "stop", ends on "exit"."""
+    quiet_logs()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        async with RewardClient([address], token=TOKENS["job-a"], result_timeout_s=600) as client:
+            flood: Flood | None = None
+            marked, since = 0, 0.0
+            while (command := await loop.run_in_executor(None, conn.recv)) != "exit":
+                if command == "start":
+                    flood = Flood(client, pipeline, make, in_flight)
+                    flood.start()
+                elif command == "mark" and flood is not None:
+                    marked, since = flood.scored, time.monotonic()
+                elif command == "stop" and flood is not None:
+                    conn.send((flood.scored - marked, time.monotonic() - since))
+                    flood.stop()
+                    flood = None
+
+    asyncio.run(run())
+
+
+def _judge_main(conn: Connection) -> None:
+    """A local OpenAI-compatible judge answering in 50 ms, in a process of its own; its port goes to `conn`."""
+    from tests.support.fake_openai import FakeOpenAI, Reply
+
+    async def run() -> None:
+        async with FakeOpenAI(reply=Reply("Score: 5", delay_s=0.05)) as judge:
+            conn.send(judge.port)
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+    asyncio.run(run())
+
+
 async def _isolation_row(
     address: str, kind: Kind, batching: str, steps: int, rounds: int, settle_s: float
 ) -> list[object]:
-    """B alone, then B while A floods, `rounds` times in turn (so both see the same machine, however loaded it
-    is), `steps` steps each time: one row of the table."""
+    """B alone, then B while A floods (from a process of its own), `rounds` times in turn (so both see the same
+    machine, however loaded it is), `steps` steps each time: one row of the table."""
     pipeline = f"{kind.name}-{batching}"
     alone: list[float] = []
     shared: list[float] = []
     a_scored, a_time = 0, 0.0
-    async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
-        await _steps(cb, pipeline, kind.b, 3, "warm")
-        for r in range(rounds):
-            progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
-            alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}")
-            async with RewardClient([address], token=TOKENS["job-a"], result_timeout_s=600) as ca:
-                flood = Flood(ca, pipeline, kind.a, kind.flood)
-                flood.start()
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    flooder = ctx.Process(target=_flood_main, args=(address, pipeline, kind.a, kind.flood, child), daemon=True)
+    flooder.start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
+            await _steps(cb, pipeline, kind.b, 3, "warm")
+            for r in range(rounds):
+                progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
+                alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}")
+                conn.send("start")
                 await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
-                before, started = flood.scored, time.monotonic()
+                conn.send("mark")
                 shared += await _steps(cb, pipeline, kind.b, steps, f"shared{r}")
-                a_scored, a_time = a_scored + flood.scored - before, a_time + time.monotonic() - started
-                flood.stop()
-            await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
+                conn.send("stop")
+                scored, seconds = await loop.run_in_executor(None, conn.recv)
+                a_scored, a_time = a_scored + scored, a_time + seconds
+                await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
+    finally:
+        conn.send("exit")
+        await loop.run_in_executor(None, flooder.join, 30)
     ratio = _pct(shared, 0.99) / _pct(alone, 0.99)
     return [kind.name, batching, f"{_pct(alone, 0.5) * 1e3:.0f} / {_pct(alone, 0.99) * 1e3:.0f}",
             f"{_pct(shared, 0.5) * 1e3:.0f} / {_pct(shared, 0.99) * 1e3:.0f}", f"{ratio:.2f}x",
@@ -219,8 +273,6 @@ async def _isolation_row(
 
 
 async def isolation(args: argparse.Namespace) -> list[list[object]]:
-    from tests.support.fake_openai import FakeOpenAI, Reply
-
     kinds = list(args.kinds)
     if "code" in kinds and shutil.which("bwrap") is None:
         progress("bubblewrap is not installed (make install): skipping the code kind")
@@ -234,8 +286,13 @@ async def isolation(args: argparse.Namespace) -> list[list[object]]:
             from rewardmesh.server.cli import default_models_dir
 
             reward_model = tiny_policy(default_models_dir())[0].reward_model
-        async with FakeOpenAI(reply=Reply("Score: 5", delay_s=0.05)) as judge:
-            catalog = _kinds(workdir, judge.url, reward_model)
+        ctx = multiprocessing.get_context("spawn")
+        judge_conn, judge_child = ctx.Pipe()
+        judge = ctx.Process(target=_judge_main, args=(judge_child,), daemon=True)
+        judge.start()
+        try:
+            judge_port = await asyncio.get_running_loop().run_in_executor(None, judge_conn.recv)
+            catalog = _kinds(workdir, f"http://127.0.0.1:{judge_port}", reward_model)
             pipelines: dict[str, Any] = {}
             for name in kinds:
                 pipelines[f"{name}-default"] = {"sources": catalog[name].sources}
@@ -258,6 +315,9 @@ async def isolation(args: argparse.Namespace) -> list[list[object]]:
                                                          args.rounds, args.settle_s))  # fmt: skip
             finally:
                 server.stop()
+        finally:
+            judge_conn.send("exit")
+            judge.join(10)
     return rows
 
 

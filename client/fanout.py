@@ -133,8 +133,10 @@ class RolloutFanout:
             if not remaining:  # every sample came, then the call failed (a server killed before its OK): done
                 return
             target = self.pool.pick(avoid=target)
+            waits = _attempt
             while target is None:  # every server down: our own retry schedule, or at once when one is back
-                await self.pool.wait_up(self.pool.retry_in(_attempt))
+                await self.pool.wait_up(self.pool.retry_in(waits))
+                waits += 1
                 target = self.pool.pick(probe=True)
             if errors:
                 self.resent_samples += len(remaining)

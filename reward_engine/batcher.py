@@ -34,12 +34,14 @@ from typing import Any, NamedTuple, cast
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, FairQueue, Lane, Queued, Tenant
-from rewardmesh.reward_engine.types import ApartResult, BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
 
 log = logging.getLogger(__name__)
 
-# A batch's outcomes, a future in the place of a sample answered apart (RewardSource.score_apart).
+# A batch's outcomes, a future in the place of a sample answered apart (RewardSource.start_each).
 ComputeFn = Callable[[list[RewardInput]], Awaitable[ApartResult]]
+# Each sample's work started now, a future of its outcome each; None: the batch goes to the ComputeFn.
+StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | None"]
 
 
 @dataclass
@@ -190,6 +192,7 @@ class DynamicBatcher:
         on_batch: Callable[[BatchInfo], None] | None = None,
         limits: Callable[[], StartLimits] | None = None,
         start_delay: Callable[[], float] | None = None,
+        start_each: StartEachFn | None = None,
     ) -> None:
         self.config = config or BatcherConfig()
         self.name = name
@@ -197,6 +200,7 @@ class DynamicBatcher:
         self._on_batch = on_batch
         self._limits = limits or (lambda: NO_LIMITS)
         self._start_delay = start_delay or (lambda: 0.0)
+        self._start_each = start_each
         # Called with each batch as it is handed to the source, in start order (observability: what started
         # when, and for whom).
         self.on_start: Callable[[list[Ticket]], None] | None = None
@@ -463,24 +467,54 @@ class DynamicBatcher:
     # -- scheduling ---------------------------------------------------------------------------
 
     async def _schedule(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = await self._next_batch()
-            for it in batch:
-                it.started = True
-            self._batches += 1
-            self._held += len(batch)
-            self.started += len(batch)
-            if self.on_start is not None:
-                try:
-                    self.on_start(batch)
-                except Exception:  # an observer's bug must not stop the pipeline
-                    log.exception("pipeline %s: start listener failed", self.name)
-            task = loop.create_task(self._run(batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-            if self._deadlines or self._dues:
-                self._skip_stale()
+            self._start(await self._next_batch())
+
+    def _start(self, batch: list[Ticket]) -> None:
+        """Hand `batch` to the source: its samples hold their slots from now on."""
+        for it in batch:
+            it.started = True
+        self._batches += 1
+        self._held += len(batch)
+        self.started += len(batch)
+        if self.on_start is not None:
+            try:
+                self.on_start(batch)
+            except Exception:  # an observer's bug must not stop the pipeline
+                log.exception("pipeline %s: start listener failed", self.name)
+        if self._deadlines or self._dues:
+            self._skip_stale()
+        if self._start_each is not None and self._started_each(batch):
+            return
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _started_each(self, batch: list[Ticket]) -> bool:
+        """Start each sample's work now, where the pipeline can (no task, no turn of the event loop: a slot that
+        frees is taken at once): each sample answered apart when its work is done. False: it cannot, `_run`."""
+        assert self._start_each is not None
+        start = time.monotonic()
+        try:
+            futures = self._start_each([it.inp for it in batch])
+            if futures is not None and len(futures) != len(batch):
+                raise SourceFailed(f"source started {len(futures)} samples of a batch of {len(batch)}")
+        except Exception as exc:  # a source's bug fails the batch's samples, not the batcher
+            log.warning("pipeline %s: starting a batch of %d failed: %s", self.name, len(batch), exc)
+            futures = [SourceFailed(str(exc))] * len(batch)  # type: ignore[list-item]
+        if futures is None:
+            return False
+        self._batches -= 1  # handed over whole: the batch itself holds nothing
+        late = 0
+        for it, fut in zip(batch, futures, strict=True):
+            if self._answer_late(it, fut, start - it.enqueued, start):
+                late += 1
+            else:  # not a future (the start failed): answered now
+                it.resolve(fut)  # type: ignore[arg-type]
+            it.tenant.in_flight -= 1  # the batch lets go of it (a late one is counted again until answered)
+        if late < len(batch):
+            self._release(len(batch) - late, dispatch=False)  # the scheduler takes the next: no recursion here
+        return True
 
     def _room(self) -> int:
         """Samples the next batch may hold now: 0 while every batch slot, or every per-sample slot, is taken.
@@ -598,8 +632,19 @@ class DynamicBatcher:
         queue.put_back([c for k, c in enumerate(candidates) if k not in picked])
         return sorted((candidates[k][1] for k in chosen), key=_arrival)
 
-    def _release(self, samples: int) -> None:
+    def _release(self, samples: int, *, dispatch: bool = True) -> None:
+        """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
+        once (a loaded event loop would otherwise add its scheduler's turn to every hand-over); else, or beyond
+        that, the scheduler looks again."""
         self._held -= samples
+        if dispatch and samples and not self._closed and self._queue.depth and self._loop_task is not None:
+            lim = self._limits()
+            if lim.samples is not None and not lim.paced:
+                room = self._room()
+                if room:
+                    batch = self._take(room)
+                    if batch:
+                        self._start(batch)
         self._wake.set()
 
     async def _run(self, batch: list[Ticket]) -> None:

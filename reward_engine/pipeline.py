@@ -58,7 +58,13 @@ class RewardPipeline:
         self.extra_keys = tuple(sorted(extra_keys if extra_keys is not None else self._declared_extras()))
         hook = (lambda info: on_batch(name, info)) if on_batch else None
         self.batcher = DynamicBatcher(
-            self.compute, batching, name=name, on_batch=hook, limits=self.limits, start_delay=self.start_delay
+            self.compute,
+            batching,
+            name=name,
+            on_batch=hook,
+            limits=self.limits,
+            start_delay=self.start_delay,
+            start_each=self.start_each,
         )
         for ws in sources:
             ws.source.on_capacity(self.batcher.wake)
@@ -119,18 +125,31 @@ class RewardPipeline:
         """Queue a ticket the caller built (see DynamicBatcher.queue)."""
         self.batcher.queue(item)
 
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Each sample's weighted score as a future, its work started now, where the pipeline is one source that
+        takes work per sample at its own weight (the batcher hands work over this way without a turn of the event
+        loop); None otherwise (`compute`)."""
+        if len(self.sources) != 1 or self.sources[0].weight != 1.0:
+            return None
+        return self.sources[0].source.start_each(batch)
+
     async def compute(self, batch: list[RewardInput]) -> ApartResult:
         """Each sample's weighted score, or a future of it where a source answers that sample apart (so a sample
         frees its slot when its own work is done, and one burning its budget holds neither its batch nor the
         batch's slot)."""
-        if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
-            only = self.sources[0]
-            results = await only.source.score_apart(batch)
-            if only.weight == 1.0:  # the source's own outputs are the pipeline's: no per-sample copy
-                return results
-            per_source = [results]
-        else:
-            per_source = list(await asyncio.gather(*(ws.source.score_apart(batch) for ws in self.sources)))
+        per_source: list[ApartResult] = []
+        whole = []  # sources that score whole batches: awaited together
+        for k, ws in enumerate(self.sources):
+            started = ws.source.start_each(batch)
+            per_source.append(started if started is not None else [])
+            if started is None:
+                whole.append(k)
+        if whole:
+            scored = await asyncio.gather(*(self.sources[k].source.score_batch(batch) for k in whole))
+            for k, results in zip(whole, scored, strict=True):
+                per_source[k] = results
+        if len(self.sources) == 1 and self.sources[0].weight == 1.0:  # the source's own outputs: no per-sample copy
+            return per_source[0]
         combined: list[Outcome | asyncio.Future[Outcome]] = []
         for i in range(len(batch)):
             parts = [results[i] for results in per_source]

@@ -114,7 +114,7 @@ class RewardOutput:
 # sample must not fail its batch-mates.
 Outcome = RewardOutput | BaseException
 BatchResult = list[Outcome]
-# What `RewardSource.score_apart` returns: as a BatchResult, with a future in the place of a sample not done yet.
+# A batch's outcomes as a pipeline hands them to its batcher: a future in the place of a sample not done yet.
 ApartResult = Sequence["Outcome | asyncio.Future[Outcome]"]
 
 
@@ -165,11 +165,12 @@ class RewardSource(ABC):
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
         """Each sample's result (or the exception it raised), in input order."""
 
-    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
-        """As ``score_batch``, with an ``asyncio.Future`` in the place of a sample not done yet, so each sample is
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Start every sample's work now and return, at once, a future of each one's outcome, so each sample is
         answered, and frees its slot, when its own work is done, not with its batch's slowest (the pipeline
-        scores this way). A source that takes work per sample overrides it; the default answers with the batch."""
-        return await self.score_batch(batch)
+        scores this way when it can). A source that takes work per sample overrides it; None (the default):
+        this source scores whole batches, with ``score_batch``."""
+        return None
 
     @property
     def capacity(self) -> Capacity:

@@ -20,7 +20,7 @@ from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Un
 from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
-from rewardmesh.reward_engine.types import ApartResult, BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +191,10 @@ class CodeSource(RewardSource):
             return exc
 
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
-        return list(await asyncio.gather(*(self._guarded(s) for s in batch)))
+        return list(await asyncio.gather(*self.start_each(batch)))
 
-    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
-        """At once: each sample's run started, its task in its place (answered when its own tests are done)."""
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's run started now (answered when its own tests are done)."""
         return [asyncio.ensure_future(self._guarded(s)) for s in batch]
 
     async def close(self) -> None:

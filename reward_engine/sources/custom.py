@@ -18,7 +18,6 @@ from rewardmesh.reward_engine.isolation import Call, IsolatedPool, run_call
 from rewardmesh.reward_engine.loading import load_function, parse_spec
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output, verl_kwargs
 from rewardmesh.reward_engine.types import (
-    ApartResult,
     BatchResult,
     Capacity,
     Outcome,
@@ -175,13 +174,10 @@ class FunctionSource(RewardSource):
         return DeadlineExceeded(f"{self._what} timed out after {self.timeout_s:g}s")
 
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
-        return list(await asyncio.gather(*self._start(batch)))
+        return list(await asyncio.gather(*self.start_each(batch)))
 
-    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
-        """At once: each sample's call started, its future in its place (answered when that call is done)."""
-        return self._start(batch)
-
-    def _start(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's call started now (queued for a worker process, a thread or the event loop)."""
         if self._closed:
             return [_done(Unavailable(f"function source {self.name!r} is closed")) for _ in batch]
         if self.pool is not None:

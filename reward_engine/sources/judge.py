@@ -30,7 +30,7 @@ from rewardmesh.common.errors import (
 from rewardmesh.common.rate_limit import RateLimiter
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
-from rewardmesh.reward_engine.types import ApartResult, BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 DEFAULT_PROMPT_TEMPLATE = """\
 You are a strict grader. Rate how well the response below answers the prompt, on a scale from 0 \
@@ -377,13 +377,10 @@ class JudgeSource(RewardSource):
         return self._limiter.delay()
 
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
-        return list(await asyncio.gather(*self._start(batch)))
+        return list(await asyncio.gather(*self.start_each(batch)))
 
-    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
-        """At once: each sample's request started, its task in its place (answered when its reply is parsed)."""
-        return self._start(batch)
-
-    def _start(self, batch: list[RewardInput]) -> list[asyncio.Task[RewardOutput | BaseException]]:
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's request started now (answered when its reply is parsed)."""
         if self._parser is not None:
             self._parser.start()  # spawns the parser's worker while the first requests are in flight
         return [asyncio.ensure_future(self._score_one(sample)) for sample in batch]

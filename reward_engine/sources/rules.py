@@ -18,7 +18,7 @@ from typing import Any
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output
-from rewardmesh.reward_engine.types import ApartResult, BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
@@ -424,11 +424,11 @@ class RuleSource(RewardSource):
                 last_yield = time.monotonic()
         return results
 
-    async def score_apart(self, batch: list[RewardInput]) -> ApartResult:
-        """Isolated: at once, each sample's call started and its future in its place. Inline: as score_batch."""
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Isolated: each sample's call queued for a worker now. Inline: None, a batch runs at once."""
         if self.pool is not None:
             return self.pool.submit(self._calls(batch))
-        return await self.score_batch(batch)
+        return None
 
     def _calls(self, batch: list[RewardInput]) -> list[Call]:
         assert self._spec is not None
