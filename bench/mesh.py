@@ -130,7 +130,15 @@ def judge_pipeline(function: str, concurrency: int, timeout_s: float = 120.0) ->
     """One-sample "batches", at most `concurrency` judge calls in flight (a remote judge's capacity)."""
     return {
         "description": f"simulated remote judge, {concurrency} calls in flight",
-        "sources": [{"type": "function", "function": function, "executor": "auto", "timeout_s": timeout_s}],
+        "sources": [
+            {
+                "type": "function",
+                "function": function,
+                "executor": "auto",
+                "timeout_s": timeout_s,
+                "max_concurrency": concurrency,
+            }
+        ],
         "batching": {"max_batch_size": 1, "max_concurrent_batches": concurrency, "max_queue_delay_ms": 0},
     }
 

@@ -1,23 +1,29 @@
-"""Reward servers needed when training jobs share one fleet instead of each having its own, and what step
-deadlines buy under saturation.
+"""One reward fleet shared by training jobs: does a job's latency hold while another floods the fleet?
 
-    python -m bench.shared_fleet [--jobs 2,3,4 --steps 5 --samples 64 --generate-s 1.0 --train-s 1.0]
+    python -m bench.shared_fleet [--kinds function,code,judge,model,rule --steps 40] [--sizing]
 
-Each simulated training job runs steps: for --generate-s seconds its samples finish (at seeded random times)
-and each is sent to the reward fleet at once, as a rollout server does; the step ends when its last sample is
-scored; then the job trains for --train-s seconds, sending nothing. Jobs start at random offsets. A reward server
-scores a batch of up to --batch samples in --batch-s seconds (demo.paced_reward: the service time of a reward
-model on an accelerator, without spending this machine's CPU), so its capacity is batch / batch_s samples per
-second. Every server is a real reward server on 127.0.0.1 and every job a RewardClient with its tenant's token.
+Isolation (the default): a real `rewardmesh serve reward` process with two tenants of weight 1 (job-a, job-b, each
+its own token) and, per source kind, two pipelines of real sources: the kind's default batching, and a user's
+(`max_batch_size: 16, max_queue_delay_ms: 2, max_queue_size: 4096`). Tenant B runs a closed loop of small steps
+(8 samples at once, wait for all); tenant A keeps many samples in flight. Measured side by side in one run, per
+kind and batching: B's per-sample latency p50 and p99 alone, then while A floods, and the p99 ratio (target:
+<= 1.2x), with what A got scored meanwhile. The kinds:
 
-Measured side by side in one run, for each number of jobs J:
-  dedicated  every job with one reward server of its own (J servers): the median step time each job gets;
-  shared     the J jobs as tenants of m servers, m = 1, 2, ... until every job's median step time is within
-             --tolerance of its dedicated one: the servers a shared fleet needs for the same step times.
-Then deadlines: J jobs of one tenant (one team's token) on one saturated server, each sending its steps back to
-back, half of them with tight step deadlines; the fraction of steps scored by their deadline in arrival order
-(FIFO: no deadlines sent) and earliest deadline first (deadlines sent). Across tenants the share is by weight;
-within a tenant, deadlines decide.
+  function  a function burning 4 ms of CPU per sample on 2 worker processes; A keeps 3,000 in flight
+  code      programs in the bubblewrap sandbox, 2 sandbox workers: A's burn 30 ms, B's echo; A keeps 200 in flight
+  judge     a judge (max_concurrency 8) against a local OpenAI-compatible server answering in 50 ms; A keeps 1,000
+  model     the tiny reward model on the CPU; A keeps 3,000 in flight
+  rule      the gsm8k rule, inline; A keeps 3,000 in flight
+
+Sizing (--sizing, a few minutes more): reward servers needed when training jobs share one fleet instead of each
+having its own, and what step deadlines buy under saturation, on reward servers whose pipeline takes a fixed time
+per batch (demo.paced_reward: a reward model's service time on an accelerator, without spending this machine's
+CPU). Each simulated job runs steps: for --generate-s seconds its samples finish (at seeded random times) and each
+is sent to the fleet at once; the step ends when its last sample is scored; then the job trains for --train-s
+seconds. For J jobs: each job with a reward server of its own, against all J sharing m servers, m = 1, 2, ... until
+every job's median step time is within --tolerance of its dedicated one. Then J jobs of one tenant on one
+saturated server, half of them with tight step deadlines: the fraction of steps scored in time in arrival order
+(FIFO: no deadlines sent) and earliest deadline first.
 """
 
 from __future__ import annotations
@@ -25,21 +31,298 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import multiprocessing
+import os
 import random
+import shutil
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from bench.common import machine_info, markdown_table, progress
+from bench.mesh import quiet_logs
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.paced_reward import PIPELINE, paced_engine
+from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.server.reward.server import RewardServer
 from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.server.serving import ServerOptions
-from rewardmesh.v1 import common_pb2
+from rewardmesh.v1 import common_pb2, reward_pb2
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+KINDS = ("function", "code", "judge", "model", "rule")
+USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size": 4096}
+STEP = 8  # B's step: small, sent at once
+TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
+TARGET_RATIO = 1.2
+
+_BURN = '''"""A reward function that burns extra_info['burn_ms'] of CPU (4 ms unless told), as a checker does."""
+import time
+
+
+def burn(data_source, solution_str, ground_truth, extra_info=None):
+    until = time.perf_counter() + float((extra_info or {}).get("burn_ms", 4)) / 1000
+    while time.perf_counter() < until:
+        pass
+    return 1.0
+'''
+_TESTS = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+_A_PROGRAM = (
+    "```python\nimport time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 0.03:\n    pass\n"
+    "print(input())\n```"
+)
+_B_PROGRAM = "```python\nprint(input())\n```"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One source kind as the benchmark runs it: its pipeline's sources, A's flood and both tenants' samples."""
+
+    name: str
+    sources: list[dict[str, Any]]
+    flood: int  # A's samples in flight
+    a: Callable[[str], common_pb2.Sample]
+    b: Callable[[str], common_pb2.Sample]
+    step_share: int = 100  # percent of --steps B runs (a sandbox start is slow: code runs fewer)
+
+
+def _sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -> common_pb2.Sample:
+    s = common_pb2.Sample(sample_id=sid, group_id=sid, prompt_ids=ids_tensor([1, 2, 3]),
+                          response_ids=ids_tensor([4, 5]), prompt_text="What is 2 + 2?", response_text=response,
+                          ground_truth=truth)  # fmt: skip
+    if extra:
+        s.extra_info.update(extra)
+    return s
+
+
+def _a_program(sid: str) -> common_pb2.Sample:
+    return _sample(sid, _A_PROGRAM, _TESTS)
+
+
+def _b_program(sid: str) -> common_pb2.Sample:
+    return _sample(sid, _B_PROGRAM, _TESTS)
+
+
+def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str, Kind]:
+    burn = workdir / "fleet_burn.py"
+    burn.write_text(_BURN)
+    kinds = {
+        "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
+                         _sample, _sample),
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
+        "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 8,
+                                 "prompt_template": "{response}"}], 1000, _sample, _sample),
+        "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample),
+    }  # fmt: skip
+    if reward_model is not None:
+        kinds["model"] = Kind("model", [{"type": "model", "path": str(reward_model), "device": "cpu"}], 3000,
+                              _sample, _sample)  # fmt: skip
+    return kinds
+
+
+@dataclass
+class Flood:
+    """Tenant A keeping `in_flight` samples on the server: each answer is replaced by a new sample at once."""
+
+    client: RewardClient
+    pipeline: str
+    make: Callable[[str], common_pb2.Sample]
+    in_flight: int
+    scored: int = 0
+    refused: int = 0
+    _live: set[asyncio.Future[reward_pb2.RewardResult]] = field(default_factory=set)
+    _n: int = 0
+    _stopping: bool = False
+
+    def start(self) -> None:
+        for _ in range(self.in_flight):
+            self._send()
+
+    def _send(self) -> None:
+        self._n += 1
+        fut = self.client.submit(self.make(f"a-{self._n}"), self.pipeline)
+        self._live.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[reward_pb2.RewardResult]) -> None:
+        self._live.discard(fut)
+        if fut.cancelled():
+            return
+        if fut.result().HasField("error"):
+            self.refused += 1
+        else:
+            self.scored += 1
+        if not self._stopping:
+            self._send()
+
+    def stop(self) -> None:
+        self._stopping = True
+        for fut in list(self._live):
+            fut.cancel()  # the server drops them from its queue
+
+
+async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], common_pb2.Sample], steps: int,
+                 tag: str) -> list[float]:  # fmt: skip
+    """B's closed loop: `steps` steps of STEP samples sent at once, each step waiting for all; each sample's
+    latency (sent to answered), in seconds."""
+    latencies: list[float] = []
+    for step in range(steps):
+        sent = time.monotonic()
+        futures = [client.submit(make(f"b-{tag}-{step}-{i}"), pipeline) for i in range(STEP)]
+        done: list[float] = []
+        for fut in futures:
+            fut.add_done_callback(lambda _f, done=done: done.append(time.monotonic()))  # type: ignore[misc]
+        results = await asyncio.gather(*futures)
+        errors = [r.error.message for r in results if r.HasField("error")]
+        if errors:
+            raise RuntimeError(f"{pipeline}: B's sample failed: {errors[0]}")
+        latencies += [t - sent for t in done]
+    return latencies
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _flood_main(address: str, pipeline: str, make: Callable[[str], common_pb2.Sample], in_flight: int,
+                conn: Connection) -> None:  # fmt: skip
+    """Tenant A, in a process of its own (a job of its own): floods on "start", counts from "mark", reports what
+    it got scored on "stop", ends on "exit"."""
+    quiet_logs()
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        async with RewardClient([address], token=TOKENS["job-a"], result_timeout_s=600) as client:
+            flood: Flood | None = None
+            marked, since = 0, 0.0
+            while (command := await loop.run_in_executor(None, conn.recv)) != "exit":
+                if command == "start":
+                    flood = Flood(client, pipeline, make, in_flight)
+                    flood.start()
+                elif command == "mark" and flood is not None:
+                    marked, since = flood.scored, time.monotonic()
+                elif command == "stop" and flood is not None:
+                    conn.send((flood.scored - marked, time.monotonic() - since))
+                    flood.stop()
+                    flood = None
+
+    asyncio.run(run())
+
+
+def _judge_main(conn: Connection) -> None:
+    """A local OpenAI-compatible judge answering in 50 ms, in a process of its own; its port goes to `conn`."""
+    from tests.support.fake_openai import FakeOpenAI, Reply
+
+    async def run() -> None:
+        async with FakeOpenAI(reply=Reply("Score: 5", delay_s=0.05)) as judge:
+            conn.send(judge.port)
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+    asyncio.run(run())
+
+
+async def _isolation_row(
+    address: str, kind: Kind, batching: str, steps: int, rounds: int, settle_s: float
+) -> list[object]:
+    """B alone, then B while A floods (from a process of its own), `rounds` times in turn (so both see the same
+    machine, however loaded it is), `steps` steps each time: one row of the table."""
+    pipeline = f"{kind.name}-{batching}"
+    alone: list[float] = []
+    shared: list[float] = []
+    a_scored, a_time = 0, 0.0
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    flooder = ctx.Process(target=_flood_main, args=(address, pipeline, kind.a, kind.flood, child), daemon=True)
+    flooder.start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
+            await _steps(cb, pipeline, kind.b, 3, "warm")
+            for r in range(rounds):
+                progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
+                alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}")
+                conn.send("start")
+                await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
+                progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
+                conn.send("mark")
+                shared += await _steps(cb, pipeline, kind.b, steps, f"shared{r}")
+                conn.send("stop")
+                scored, seconds = await loop.run_in_executor(None, conn.recv)
+                a_scored, a_time = a_scored + scored, a_time + seconds
+                await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
+    finally:
+        conn.send("exit")
+        await loop.run_in_executor(None, flooder.join, 30)
+    ratio = _pct(shared, 0.99) / _pct(alone, 0.99)
+    return [kind.name, batching, f"{_pct(alone, 0.5) * 1e3:.0f} / {_pct(alone, 0.99) * 1e3:.0f}",
+            f"{_pct(shared, 0.5) * 1e3:.0f} / {_pct(shared, 0.99) * 1e3:.0f}", f"{ratio:.2f}x",
+            f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x", f"{a_scored / a_time:.0f}",
+            "yes" if ratio <= TARGET_RATIO else "no"]  # fmt: skip
+
+
+async def isolation(args: argparse.Namespace) -> list[list[object]]:
+    kinds = list(args.kinds)
+    if "code" in kinds and shutil.which("bwrap") is None:
+        progress("bubblewrap is not installed (make install): skipping the code kind")
+        kinds.remove("code")
+    rows: list[list[object]] = []
+    with tempfile.TemporaryDirectory(prefix="rewardmesh-fleet-") as tmp:
+        workdir = Path(tmp)
+        reward_model = None
+        if "model" in kinds:
+            from bench.mesh import tiny_policy
+            from rewardmesh.server.cli import default_models_dir
+
+            reward_model = tiny_policy(default_models_dir())[0].reward_model
+        ctx = multiprocessing.get_context("spawn")
+        judge_conn, judge_child = ctx.Pipe()
+        judge = ctx.Process(target=_judge_main, args=(judge_child,), daemon=True)
+        judge.start()
+        try:
+            judge_port = await asyncio.get_running_loop().run_in_executor(None, judge_conn.recv)
+            catalog = _kinds(workdir, f"http://127.0.0.1:{judge_port}", reward_model)
+            pipelines: dict[str, Any] = {}
+            for name in kinds:
+                pipelines[f"{name}-default"] = {"sources": catalog[name].sources}
+                pipelines[f"{name}-user"] = {"sources": catalog[name].sources, "batching": USER_BATCHING}
+            tenants = {name: {"token_env": f"FLEET_BENCH_{name[-1].upper()}"} for name in TOKENS}
+            config = workdir / "reward.yaml"
+            config.write_text(yaml.safe_dump({"pipelines": pipelines, "tenants": tenants}))
+            os.environ.update({f"FLEET_BENCH_{name[-1].upper()}": token for name, token in TOKENS.items()})
+            argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "reward", "--host", "127.0.0.1",
+                    "--port", "0", "--config", str(config)]  # fmt: skip
+            server = ServerProcess("reward", argv, workdir)
+            progress(f"starting a reward server with {len(pipelines)} pipelines")
+            server.start()
+            try:
+                await server.wait_serving()
+                for name in kinds:
+                    steps = max(1, args.steps * catalog[name].step_share // 100)
+                    for batching in ("default", "user"):
+                        rows.append(await _isolation_row(server.address, catalog[name], batching, steps,
+                                                         args.rounds, args.settle_s))  # fmt: skip
+            finally:
+                server.stop()
+        finally:
+            judge_conn.send("exit")
+            judge.join(10)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------- sizing
 
 
 @dataclass(frozen=True)
@@ -50,11 +333,6 @@ class Workload:
     train_s: float
     batch: int
     batch_s: float
-
-
-def _sample(sid: str) -> common_pb2.Sample:
-    return common_pb2.Sample(sample_id=sid, group_id=sid, prompt_ids=ids_tensor([1, 2, 3]),
-                             response_ids=ids_tensor([4, 5]), response_text="#### 4", ground_truth="4")  # fmt: skip
 
 
 def _table(jobs: int) -> TenantTable:
@@ -156,8 +434,8 @@ def _within(shared: Sequence[float], dedicated: Sequence[float], tolerance: floa
     return all(s <= d * (1 + tolerance) for s, d in zip(shared, dedicated, strict=True))
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    work = Workload(args.steps, args.samples, args.generate_s, args.train_s, args.batch, args.batch_s)
+async def sizing(args: argparse.Namespace) -> None:
+    work = Workload(args.job_steps, args.samples, args.generate_s, args.train_s, args.batch, args.batch_s)
     rows = []
     for jobs in args.jobs:
         progress(f"{jobs} jobs, each with its own reward server")
@@ -173,10 +451,8 @@ async def main_async(args: argparse.Namespace) -> None:
         rows.append([jobs, jobs, f"{statistics.mean(dedicated):.2f}", needed, f"{statistics.mean(times):.2f}",
                      ", ".join(tried), f"{jobs / needed:.2f}x"])  # fmt: skip
     capacity = args.batch / args.batch_s
-    info = machine_info()
-    print(f"\nmachine: {info['cpu']}, {info['usable_cpus']} usable cores, {info['device']}; python {info['python']}")
     print(
-        f"workload: {args.steps} steps of {args.samples} samples per job, generating {args.generate_s:g}s then "
+        f"workload: {args.job_steps} steps of {args.samples} samples per job, generating {args.generate_s:g}s then "
         f"training {args.train_s:g}s; reward server: {args.batch} samples per {args.batch_s:g}s batch "
         f"({capacity:g}/s); same step times: each job within {args.tolerance:.0%} of its dedicated one\n"
     )
@@ -194,10 +470,41 @@ async def main_async(args: argparse.Namespace) -> None:
     print(markdown_table(["jobs", "tight steps FIFO", "tight steps EDF", "all steps FIFO", "all steps EDF"], drows))
 
 
+async def main_async(args: argparse.Namespace) -> None:
+    quiet_logs()
+    info = machine_info()
+    rows = await isolation(args) if args.kinds else []
+    print(f"\nmachine: {info['cpu']}, {info['usable_cpus']} usable cores, {info['device']}; python {info['python']}")
+    if rows:
+        print(
+            f"\nB: closed loop of steps of {STEP} samples at once ({args.rounds} rounds of {args.steps} steps alone "
+            f"and {args.steps} while A floods, in turn; code: 40%); A floods (samples kept in flight: "
+            "function 3000, code 200, judge 1000, model 3000, rule 3000); two tenants of weight 1 on one real reward "
+            f"server over gRPC; user batching: {USER_BATCHING}\n"
+        )
+        header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
+                  "p50 ratio", "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x"]  # fmt: skip
+        print(markdown_table(header, rows))
+    if args.sizing:
+        await sizing(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--kinds",
+        type=lambda s: [k for k in s.split(",") if k],
+        default=list(KINDS),
+        help=f"source kinds to measure isolation on (comma-separated; empty: none), of {KINDS}",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=25, help="B's steps per phase and round (isolation; code runs 40%% of them)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")
+    parser.add_argument("--job-steps", type=int, default=5, help="each simulated job's steps (sizing)")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="seconds A floods before B's steps are timed")
+    parser.add_argument("--sizing", action="store_true", help="also measure fleet sizing and step deadlines")
     parser.add_argument("--jobs", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4])
-    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--samples", type=int, default=64, help="samples per step")
     parser.add_argument("--generate-s", type=float, default=1.0)
     parser.add_argument("--train-s", type=float, default=1.0)

@@ -54,6 +54,8 @@ class Launched:
 class RolloutTarget(Member):
     """One rollout server: its channel, stub and the samples asked of it that have not come back."""
 
+    channel: aio.Channel
+
     def __init__(self, address: str, server_name: str) -> None:
         super().__init__(address, server_name)
         self.channel = open_channel(address, server_name=server_name)
@@ -131,9 +133,11 @@ class RolloutFanout:
             if not remaining:  # every sample came, then the call failed (a server killed before its OK): done
                 return
             target = self.pool.pick(avoid=target)
-            while target is None:
-                await asyncio.sleep(self.pool.retry_in())
-                target = self.pool.pick()
+            waits = _attempt
+            while target is None:  # every server down: our own retry schedule, or at once when one is back
+                await self.pool.wait_up(self.pool.retry_in(waits))
+                waits += 1
+                target = self.pool.pick(probe=True)
             if errors:
                 self.resent_samples += len(remaining)
             request = self._request(spec.to_proto(group_id, remaining), len(remaining), reward, sampling, step_deadline)

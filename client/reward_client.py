@@ -74,6 +74,8 @@ class _TargetStream(Member):
     several results per message: nothing waits to fill a message, a message takes what is ready.
     """
 
+    channel: aio.Channel
+
     def __init__(
         self, owner: RewardClient, address: str, server_name: str, max_message_mb: int, token: str | None = None
     ) -> None:
@@ -284,6 +286,7 @@ class RewardClient:
             resolve=resolve,
         )
         self.pool.on_change(self._on_membership)
+        self.pool.on_up(self._on_target_up)
 
     @property
     def streams(self) -> list[_TargetStream]:
@@ -429,18 +432,28 @@ class RewardClient:
             for fut in futures:
                 fut.cancel()
 
-    def _dispatch(self, p: _Pending, avoid: _TargetStream | None) -> None:
+    def _dispatch(self, p: _Pending, avoid: _TargetStream | None, *, probe: bool = False) -> None:
         if p.future.done():
             return
-        stream = self.pool.pick(avoid)
-        if stream is None:  # every target is backing off (or none has resolved yet): try again when one may be up
-            self._waiting[p] = asyncio.get_running_loop().call_later(self.pool.retry_in(), self._retry, p)
+        stream = self.pool.pick(avoid, probe=probe)
+        if stream is None:  # every target is backing off (or none has resolved yet): try again on the sample's
+            # own schedule (never a backoff that earlier samples' failures grew), or at once when one is back
+            wait = self.pool.retry_in(p.attempts)
+            self._waiting[p] = asyncio.get_running_loop().call_later(wait, self._retry, p)
             return
         stream.send(p)
 
     def _retry(self, p: _Pending) -> None:
         del self._waiting[p]
-        self._dispatch(p, None)
+        self._dispatch(p, None, probe=True)
+
+    def _on_target_up(self, stream: _TargetStream) -> None:
+        """A target is reachable again: what waits for one goes now."""
+        waiting = list(self._waiting.items())
+        self._waiting.clear()
+        for p, timer in waiting:
+            timer.cancel()
+            self._dispatch(p, None)
 
     def _on_result(self, stream: _TargetStream, result: reward_pb2.RewardResult) -> None:
         p = stream.pending.pop(result.sample_id, None)

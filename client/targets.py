@@ -9,14 +9,23 @@ Names are resolved with `loop.getaddrinfo` (a thread), never a blocking lookup o
 the background: on a client's first pick, every `interval_s`, and after a failure (the pod may have
 been replaced). The reward client and the trainer client each keep one `TargetPool` of their own
 per-address `Member`s (a Score stream, a Generate stub) and ask it which member gets the next piece of
-work. Other code hooks into membership with `on_change` (added and removed members) and `on_join` (an
+work. Other code hooks into membership with `on_change` (added and removed members), `on_join` (an
 async step, such as bringing a new rollout server to the current weights, that must finish before a
-member that joined, or came back after failing, gets any work).
+member that joined, or came back after failing, gets any work) and `on_up` (a member that was down is
+reachable again).
+
+Failing fast, recovering at once: a member that fails is kept from new work for a backoff that grows with its
+consecutive failures, so a live fleet does not send work to a dead pod. But a caller whose every target is down
+does not wait for that growing backoff: it tries again on its own schedule (`retry_in(attempt)`: at once, then
+backoff_s, 2 x backoff_s ... for its own attempts), so a call on a fleet that has been down for an hour fails as
+fast as the first call did. And a down member whose channel connects again (gRPC reconnects in the background)
+is usable at once: the callers waiting for it (`wait_up`, `on_up`) go without waiting out any backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -27,6 +36,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
+from grpc import aio
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +90,9 @@ async def expand_targets(targets: Sequence[str] | str) -> list[str]:
 class Member:
     """What the pool knows of one address; clients subclass it with their channel and work."""
 
+    # The member's gRPC channel, if it has one: while the member is down, the pool watches it connect again.
+    channel: aio.Channel | None = None
+
     def __init__(self, address: str, server_name: str = "") -> None:
         self.address = address
         self.server_name = server_name  # the name a TLS certificate is checked against (the dns:/// name)
@@ -87,6 +100,7 @@ class Member:
         self.down_until = 0.0  # monotonic time before which no work goes here
         self.down = False  # failed and not yet answered again (logged once per change)
         self.joining = False  # on_join hooks are running: no work yet
+        self.watched = False  # the pool watches its channel for a reconnect (while down)
 
     @property
     def load(self) -> int:
@@ -135,6 +149,8 @@ class TargetPool(Generic[M]):
         self.retired: list[M] = []  # left the pool; closed with it (calls in flight there finish or fail)
         self._on_change: list[Callable[[list[M], list[M]], None]] = []
         self._on_join: list[Callable[[M], Awaitable[None]]] = []
+        self._on_up: list[Callable[[M], None]] = []
+        self._up_waiters: list[asyncio.Future[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._resolving: asyncio.Task[None] | None = None
         self._last_resolve = -math.inf
@@ -156,6 +172,11 @@ class TargetPool(Generic[M]):
         """
         self._on_join.append(hook)
 
+    def on_up(self, callback: Callable[[M], None]) -> None:
+        """Call `callback(member)` when a member that was down is usable again (its channel connected again, or
+        it answered), so work waiting for a target goes at once instead of at its next retry."""
+        self._on_up.append(callback)
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A background task the pool keeps a reference to (so it is never collected mid-run) and cancels on close."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -168,8 +189,12 @@ class TargetPool(Generic[M]):
     def usable(self, member: M, now: float | None = None) -> bool:
         return not member.joining and (now if now is not None else time.monotonic()) >= member.down_until
 
-    def pick(self, avoid: M | None = None) -> M | None:
-        """The usable member with the least outstanding work (not `avoid` unless it is the only one); None: wait."""
+    def pick(self, avoid: M | None = None, *, probe: bool = False) -> M | None:
+        """The usable member with the least outstanding work (not `avoid` unless it is the only one); None: wait.
+
+        `probe`: when every member is backing off, the one whose backoff ends first (the caller's own retry
+        schedule has come: it tries it now rather than wait out a backoff others' failures grew); where members
+        join through hooks, their joining is the probe, and None is returned meanwhile."""
         self.maybe_refresh()
         members = self.members
         if len(members) == 1:  # the common case, without building lists
@@ -186,13 +211,50 @@ class TargetPool(Generic[M]):
                 continue
             usable.append(m)
         preferred = [m for m in usable if m is not avoid] or usable
-        return min(preferred, key=lambda m: m.load) if preferred else None
+        if preferred:
+            return min(preferred, key=lambda m: m.load)
+        if not probe:
+            return None
+        waiting = [m for m in members if not m.joining]
+        if not waiting:
+            return None
+        if self._on_join:
+            for m in waiting:
+                if m.down:
+                    self._start_join(m)
+            return None
+        return min(waiting, key=lambda m: (m is avoid, m.down_until))
 
-    def retry_in(self) -> float:
-        """Seconds until a pick may succeed (the earliest backoff to end; a resolution is awaited too)."""
+    def retry_in(self, attempt: int | None = None) -> float:
+        """Seconds until a pick may succeed (the earliest backoff to end; a resolution is awaited too). With
+        `attempt` (the caller's failed attempts so far), no longer than the caller's own backoff for it: a call
+        never waits on a backoff that earlier calls' failures grew (see the module's docstring)."""
         now = time.monotonic()
         waits = [m.down_until - now for m in self.members if not m.joining]
-        return max(0.01, min(waits, default=self.backoff_s))
+        if not waits:  # nothing to try yet: names resolving, or every member joining
+            return self.backoff_s
+        wait = max(0.01, min(waits))
+        if attempt is not None:
+            wait = min(wait, self.own_backoff(attempt))
+        return wait
+
+    def own_backoff(self, attempt: int) -> float:
+        """A caller's wait before its next try after `attempt` failed tries: none before the first, then a
+        jittered backoff_s x 2^(attempt - 1), at most max_backoff_s."""
+        if attempt <= 0:
+            return 0.0
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+    async def wait_up(self, timeout_s: float) -> None:
+        """Wait until a member that was down is usable again, or `timeout_s` has passed."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._up_waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, max(0.0, timeout_s))
+        finally:
+            with contextlib.suppress(ValueError):
+                self._up_waiters.remove(waiter)
 
     async def wait_for_members(self) -> list[M]:
         """Every current member, resolving the names first if that has not happened yet."""
@@ -214,17 +276,55 @@ class TargetPool(Generic[M]):
             log.warning("%s %s is down (%s); retrying it with backoff", self.kind, member.address, reason)
         else:
             log.debug("%s %s still down (%s); next try in %.2fs", self.kind, member.address, reason, delay)
+        if member.channel is not None and not member.watched and not self._closed:
+            member.watched = True
+            self.spawn(self._watch(member))
         if self.dynamic and member in self.members:
             self.refresh()  # the pod may have been replaced
 
     def mark_ok(self, member: M) -> None:
         """`member` answered: forget its failures."""
+        was_down = member.down
         if member.down and not self._on_join:
             log.info("%s %s is back", self.kind, member.address)
         if not self._on_join:
             member.down = False
         member.failures = 0
         member.down_until = 0.0
+        if was_down and not self._on_join:
+            self._notify_up(member)
+
+    async def _watch(self, member: M) -> None:
+        """While `member` is down, watch its channel: once it connects again after having lost its connection,
+        the member is usable at once (gRPC reconnects in the background on its own short schedule). A failure on
+        a channel that stayed connected (the server ended a stream) is left to the backoff."""
+        channel = member.channel
+        assert channel is not None
+        try:
+            state = channel.get_state(try_to_connect=True)
+            lost = state != grpc.ChannelConnectivity.READY
+            while member.down and member in self.members:
+                if state == grpc.ChannelConnectivity.READY and lost:
+                    if member.down_until > time.monotonic():
+                        log.info("%s %s is reachable again", self.kind, member.address)
+                        member.down_until = 0.0
+                        self._notify_up(member)
+                    return
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
+                lost = lost or state != grpc.ChannelConnectivity.READY
+        finally:
+            member.watched = False
+
+    def _notify_up(self, member: M) -> None:
+        for waiter in self._up_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        for callback in self._on_up:
+            try:
+                callback(member)
+            except Exception:  # a listener's bug must not cost the pool its other listeners
+                log.exception("%s pool: on_up listener failed", self.kind)
 
     def _start_join(self, member: M) -> None:
         member.joining = True
@@ -238,11 +338,14 @@ class TargetPool(Generic[M]):
             member.joining = False
             self.mark_failed(member, f"joining failed: {type(exc).__name__}: {exc}")
             return
+        was_down = member.down
         if member.down:
             log.info("%s %s is back", self.kind, member.address)
         member.joining = member.down = False
         member.failures = 0
         member.down_until = 0.0
+        if was_down:
+            self._notify_up(member)
 
     # -- membership ---------------------------------------------------------------------------
 

@@ -4,32 +4,44 @@ Knobs: `max_batch_size`, `max_batch_tokens` (padded: batch size x longest sample
 (wait for more work only while the oldest queued sample is younger than this), `max_queue_size`
 (beyond it, reject at once), `max_concurrent_batches`. Queue policy: the oldest live sample always
 goes into the next batch (bounded latency), the rest of the batch is filled with the samples
-nearest to it in length (less padding). Expired samples are dropped before compute; cancelled ones
-are skipped. The next batch forms while the current one computes.
+nearest to it in length (less padding). Cancelled samples are skipped. The next batch forms while the
+current one computes.
+
+Work leaves the queue only when the pipeline's sources can start it (`StartLimits`, from each source's declared
+capacity): a batch slot must be free, and where a source takes work per sample (worker processes, sandbox slots,
+judge requests) a batch holds at most the free sample slots, each held until that sample's result is in. So every
+waiting sample waits here, in fair order, up to the moment a worker starts it; no queue of a source's own sits
+behind this one, whatever the knobs say (they are clamped to what can start: `describe_limits`).
 
 Several tenants (training jobs sharing the server) queue side by side (`fair_queue.FairQueue`): a saturated
-pipeline gives them batch slots by weight, each tenant's samples earliest step deadline first; a sample that can
-no longer be scored by its step deadline (less time left than a batch takes) is answered DEADLINE_EXCEEDED at
-once instead of computing. With one tenant and no step deadlines the order is plain arrival order.
+pipeline gives them slots by weight, each tenant's samples earliest step deadline first. A sample whose deadline
+has passed, or that can no longer be scored by its step deadline (less time left than scoring takes), is answered
+DEADLINE_EXCEEDED instead of starting: when it arrives, when that moment comes while it waits, and at the latest
+when it would start. With one tenant and no step deadlines the order is plain arrival order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, FairQueue, Lane, Queued, Tenant
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
 
 log = logging.getLogger(__name__)
 
-ComputeFn = Callable[[list[RewardInput]], Awaitable[BatchResult]]
+# A batch's outcomes, a future in the place of a sample answered apart (RewardSource.start_each).
+ComputeFn = Callable[[list[RewardInput]], Awaitable[ApartResult]]
+# Each sample's work started now, a future of its outcome each; None: the batch goes to the ComputeFn.
+StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | None"]
 
 
 @dataclass
@@ -53,6 +65,19 @@ class BatcherConfig:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
         if self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+
+
+class StartLimits(NamedTuple):
+    """What a pipeline's sources can have started at once (None: no limit): `samples` per-sample slots (the least
+    of its per-sample sources'), `batches` batch slots (the least of its per-batch sources'); `paced`: a source
+    spaces its starts out (samples are then handed over one at a time, when its start delay allows)."""
+
+    samples: int | None = None
+    batches: int | None = None
+    paced: bool = False
+
+
+NO_LIMITS = StartLimits()
 
 
 @dataclass(slots=True)
@@ -92,8 +117,8 @@ class Ticket:
     """One queued sample (slots: thousands are created per second). Its outcome goes to a future (`enqueue`)
     or to a sink (`put`); `cancel()` drops it if it has not been answered yet."""
 
-    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "sink", "tenant", "token",
-                 "tokens")  # fmt: skip
+    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "sink", "started", "tenant",
+                 "token", "tokens")  # fmt: skip
 
     def __init__(
         self,
@@ -118,6 +143,7 @@ class Ticket:
         self.tenant = tenant
         self.context = context
         self.tokens = inp.num_tokens  # (a WireInput counts its ids without making arrays)
+        self.started = False  # handed to the source (set by the batcher, which also resets it in `queue`)
 
     @property
     def finished(self) -> bool:
@@ -154,7 +180,8 @@ class Ticket:
 
 
 class DynamicBatcher:
-    """Collects concurrently submitted samples into batches for one compute function."""
+    """Collects concurrently submitted samples into batches for one compute function, handing a batch over only
+    when `limits()` says the sources can start it."""
 
     def __init__(
         self,
@@ -163,18 +190,34 @@ class DynamicBatcher:
         *,
         name: str = "",
         on_batch: Callable[[BatchInfo], None] | None = None,
+        limits: Callable[[], StartLimits] | None = None,
+        start_delay: Callable[[], float] | None = None,
+        start_each: StartEachFn | None = None,
     ) -> None:
         self.config = config or BatcherConfig()
         self.name = name
         self._compute = compute
         self._on_batch = on_batch
+        self._limits = limits or (lambda: NO_LIMITS)
+        self._start_delay = start_delay or (lambda: 0.0)
+        self._start_each = start_each
+        # Called with each batch as it is handed to the source, in start order (observability: what started
+        # when, and for whom).
+        self.on_start: Callable[[list[Ticket]], None] | None = None
         self._queue: FairQueue[Ticket] = FairQueue()
-        self.service_s = 0.0  # how long a batch takes (moving average): a sample with less time left is hopeless
-        self._prune_timer: asyncio.TimerHandle | None = None  # when the next queued sample becomes hopeless
+        # How long scoring takes (moving average; a batch's, or one sample's where samples are answered apart):
+        # a sample with less time left before its step deadline is hopeless.
+        self.service_s = 0.0
+        self._expiry_timer: asyncio.TimerHandle | None = None  # when the next queued sample expires or is hopeless
+        self._deadlines: list[tuple[float, int, Ticket]] = []  # queued samples' deadlines (heap; stale entries skipped)
+        self._dues: list[tuple[float, int, Ticket]] = []  # queued samples' step deadlines (heap; likewise)
+        self._seq = itertools.count()
         self._wake = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.config.max_concurrent_batches)
+        self._batches = 0  # batches handed over and not yet returned
+        self._held = 0  # samples handed over whose results are not in yet
+        self.started = 0  # samples handed over since the start
         self._running: set[asyncio.Task[None]] = set()
-        self._late = 0  # samples a batch left to finish apart (a future in their place: see _answer_late)
+        self._late: set[asyncio.Future[Any]] = set()  # results a batch left to come apart (see _answer_late)
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -193,7 +236,29 @@ class DynamicBatcher:
 
     @property
     def in_flight_batches(self) -> int:
-        return len(self._running)
+        return self._batches
+
+    @property
+    def in_flight_samples(self) -> int:
+        """Samples handed to the source whose results are not in yet (what holds its slots)."""
+        return self._held
+
+    def describe_limits(self) -> str:
+        """What bounds the work handed over now, in words (for logs)."""
+        cfg, lim = self.config, self._limits()
+        batches = cfg.max_concurrent_batches if lim.batches is None else min(cfg.max_concurrent_batches, lim.batches)
+        samples = cfg.max_concurrent_batches * cfg.max_batch_size
+        if lim.samples is not None:
+            samples = min(samples, lim.samples)
+            return (
+                f"at most {samples} samples in flight, each answered when its own work is done (a batch holds at "
+                f"most the free slots, up to {cfg.max_batch_size}; no queue delay)" + (", paced" if lim.paced else "")
+            )
+        return f"batches of up to {cfg.max_batch_size}, {batches} in flight" + (", paced" if lim.paced else "")
+
+    def wake(self) -> None:
+        """Look again at what can start (a source's capacity grew)."""
+        self._wake.set()
 
     def start(self) -> None:
         if self._loop_task is None:
@@ -256,28 +321,57 @@ class DynamicBatcher:
         queues nothing) when the pipeline, the tenant's share or its in-flight limit is full, or the sample's
         step deadline cannot be met."""
         self._admit(item)
+        item.started = False
         self._queue.push(item)
         item.tenant.in_flight += 1
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (item.deadline, next(self._seq), item))
+            self._expire_at(item.deadline)
         if item.due is not None:
-            self._prune_when_hopeless(item.due)
+            heapq.heappush(self._dues, (item.due, next(self._seq), item))
+            self._expire_at(item.due - self.service_s)
         self._wake.set()
 
-    def _prune_when_hopeless(self, due: float) -> None:
-        """Fail the queued samples that cannot make their step deadline when the first of them becomes hopeless,
-        even while every batch slot is busy (the scheduler prunes only when a slot is free)."""
-        at = due - self.service_s
-        timer = self._prune_timer
+    def _expire_at(self, at: float) -> None:
+        """Answer the queued samples that expire (deadline passed, or step deadline hopeless) when the first of
+        them does, even while every slot is busy; one timer, at the earliest such moment."""
+        timer = self._expiry_timer
         if timer is not None and timer.when() <= at:
             return
         if timer is not None:
             timer.cancel()
-        self._prune_timer = asyncio.get_running_loop().call_at(at, self._on_prune_timer)
+        self._expiry_timer = asyncio.get_running_loop().call_at(at, self._on_expiry_timer)
 
-    def _on_prune_timer(self) -> None:
-        self._prune_timer = None
-        self._prune()
-        if (due := self._queue.earliest_due()) is not None:
-            self._prune_when_hopeless(due)
+    def _on_expiry_timer(self) -> None:
+        self._expiry_timer = None
+        now = time.monotonic()
+        drop: dict[int, BaseException] = {}
+        deadlines, dues = self._deadlines, self._dues
+        while deadlines and deadlines[0][0] <= now:
+            _, _, item = heapq.heappop(deadlines)
+            if not item.started and not item.finished:
+                drop[id(item)] = DeadlineExceeded(self._expired(item, now))
+        soon = now + self.service_s
+        while dues and dues[0][0] <= soon:
+            _, _, item = heapq.heappop(dues)
+            if not item.started and not item.finished and id(item) not in drop:
+                drop[id(item)] = DeadlineExceeded(self._hopeless(item, now))
+        if drop:
+            for item in self._queue.remove(set(drop)):
+                self._leave(item)
+                item.resolve(drop[id(item)])
+        self._skip_stale()
+        nxt = [deadlines[0][0]] if deadlines else []
+        if dues:
+            nxt.append(dues[0][0] - self.service_s)
+        if nxt and not self._closed:
+            self._expire_at(max(min(nxt), now + 0.001))
+
+    def _skip_stale(self) -> None:
+        """Drop heap entries of samples no longer queued (started or answered), so the timer follows live ones."""
+        for heap in (self._deadlines, self._dues):
+            while heap and (heap[0][2].started or heap[0][2].finished):
+                heapq.heappop(heap)
 
     def _admit(self, item: Ticket) -> None:
         if self._closed:
@@ -336,9 +430,13 @@ class DynamicBatcher:
         if left <= 0:
             return f"step deadline passed {-left:.3f}s ago, after {now - item.enqueued:.3f}s in the reward queue"
         return (
-            f"step deadline cannot be met: {left:.3f}s left, and a batch of reward pipeline '{self.name}' takes "
+            f"step deadline cannot be met: {left:.3f}s left, and scoring in reward pipeline '{self.name}' takes "
             f"about {self.service_s:.3f}s"
         )
+
+    @staticmethod
+    def _expired(item: Ticket, now: float) -> str:
+        return f"sample deadline passed after {now - item.enqueued:.3f}s in the reward queue"
 
     @staticmethod
     def _leave(item: Queued) -> None:
@@ -347,9 +445,9 @@ class DynamicBatcher:
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
-        if self._prune_timer is not None:
-            self._prune_timer.cancel()
-            self._prune_timer = None
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
         if drain:
             while self._queue.depth or self._running or self._late:
                 self._wake.set()
@@ -363,79 +461,153 @@ class DynamicBatcher:
             item.resolve(Unavailable(f"reward pipeline '{self.name}' shut down"))
         for task in list(self._running):
             task.cancel()
+        for fut in list(self._late):
+            fut.cancel()  # its sample is answered UNAVAILABLE (see _answer_late)
 
     # -- scheduling ---------------------------------------------------------------------------
 
     async def _schedule(self) -> None:
         while True:
-            await self._slots.acquire()
+            self._start(await self._next_batch())
+
+    def _start(self, batch: list[Ticket]) -> None:
+        """Hand `batch` to the source: its samples hold their slots from now on."""
+        for it in batch:
+            it.started = True
+        self._batches += 1
+        self._held += len(batch)
+        self.started += len(batch)
+        if self.on_start is not None:
             try:
-                batch = await self._next_batch()
-            except BaseException:
-                self._slots.release()
-                raise
-            task = asyncio.get_running_loop().create_task(self._run(batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+                self.on_start(batch)
+            except Exception:  # an observer's bug must not stop the pipeline
+                log.exception("pipeline %s: start listener failed", self.name)
+        if self._deadlines or self._dues:
+            self._skip_stale()
+        if self._start_each is not None and self._started_each(batch):
+            return
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _started_each(self, batch: list[Ticket]) -> bool:
+        """Start each sample's work now, where the pipeline can (no task, no turn of the event loop: a slot that
+        frees is taken at once): each sample answered apart when its work is done. False: it cannot, `_run`."""
+        assert self._start_each is not None
+        start = time.monotonic()
+        try:
+            futures = self._start_each([it.inp for it in batch])
+            if futures is not None and len(futures) != len(batch):
+                raise SourceFailed(f"source started {len(futures)} samples of a batch of {len(batch)}")
+        except Exception as exc:  # a source's bug fails the batch's samples, not the batcher
+            log.warning("pipeline %s: starting a batch of %d failed: %s", self.name, len(batch), exc)
+            futures = [SourceFailed(str(exc))] * len(batch)  # type: ignore[list-item]
+        if futures is None:
+            return False
+        self._batches -= 1  # handed over whole: the batch itself holds nothing
+        late = 0
+        for it, fut in zip(batch, futures, strict=True):
+            if self._answer_late(it, fut, start - it.enqueued, start):
+                late += 1
+            else:  # not a future (the start failed): answered now
+                it.resolve(fut)  # type: ignore[arg-type]
+            it.tenant.in_flight -= 1  # the batch lets go of it (a late one is counted again until answered)
+        if late < len(batch):
+            self._release(len(batch) - late, dispatch=False)  # the scheduler takes the next: no recursion here
+        return True
+
+    def _room(self) -> int:
+        """Samples the next batch may hold now: 0 while every batch slot, or every per-sample slot, is taken.
+        Samples in flight stay within the sources' per-sample capacity and within max_concurrent_batches x
+        max_batch_size (what the knobs allowed before samples could be answered apart from their batch)."""
+        lim = self._limits()
+        cfg = self.config
+        batches = cfg.max_concurrent_batches if lim.batches is None else min(cfg.max_concurrent_batches, lim.batches)
+        if self._batches >= batches:
+            return 0
+        samples = cfg.max_concurrent_batches * cfg.max_batch_size
+        if lim.samples is not None:
+            samples = min(samples, lim.samples)
+        room = min(cfg.max_batch_size, samples - self._held)
+        if lim.paced:
+            room = min(room, 1)
+        return max(room, 0)
 
     async def _next_batch(self) -> list[Ticket]:
-        """Wait until a batch is due (full, or its oldest sample waited max_queue_delay_ms), then take it."""
-        delay = self.config.max_queue_delay_ms / 1000.0
+        """Wait until the sources can start work and a batch is due (full, or its oldest sample waited
+        max_queue_delay_ms; per-sample sources never wait for more), then take it."""
         while True:
-            self._prune()
-            if not self._queue.depth:
+            room = self._room() if self._queue.depth else 0
+            if not room:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._batch_is_full() or delay == 0:
-                return self._take()
+            wait = self._start_delay() if self._limits().paced else 0.0
+            if wait > 0:  # a paced source: the next start is not allowed yet
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                continue
+            delay = 0.0 if self._limits().samples is not None else self.config.max_queue_delay_ms / 1000.0
+            if delay == 0 or self._batch_is_full(room):
+                batch = self._take(room)
+                if batch:
+                    return batch
+                continue
             due = min(t for lane in self._queue.lanes.values() if (t := lane.oldest()) is not None) + delay
             now = time.monotonic()
             if now >= due:
-                return self._take()
+                batch = self._take(room)
+                if batch:
+                    return batch
+                continue
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), due - now)
 
-    def _prune(self) -> None:
-        """Drop cancelled samples, and fail expired ones and those that cannot make their step deadline, before
-        they cost compute."""
-        if not self._queue.depth:
-            return
-        now = time.monotonic()
-        soon = now + self.service_s
-        drop: dict[int, BaseException | None] = {}
-        for item in self._queue.items():
-            if item.finished:
-                drop[id(item)] = None
-            elif item.deadline is not None and now >= item.deadline:
-                waited = now - item.enqueued
-                drop[id(item)] = DeadlineExceeded(f"sample deadline passed after {waited:.3f}s in the reward queue")
-            elif item.due is not None and item.due <= soon:
-                drop[id(item)] = DeadlineExceeded(self._hopeless(item, now))
-        if drop:
-            for item in self._queue.remove(set(drop)):
-                self._leave(item)
-                if (error := drop[id(item)]) is not None:
-                    item.resolve(error)
-
-    def _batch_is_full(self) -> bool:
+    def _batch_is_full(self, room: int) -> bool:
         cfg = self.config
-        if self._queue.depth >= cfg.max_batch_size:
+        if self._queue.depth >= room:
             return True
         if cfg.max_batch_tokens:
             longest = max(it.tokens for it in self._queue.items())
             return longest * self._queue.depth >= cfg.max_batch_tokens
         return False
 
-    def _take(self) -> list[Ticket]:
-        """The next sample in fair order (the oldest, with one tenant and no step deadlines) plus, within both
-        limits, the samples nearest to it in length among the next few batches' worth in fair order."""
+    def _take(self, room: int) -> list[Ticket]:
+        """Up to `room` samples that can still make it: the next in fair order (the oldest, with one tenant and no
+        step deadlines) plus, within the limits, the samples nearest to it in length among the next few batches'
+        worth in fair order (per-sample sources: simply the next `room` in fair order, nothing to pad). A sample
+        whose deadline passed, or that cannot make its step deadline, is answered DEADLINE_EXCEEDED here instead
+        of taking a worker."""
         cfg = self.config
         queue = self._queue
-        if queue.depth <= cfg.max_batch_size and not cfg.max_batch_tokens:
-            return queue.take_all()
-        window = cfg.max_batch_size * 4
+        if queue.depth <= room and not cfg.max_batch_tokens:
+            taken = queue.take_all()
+        elif self._limits().samples is not None and not cfg.max_batch_tokens:
+            taken = [item for _, item in queue.fair_order(room)]
+        else:
+            taken = self._take_grouped(room)
+        now = time.monotonic()
+        soon = now + self.service_s
+        out = []
+        for item in taken:
+            if item.finished:
+                self._leave(item)
+            elif item.deadline is not None and now >= item.deadline:
+                self._leave(item)
+                item.resolve(DeadlineExceeded(self._expired(item, now)))
+            elif item.due is not None and item.due <= soon:
+                self._leave(item)
+                item.resolve(DeadlineExceeded(self._hopeless(item, now)))
+            else:
+                out.append(item)
+        return out
+
+    def _take_grouped(self, room: int) -> list[Ticket]:
+        cfg = self.config
+        queue = self._queue
+        window = room * 4
         candidates: list[tuple[Lane[Ticket], Ticket]] = []
         for lane, item in queue.fair_order(window):
             if item.finished:
@@ -449,7 +621,7 @@ class DynamicBatcher:
         chosen = [0]
         longest = first.tokens
         for k in order:
-            if len(chosen) >= cfg.max_batch_size:
+            if len(chosen) >= room:
                 break
             new_longest = max(longest, candidates[k][1].tokens)
             if cfg.max_batch_tokens and new_longest * (len(chosen) + 1) > cfg.max_batch_tokens:
@@ -460,7 +632,23 @@ class DynamicBatcher:
         queue.put_back([c for k, c in enumerate(candidates) if k not in picked])
         return sorted((candidates[k][1] for k in chosen), key=_arrival)
 
+    def _release(self, samples: int, *, dispatch: bool = True) -> None:
+        """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
+        once (a loaded event loop would otherwise add its scheduler's turn to every hand-over); else, or beyond
+        that, the scheduler looks again."""
+        self._held -= samples
+        if dispatch and samples and not self._closed and self._queue.depth and self._loop_task is not None:
+            lim = self._limits()
+            if lim.samples is not None and not lim.paced:
+                room = self._room()
+                if room:
+                    batch = self._take(room)
+                    if batch:
+                        self._start(batch)
+        self._wake.set()
+
     async def _run(self, batch: list[Ticket]) -> None:
+        late = 0
         try:
             live = [it for it in batch if not it.finished]
             if not live:
@@ -468,7 +656,7 @@ class DynamicBatcher:
             start = time.monotonic()
             start_ns = time.time_ns()
             try:
-                results = await self._compute([it.inp for it in live])
+                results: ApartResult = await self._compute([it.inp for it in live])
                 if len(results) != len(live):
                     raise SourceFailed(f"source returned {len(results)} results for a batch of {len(live)}")
             except asyncio.CancelledError:
@@ -480,17 +668,19 @@ class DynamicBatcher:
                 err = exc if isinstance(exc, SourceFailed | InvalidInput) else SourceFailed(str(exc))
                 results = [err] * len(live)
             queued = [start - it.enqueued for it in live]
-            if any(isinstance(res, asyncio.Future) for res in results):  # slow samples, answered apart
+            if any(isinstance(res, asyncio.Future) for res in results):  # answered apart, each when it is done
                 triples = zip(live, results, queued, strict=True)
                 keep = [not self._answer_late(it, res, waited, start) for it, res, waited in triples]
+                late = len(live) - sum(keep)
                 live = [it for it, k in zip(live, keep, strict=True) if k]
                 results = [res for res, k in zip(results, keep, strict=True) if k]
                 queued = [q for q, k in zip(queued, keep, strict=True) if k]
                 if not live:
                     return
+            outcomes = cast(BatchResult, results)  # the futures were taken out above
             end = time.monotonic()
             compute_s = end - start
-            self.service_s = compute_s if not self.service_s else 0.8 * self.service_s + 0.2 * compute_s
+            self._learn(compute_s)
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
             if self._on_batch is not None:
@@ -506,35 +696,42 @@ class DynamicBatcher:
                             end_time_ns=time.time_ns(),
                             contexts=[it.context for it in live],
                             queue_s=queued,
-                            outcomes=results,
+                            outcomes=outcomes,
                         )
                     )
                 except Exception:  # metrics or spans must never cost the batch its results
                     log.exception("pipeline %s: batch listener failed", self.name)
             size = len(live)
-            for it, res, waited in zip(live, results, queued, strict=True):
+            for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
         finally:
             for it in batch:
                 it.tenant.in_flight -= 1
-            self._slots.release()
+            self._batches -= 1
+            self._release(len(batch) - late)
+
+    def _learn(self, compute_s: float) -> None:
+        self.service_s = compute_s if not self.service_s else 0.8 * self.service_s + 0.2 * compute_s
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
-        """A source may leave a slow sample's result as a future (a call burning its budget must not hold its
-        batch, nor the batch's slot): the sample is answered, as a batch of one, when it is done. True if so."""
+        """A source may leave a sample's result as a future (each sample answered when its own work is done, and
+        a call burning its budget holds neither its batch nor the batch's slot): the sample is answered, as a
+        batch of one, when it is done, and holds its sample slot until then. True if so."""
         if not isinstance(res, asyncio.Future):
             return False
-        self._late += 1
+        self._late.add(res)
         it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
-            self._late -= 1
+            self._late.discard(fut)
             it.tenant.in_flight -= 1
+            self._release(1)  # its slot was held until now
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")
             else:
                 outcome = fut.exception() or fut.result()
             end = time.monotonic()
+            self._learn(end - start)
             if self._on_batch is not None:
                 with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result
                     self._on_batch(BatchInfo(size=1, padded_tokens=it.tokens, real_tokens=it.tokens,

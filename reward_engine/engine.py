@@ -15,19 +15,17 @@ from rewardmesh.reward_engine.types import RewardSource
 
 log = logging.getLogger(__name__)
 
-# Batcher defaults per source kind. Cheap inline rules take everything at once. Functions and judges
-# gain nothing from batching and a batch releases its results together, so one slow call would hold
-# back its batch-mates: they run one sample per "batch", many at once (the judge's own
-# max_concurrency and the process pool bound the real parallelism). A model waits a moment for a
-# fuller batch.
+# Batcher defaults per source kind. Whatever they say, work is handed over only when the sources can start it
+# (each source's capacity: reward_engine.types.Capacity). Rules inline take everything queued at once. Functions,
+# isolated rules, code and judges take work per sample: a batch is at most their free slots (worker processes,
+# sandbox slots, requests in flight), each sample answered when its own work is done; max_concurrent_batches x
+# max_batch_size still caps the samples in flight (here far above any source's capacity). A model waits a moment
+# for a fuller batch; two batches in flight (its capacity) let the second be staged while the first computes.
 KIND_BATCHING: dict[str, BatcherConfig] = {
     "rule": BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
-    "function": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=16),
-    "judge": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
-    # One sample per batch (its tests are batched into sandbox starts); the sandbox pool bounds the parallelism.
-    "code": BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_concurrent_batches=64),
-    # Two model batches in flight: the second is staged (built, padded, copied) while the first computes; the
-    # forward passes themselves take turns on the model's lock.
+    "function": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
+    "judge": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
+    "code": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
     "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
 }
 SOURCE_TYPES = ("rule", "function", "model", "judge", "code")
@@ -75,7 +73,7 @@ def build_source(where: str, spec: dict[str, Any]) -> tuple[RewardSource, float]
         raise ValueError(f"{where}: unknown option(s) {unknown} for type '{kind}' (known: {known})")
     source: RewardSource = cls(name=name, **spec)
     if declared is not None:
-        source.extra_keys = _key_list(f"{where}.extra_keys", declared)  # type: ignore[attr-defined]
+        source.extra_keys = _key_list(f"{where}.extra_keys", declared)
     return source, weight
 
 
@@ -185,7 +183,7 @@ class RewardEngine:
     async def warmup(self) -> None:
         for pipeline in self.pipelines.values():
             await pipeline.warmup()
-            log.info("pipeline %s ready (%s)", pipeline.name, ", ".join(ws.source.kind for ws in pipeline.sources))
+            log.info("pipeline %s ready: %s", pipeline.name, pipeline.describe_capacity())
 
     async def close(self, *, drain: bool = True) -> None:
         for pipeline in self.pipelines.values():

@@ -1,12 +1,14 @@
 """One pipeline's queue, shared fairly by tenants (the training jobs that share a reward fleet).
 
-Across tenants: weighted fair queuing (start-time fair queuing on a virtual clock). Every sample taken advances
-its tenant's virtual time by 1/weight and the next sample comes from the backlogged tenant whose virtual time is
-least, so while the queue holds more than a batch, tenants get batch slots in proportion to their weights, and a
-tenant that has just arrived starts at the current virtual time: it is served next, never behind a flooder's
-backlog. When the queue is full, the tenant furthest over its weighted share loses its newest sample to make room
-for a tenant under its share: the flooder is the one that is refused. Within a tenant: earliest step deadline
-first, then arrival order.
+Across tenants: weighted fair queuing (start-time fair queuing on a virtual clock). Every sample taken advances its
+tenant's virtual time by 1/weight and the next sample comes from the backlogged tenant whose virtual time is least,
+so while tenants stay backlogged they get slots in proportion to their weights. A tenant that comes back after
+sending less than its share keeps credit for what it left unused, up to BURST samples: its virtual time starts at
+most BURST/weight behind the clock, so a small step sent at once is served ahead of a flooder's backlog, not
+interleaved with it, and a tenant that keeps using more than its share has no credit left and alternates. When the
+queue is full, the tenant furthest over its weighted share loses its newest sample to make room for a tenant under
+its share: the flooder is the one that is refused. Within a tenant: earliest step deadline first, then arrival
+order.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ DEFAULT_TENANT = Tenant()
 
 def _arrival(item: Queued) -> float:
     return item.enqueued
+
+
+# The credit, in samples, of a tenant back from idle (see the module's docstring): a few steps' worth of small
+# samples. Lag stays bounded: no tenant is ever more than this many samples ahead of its weighted share.
+BURST = 32
 
 
 # Step deadlines this close count as one: the samples of one step (one deadline, carried as time left and turned
@@ -114,7 +121,8 @@ class FairQueue(Generic[Q]):
     def __init__(self) -> None:
         self.lanes: dict[Tenant, Lane[Q]] = {}
         self.depth = 0
-        self._vclock = 0.0  # virtual time of the last sample taken
+        self._vclock = 0.0  # virtual time of the latest sample taken (the largest start tag served)
+        self._window_clock = 0.0  # the clock when `fair_order` began taking (what `put_back` may return it to)
         self._seq = itertools.count()  # ties between equal deadlines go to the earlier arrival
         self._popped: dict[int, tuple[int, int, Q]] = {}  # heap entries `fair_order` took, for `put_back`
 
@@ -129,8 +137,10 @@ class FairQueue(Generic[Q]):
 
     def push(self, item: Q) -> None:
         lane = self.lanes.get(item.tenant) or self.lane(item.tenant)
-        if not lane.count and lane.vtime < self._vclock:  # back from idle: no credit for the time away
-            lane.vtime = self._vclock
+        if not lane.count:  # back from idle: credit for the share it left unused, up to BURST samples
+            floor = self._vclock - BURST / lane.tenant.weight
+            if lane.vtime < floor:
+                lane.vtime = floor
         if item.due is None:
             lane.fifo.append(item)
         else:
@@ -154,6 +164,7 @@ class FairQueue(Generic[Q]):
         backlog = [(lane.vtime, i, lane) for i, lane in enumerate(self.lanes.values()) if lane.count]
         heapq.heapify(backlog)
         self._popped = {}
+        self._window_clock = self._vclock
         taken = 0
         while backlog and taken < n:
             vtime, i, lane = backlog[0]
@@ -162,7 +173,7 @@ class FairQueue(Generic[Q]):
                 self._popped[id(item)] = entry
             self.depth -= 1
             if not item.finished:  # a cancelled sample costs its tenant nothing
-                self._vclock = vtime
+                self._vclock = max(self._vclock, vtime)
                 lane.vtime = vtime + 1.0 / lane.tenant.weight
                 taken += 1
             if lane.count:
@@ -178,8 +189,9 @@ class FairQueue(Generic[Q]):
         parts = 0
         for lane in self.lanes.values():
             if lane.count:
-                if lane.vtime < self._vclock:
-                    lane.vtime = self._vclock
+                floor = self._vclock - BURST / lane.tenant.weight
+                if lane.vtime < floor:
+                    lane.vtime = floor
                 if lane.edf:  # a heap: never in arrival order by itself
                     out.extend([entry[2] for entry in lane.edf])
                     parts += 2
@@ -201,8 +213,8 @@ class FairQueue(Generic[Q]):
         """Return samples popped by `fair_order` and not used (newest first, so each lane keeps its order)."""
         for lane, item in reversed(taken):
             self._unpop(lane, item)
-        for lane, _ in taken:  # the clock goes back to the first start tag not served
-            self._vclock = min(self._vclock, lane.vtime)
+        for lane, _ in taken:  # the clock goes back to the first start tag not served (not before the window)
+            self._vclock = max(self._window_clock, min(self._vclock, lane.vtime))
 
     def remove(self, drop: set[int]) -> list[Q]:
         """Take out the samples whose id() is in `drop`; returns them."""
@@ -224,10 +236,6 @@ class FairQueue(Generic[Q]):
     def items(self) -> Iterator[Q]:
         for lane in self.lanes.values():
             yield from lane.items()
-
-    def earliest_due(self) -> float | None:
-        """The earliest step deadline queued (to within DUE_TICK; cancelled samples' included), if any."""
-        return min((lane.edf[0][2].due for lane in self.lanes.values() if lane.edf), default=None)  # type: ignore[type-var]
 
     def share(self, tenant: Tenant) -> float:
         """The tenant's weighted share of the queued tenants (itself counted as queued)."""

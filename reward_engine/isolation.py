@@ -11,10 +11,12 @@ Cheap calls stay cheap: workers are spawned once and kept warm, and each lane se
 per round trip. Each lane is a thread that owns one worker process: the thread blocks on the pipe (without
 the GIL) and watches the clock, so the event loop is woken once per finished group of calls, not per call.
 A call never waits behind a budget being burned: a lane whose call has run longer than
-``straggler_after_s`` while other calls wait becomes a straggler. It hands the calls it has not started back
-to the front of the queue, a fresh lane takes its place, and it ends once its slow call does (finished, or
-killed at its budget). So the queue keeps ``workers`` lanes serving it however many hostile calls run; at most
-``max_stragglers`` slow calls run beside them, beyond which they queue. A worker runs in a process group of
+``straggler_after_s`` while other calls wait, or while every lane is busy (the pipeline's fair queue holds the
+work that waits), becomes a straggler. It hands the calls it has not started back to the front of the queue, a
+fresh lane takes its place, and it ends once its slow call does (finished, or killed at its budget). So
+``workers`` lanes keep serving however many hostile calls run; at most ``max_stragglers`` slow calls run beside
+them, each holding one worker, its own. The pool's capacity (``slots``) is its serving lanes plus the stragglers:
+it grows when a slow call steps aside, and ``on_capacity`` listeners hear of it. A worker runs in a process group of
 its own, killed whole with it: processes a user's function starts do not outlive the worker or the server.
 
 Calls are named by a ``module:attr`` or ``/path/file.py:attr`` spec that the worker imports itself (spawn,
@@ -27,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import hashlib
 import inspect
 import itertools
@@ -69,6 +70,9 @@ MAX_CALLS_PER_TRIP = 32
 _FLUSH_AFTER_S = 0.001
 # How often a lane looks at which call its worker is running (the granularity of timeouts).
 _TICK_S = 0.05
+# Workers run this much nicer than the server: CPU-bound reward code never starves the event loop that feeds it
+# work and answers every tenant's samples (it still gets every cycle the server leaves).
+WORKER_NICENESS = 5
 
 _KNOWN_ERRORS: tuple[type[RewardError], ...] = (
     DeadlineExceeded,
@@ -215,6 +219,8 @@ def worker_main(conn: Connection, progress: Any, preload: tuple[str, ...], memor
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it then kills us
     _own_group()
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
     for target in preload:  # "spec" is imported; "spec()" is also called (a warm-up hook)
         with contextlib.suppress(Exception):  # reported by the first call that uses it
             fn = _resolve(target.removesuffix("()"))
@@ -274,8 +280,6 @@ class _Pending:
     call: Call
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
-    on_slow: Callable[[], None] | None = None  # told (on its loop) once the call has run straggler_after_s
-    slow: bool = False
 
 
 def _settle(items: list[tuple[_Pending, Any]]) -> None:
@@ -449,8 +453,6 @@ class _Lane(threading.Thread):
             now = time.monotonic()
             if running != current:
                 current, since = running, now
-            elif now - since >= pool.straggler_after_s and not sent[running].slow:
-                self._slow(sent[running])
             elif not self.straggler and now - since >= pool.straggler_after_s and pool.stalls(self, sent, running):
                 sent = self._hand_back(sent, base, running)
             elif now - since >= pool.timeout_s:
@@ -460,13 +462,6 @@ class _Lane(threading.Thread):
                 self._deliver([(pending, DeadlineExceeded(f"{pending.call.what} timed out after {pool.timeout_s:g}s"))])
                 return sent[received:running] + sent[running + 1 :]
         return []
-
-    @staticmethod
-    def _slow(pending: _Pending) -> None:
-        pending.slow = True
-        if pending.on_slow is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                pending.loop.call_soon_threadsafe(pending.on_slow)
 
     def _hand_back(self, sent: list[_Pending], base: int, running: int) -> list[_Pending]:
         """Become a straggler: the calls not started go back to the queue, a fresh lane takes our place; the
@@ -511,6 +506,7 @@ class IsolatedPool:
         self.max_stragglers = 2 * workers if max_stragglers is None else max_stragglers
         self.workers = workers
         self.stragglers = 0  # lanes running a slow call beside the `workers` that serve the queue
+        self._idle = 0  # lanes waiting for work
         self.memory_bytes = int(memory_mb) * 1024 * 1024
         self.preload = preload
         self.closed = False
@@ -521,10 +517,21 @@ class IsolatedPool:
         self._lanes = [_Lane(self, i) for i in range(workers)]
         self._lane_ids = itertools.count(workers)
         self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # where calls come from (capacity listeners run there)
+        self._capacity_listeners: list[Callable[[], None]] = []
 
     @property
     def pids(self) -> set[int]:
         return {lane.pid for lane in self._lanes if lane.pid}
+
+    @property
+    def slots(self) -> int:
+        """Calls that can run at once now: the serving lanes, plus a spare for each slow call that stepped aside."""
+        return self.workers + self.stragglers
+
+    def on_capacity(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the calls' event loop whenever ``slots`` grows (a slow call stepped aside)."""
+        self._capacity_listeners.append(callback)
 
     def start(self) -> None:
         """Start the lanes (each spawns its worker in the background); idempotent."""
@@ -536,8 +543,10 @@ class IsolatedPool:
     def take(self) -> list[_Pending] | None:
         """A lane's next round trip: a fair share of what is queued, at most MAX_CALLS_PER_TRIP."""
         with self._cond:
+            self._idle += 1
             while not self._queue and not self.closed:
                 self._cond.wait()
+            self._idle -= 1
             if self.closed:
                 return None
             share = -(-len(self._queue) // self.workers)
@@ -545,10 +554,10 @@ class IsolatedPool:
             return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
 
     def stalls(self, lane: _Lane, sent: list[_Pending], running: int) -> bool:
-        """Whether ``lane``'s slow call holds up others (calls behind it in its trip, or in the queue) and
-        another straggler may run."""
+        """Whether ``lane``'s slow call may hold up others (calls behind it in its trip or in the queue, or every
+        lane busy while work waits where the pool cannot see it) and another straggler may run."""
         with self._cond:
-            waiting = running + 1 < len(sent) or bool(self._queue)
+            waiting = running + 1 < len(sent) or bool(self._queue) or not self._idle
             return waiting and not self.closed and self.stragglers < self.max_stragglers
 
     def give_back(self, calls: list[_Pending]) -> None:
@@ -568,6 +577,11 @@ class IsolatedPool:
             fresh = _Lane(self, next(self._lane_ids))
             self._lanes.append(fresh)
         fresh.start()
+        loop = self._loop
+        if loop is not None:
+            for callback in self._capacity_listeners:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(callback)
 
     def retire(self, lane: _Lane) -> None:
         with self._cond:
@@ -575,37 +589,27 @@ class IsolatedPool:
             with contextlib.suppress(ValueError):
                 self._lanes.remove(lane)
 
-    async def run(self, calls: list[Call], *, late: bool = False) -> list[Any]:
-        """Each call's return value, or the RewardError it ended with; in order. ``late``: return once every
-        call has finished or run ``straggler_after_s``; a slow call's place holds its future (a batch is not
-        held up by one sample burning its budget: the batcher answers that sample when its future is done)."""
-        if self.closed:
-            return [Unavailable(f"{c.what}: the source is closed") for c in calls]
+    def submit(self, calls: list[Call]) -> list[asyncio.Future[Any]]:
+        """Queue the calls now; each future resolves with its call's return value, or the RewardError it ended
+        with (never an exception: one call's failure is its own)."""
         loop = asyncio.get_running_loop()
+        if self.closed:
+            closed: list[asyncio.Future[Any]] = []
+            for c in calls:
+                fut = loop.create_future()
+                fut.set_result(Unavailable(f"{c.what}: the source is closed"))
+                closed.append(fut)
+            return closed
         pending = [_Pending(c, loop.create_future(), loop) for c in calls]
-        if not late:
-            self._put(pending)
-            return list(await asyncio.gather(*(p.future for p in pending)))
-        left = len(pending)
-        ready = loop.create_future()
-
-        def one_less(p: _Pending) -> None:
-            nonlocal left
-            if p.on_slow is None:  # counted already (slow, then done)
-                return
-            p.on_slow = None
-            left -= 1
-            if not left and not ready.done():
-                ready.set_result(None)
-
-        for p in pending:
-            p.on_slow = functools.partial(one_less, p)
-            p.future.add_done_callback(lambda _, p=p: one_less(p))  # type: ignore[misc]
         self._put(pending)
-        await ready
-        return [p.future.result() if p.future.done() else p.future for p in pending]
+        return [p.future for p in pending]
+
+    async def run(self, calls: list[Call]) -> list[Any]:
+        """Each call's return value, or the RewardError it ended with; in order."""
+        return list(await asyncio.gather(*self.submit(calls)))
 
     def _put(self, pending: list[_Pending]) -> None:
+        self._loop = pending[0].loop if pending else self._loop
         self.start()
         with self._cond:
             self._queue.extend(pending)

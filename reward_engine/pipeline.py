@@ -1,28 +1,32 @@
-"""A named reward pipeline: weighted sources behind one dynamic batcher."""
+"""A named reward pipeline: weighted sources behind one dynamic batcher, which hands them only what they can
+start (their declared capacity, combined here)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, Scored, Sink, Ticket
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.batcher import (
+    BatcherConfig,
+    BatchInfo,
+    DynamicBatcher,
+    Scored,
+    Sink,
+    StartLimits,
+    Ticket,
+)
+from rewardmesh.reward_engine.types import ApartResult, Outcome, RewardInput, RewardOutput, RewardSource
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class WeightedSource:
     source: RewardSource
     weight: float = 1.0
-
-
-async def _score(source: RewardSource, batch: list[RewardInput]) -> BatchResult:
-    """A source's results; one that can leave a slow sample's result as a future (an isolated source) is asked
-    to, so one sample burning its budget holds neither its batch nor the batch's slot (DynamicBatcher)."""
-    if getattr(source, "answers_late", False):
-        return await source.score_batch(batch, late=True)  # type: ignore[call-arg]
-    return await source.score_batch(batch)
 
 
 class RewardPipeline:
@@ -53,17 +57,52 @@ class RewardPipeline:
         self.sources = sources
         self.extra_keys = tuple(sorted(extra_keys if extra_keys is not None else self._declared_extras()))
         hook = (lambda info: on_batch(name, info)) if on_batch else None
-        self.batcher = DynamicBatcher(self.compute, batching, name=name, on_batch=hook)
+        self.batcher = DynamicBatcher(
+            self.compute,
+            batching,
+            name=name,
+            on_batch=hook,
+            limits=self.limits,
+            start_delay=self.start_delay,
+            start_each=self.start_each,
+        )
+        for ws in sources:
+            ws.source.on_capacity(self.batcher.wake)
+
+    def limits(self) -> StartLimits:
+        """What the sources can have started at once: the least per-sample capacity of its per-sample sources
+        (each sample goes to every source), the least batch capacity of its per-batch ones."""
+        samples: int | None = None
+        batches: int | None = None
+        paced = False
+        for ws in self.sources:
+            cap = ws.source.capacity
+            paced = paced or cap.paced
+            if not cap.slots:
+                continue
+            if cap.per == "sample":
+                samples = cap.slots if samples is None else min(samples, cap.slots)
+            else:
+                batches = cap.slots if batches is None else min(batches, cap.slots)
+        return StartLimits(samples, batches, paced)
+
+    def start_delay(self) -> float:
+        """Seconds before every source may start another sample (a paced source's rate limit)."""
+        return max(ws.source.start_delay() for ws in self.sources)
+
+    def describe_capacity(self) -> str:
+        """Each source's capacity and what the batcher hands over, in words (logged when the server starts)."""
+        each = "; ".join(f"{ws.source.kind} '{ws.source.name}': {ws.source.capacity.describe()}" for ws in self.sources)
+        return f"{each}; hands over {self.batcher.describe_limits()}"
 
     def _declared_extras(self) -> list[str]:
-        """The extras the sources declare (a source without `extra_keys` declares none), named as compute names
-        them."""
+        """The extras the sources declare, named as compute names them."""
         if len(self.sources) == 1:
-            return list(getattr(self.sources[0].source, "extra_keys", ()))
+            return list(self.sources[0].source.extra_keys)
         keys = []
         for ws in self.sources:
             name = ws.source.name
-            keys += [f"{name}/score", *(f"{name}/{k}" for k in getattr(ws.source, "extra_keys", ()))]
+            keys += [f"{name}/score", *(f"{name}/{k}" for k in ws.source.extra_keys)]
         return keys
 
     async def score(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
@@ -86,25 +125,41 @@ class RewardPipeline:
         """Queue a ticket the caller built (see DynamicBatcher.queue)."""
         self.batcher.queue(item)
 
-    async def compute(self, batch: list[RewardInput]) -> BatchResult:
-        if len(self.sources) == 1:  # no gather: it would wrap the one call in a task of its own
-            only = self.sources[0]
-            results = await _score(only.source, batch)
-            if only.weight == 1.0:  # the source's own outputs are the pipeline's: no per-sample copy
-                return results if isinstance(results, list) else list(results)
-            per_source = [results]
-        else:
-            per_source = await asyncio.gather(*(_score(ws.source, batch) for ws in self.sources))
-        combined: BatchResult = []
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Each sample's weighted score as a future, its work started now, where the pipeline is one source that
+        takes work per sample at its own weight (the batcher hands work over this way without a turn of the event
+        loop); None otherwise (`compute`)."""
+        if len(self.sources) != 1 or self.sources[0].weight != 1.0:
+            return None
+        return self.sources[0].source.start_each(batch)
+
+    async def compute(self, batch: list[RewardInput]) -> ApartResult:
+        """Each sample's weighted score, or a future of it where a source answers that sample apart (so a sample
+        frees its slot when its own work is done, and one burning its budget holds neither its batch nor the
+        batch's slot)."""
+        per_source: list[ApartResult] = []
+        whole = []  # sources that score whole batches: awaited together
+        for k, ws in enumerate(self.sources):
+            started = ws.source.start_each(batch)
+            per_source.append(started if started is not None else [])
+            if started is None:
+                whole.append(k)
+        if whole:
+            scored = await asyncio.gather(*(self.sources[k].source.score_batch(batch) for k in whole))
+            for k, results in zip(whole, scored, strict=True):
+                per_source[k] = results
+        if len(self.sources) == 1 and self.sources[0].weight == 1.0:  # the source's own outputs: no per-sample copy
+            return per_source[0]
+        combined: list[Outcome | asyncio.Future[Outcome]] = []
         for i in range(len(batch)):
             parts = [results[i] for results in per_source]
             if any(isinstance(part, asyncio.Future) for part in parts):  # a source answers this sample later
-                combined.append(asyncio.ensure_future(self._combine_late(parts)))  # type: ignore[arg-type]
+                combined.append(asyncio.ensure_future(self._combine_late(parts)))
             else:
-                combined.append(self._combine(parts))
+                combined.append(self._combine(parts))  # type: ignore[arg-type]  # no future among them
         return combined
 
-    def _combine(self, parts: list[RewardOutput | BaseException]) -> RewardOutput | BaseException:
+    def _combine(self, parts: list[Outcome]) -> Outcome:
         """One sample's weighted score from its sources' parts (a failed part fails the sample)."""
         single = len(self.sources) == 1
         score = 0.0
@@ -120,7 +175,7 @@ class RewardPipeline:
                 extras.update({f"{ws.source.name}/{k}": v for k, v in res.extras.items()})
         return RewardOutput(score, extras)
 
-    async def _combine_late(self, parts: list[Any]) -> RewardOutput:
+    async def _combine_late(self, parts: list[Any]) -> Outcome:
         """As _combine, once every late part is done (a failure is raised: the batcher answers it)."""
         done = [await part if isinstance(part, asyncio.Future) else part for part in parts]
         result = self._combine(done)
@@ -130,9 +185,7 @@ class RewardPipeline:
 
     async def warmup(self) -> None:
         for ws in self.sources:
-            warm = getattr(ws.source, "warmup", None)
-            if warm is not None:
-                await warm()
+            await ws.source.warmup()
 
     async def close(self, *, drain: bool = True) -> None:
         await self.batcher.close(drain=drain)

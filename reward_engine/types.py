@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rewardmesh.reward_engine.sandbox.executor import Sandbox
 
 
 @dataclass
@@ -104,18 +110,87 @@ class RewardOutput:
     extras: dict[str, float] = field(default_factory=dict)
 
 
-# A source returns, per input and in input order, either an output or the exception that sample raised:
-# one bad sample must not fail its batch-mates.
-BatchResult = list[RewardOutput | BaseException]
+# A source returns, per input and in input order, either an output or the exception that sample raised: one bad
+# sample must not fail its batch-mates.
+Outcome = RewardOutput | BaseException
+BatchResult = list[Outcome]
+# A batch's outcomes as a pipeline hands them to its batcher: a future in the place of a sample not done yet.
+ApartResult = Sequence["Outcome | asyncio.Future[Outcome]"]
 
 
-class RewardSource(Protocol):
-    """Anything that scores a batch of samples: a rule, a user function, a reward model, a judge."""
+@dataclass(frozen=True)
+class Capacity:
+    """How much of a source's work can have started at once, and in what unit. The batcher hands a source only
+    what it can start; everything else waits in the pipeline's fair queue (tenant share, then step deadline),
+    so no queue of the source's own sits between the fair queue and the workers.
+
+    ``per="sample"``: each sample handed over holds one of ``slots`` until its result is in (worker processes,
+    sandbox slots, judge requests in flight). ``per="batch"``: each batch holds one (a reward model's batches in
+    flight). ``slots=0``: no limit, what is handed over starts at once (a rule inline on the event loop).
+    ``paced``: the source also spaces its starts out in time (a rate limit): samples are handed over one at a
+    time, when its ``start_delay()`` says the next may start.
+    """
+
+    slots: int = 0
+    unit: str = "inline on the event loop"
+    per: Literal["sample", "batch"] = "batch"
+    paced: bool = False
+
+    def __post_init__(self) -> None:
+        if self.slots < 0:
+            raise ValueError(f"capacity: slots must be >= 0 (0: no limit), got {self.slots}")
+        if self.per not in ("sample", "batch"):
+            raise ValueError(f"capacity: per must be 'sample' or 'batch', got {self.per!r}")
+
+    def describe(self) -> str:
+        if not self.slots:
+            return f"no limit ({self.unit})"
+        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "")
+
+
+class RewardSource(ABC):
+    """A reward source as the pipeline, the batcher and the server see it: a rule, a user function, a code
+    sandbox, a judge, a reward model. Every source subclasses this; what it does not override keeps the default
+    here (no extras, no warm-up, nothing to close, no limit on the work it can start, answers with its batch)."""
 
     name: str
-    kind: str  # "rule" | "function" | "model" | "judge"
-    target: str  # rule name, function spec, model path or judge URL
+    kind: str  # "rule" | "function" | "model" | "judge" | "code"
+    target: str  # rule name, function spec, model path, judge URL or isolation level
+    # The extras this source reports (ListRewards announces them, so every caller builds the same columns).
+    extra_keys: tuple[str, ...] = ()
+    # The code sandbox this source runs programs in, if any (the server's /run_code endpoint lends it).
+    sandbox: Sandbox | None = None
 
-    async def score_batch(self, batch: list[RewardInput]) -> BatchResult: ...
+    @abstractmethod
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        """Each sample's result (or the exception it raised), in input order."""
 
-    async def close(self) -> None: ...
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Start every sample's work now and return, at once, a future of each one's outcome, so each sample is
+        answered, and frees its slot, when its own work is done, not with its batch's slowest (the pipeline
+        scores this way when it can). A source that takes work per sample overrides it; None (the default):
+        this source scores whole batches, with ``score_batch``."""
+        return None
+
+    @property
+    def capacity(self) -> Capacity:
+        """How much work can have started at once (read whenever the batcher hands work over: it may change
+        while running, as when a worker pool lends a spare worker to a slow sample)."""
+        return Capacity()
+
+    def on_capacity(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` on the event loop whenever ``capacity`` grows while work runs (a source whose capacity
+        is fixed never calls it: the batcher already knows when its own work ends)."""
+        return None
+
+    def start_delay(self) -> float:
+        """Seconds before the source may start another sample (a paced source's rate limit); 0: now."""
+        return 0.0
+
+    async def warmup(self) -> None:
+        """Get ready to score (start workers, load a model, prove a sandbox), so the first batch does not pay."""
+        return None
+
+    async def close(self) -> None:
+        """Release what the source holds; samples still running fail."""
+        return None

@@ -1,8 +1,9 @@
 """Code-execution rewards: the response's program run against the sample's tests in a sandbox.
 
 A sample holds one sandbox of the pool for all its tests, each test still a fresh process under its own limits;
-samples run at once up to the pool's size (``sandbox.workers``), so a step's code samples are scored as they
-stream in. The pool's sandboxes are started ahead and serve many samples, reset between them. The score follows
+samples run at once up to the pool's size (``sandbox.workers``, the source's capacity: a sample leaves the fair
+queue only when a sandbox is free), so a step's code samples are scored as they stream in. The pool's sandboxes are
+started ahead and serve many samples, reset between them. The score follows
 ``data_source`` as verl's default_compute_score does: the pass fraction for the sources verl scores continuously
 (codecontests, apps, codeforces, taco), all tests passed (1/0) for the others. Extras: ``acc`` (all passed),
 ``pass_rate``, ``tests``, ``passed``, a count per failure kind, and per test (the first ``MAX_TEST_EXTRAS``)
@@ -20,7 +21,7 @@ from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Un
 from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,13 @@ class Grade:
         return out
 
 
-class CodeSource:
+class CodeSource(RewardSource):
     """Runs each sample's program against its tests in the sandbox (rewardmesh.reward_engine.sandbox).
 
     Config keys:
       isolation: "bwrap" (bubblewrap, the default) or "unshare" (util-linux, the fallback level).
       allow_weaker_isolation: run with a lower level than ``isolation`` when it is missing (off: refuse).
-      workers: sandboxes running at once (0: one per CPU).
+      workers: sandboxes running at once (0: one per CPU); the source's capacity, one slot per sample.
       timeout_s: wall and CPU seconds per test; memory_mb: address space per test; max_processes,
         max_open_files, max_output_bytes (stdout per test), tmp_mb (the sandbox's tmpfs).
       samples_per_sandbox: samples one sandbox serves (reset between them) before a fresh one replaces it;
@@ -89,6 +90,7 @@ class CodeSource:
     """
 
     kind = "code"
+    sandbox: Sandbox
 
     def __init__(
         self,
@@ -133,6 +135,10 @@ class CodeSource:
             limits=limits,
             samples_per_sandbox=samples_per_sandbox,
         )
+
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(self.sandbox.workers, "sandbox slots", "sample")
 
     async def warmup(self) -> None:
         """Prove the sandbox and start the pool now (prestart), or at least say which isolation tools it will try."""
@@ -179,14 +185,18 @@ class CodeSource:
             return SourceFailed(f"code source {self.name!r} raised {describe_exception(exc)}")
         return RewardOutput(g.score, g.extras())
 
-    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
-        async def guarded(sample: RewardInput) -> RewardOutput | BaseException:
-            try:
-                return await self._one(sample)
-            except RewardError as exc:
-                return exc
+    async def _guarded(self, sample: RewardInput) -> RewardOutput | BaseException:
+        try:
+            return await self._one(sample)
+        except RewardError as exc:
+            return exc
 
-        return list(await asyncio.gather(*(guarded(s) for s in batch)))
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        return list(await asyncio.gather(*self.start_each(batch)))
+
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's run started now (answered when its own tests are done)."""
+        return [asyncio.ensure_future(self._guarded(s)) for s in batch]
 
     async def close(self) -> None:
         """Warm sandboxes end now; those running a sample end within their budgets (and die with the server)."""

@@ -17,7 +17,14 @@ from rewardmesh.common.errors import DeadlineExceeded, RewardError, SourceFailed
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, run_call
 from rewardmesh.reward_engine.loading import load_function, parse_spec
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output, verl_kwargs
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import (
+    BatchResult,
+    Capacity,
+    Outcome,
+    RewardInput,
+    RewardOutput,
+    RewardSource,
+)
 
 EXECUTORS = ("auto", "process", "thread", "inline")
 
@@ -27,6 +34,12 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 
 # ---------------------------------------------------------------------------------- running a call
+
+
+def _done(outcome: Outcome) -> asyncio.Future[Outcome]:
+    future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    future.set_result(outcome)
+    return future
 
 
 async def _run_on_loop(fn: Callable[..., Any], what: str, kwargs: dict[str, Any]) -> RewardOutput | RewardError:
@@ -41,7 +54,7 @@ async def _run_on_loop(fn: Callable[..., Any], what: str, kwargs: dict[str, Any]
         return SourceFailed(f"{what} raised {describe_exception(exc)}")
 
 
-class FunctionSource:
+class FunctionSource(RewardSource):
     """A user's verl-style reward function (sync or async) run with a per-call time budget.
 
     Config keys:
@@ -53,8 +66,9 @@ class FunctionSource:
       executor: "auto" (async functions on the event loop, sync ones in worker processes),
         "process", "thread" or "inline" (on the event loop: a sync function then blocks the loop
         and its timeout cannot interrupt it; use it only for trivial functions).
-      max_workers: worker processes or threads; calls beyond it wait for a free one.
-        Async functions on the event loop are not limited by it: all samples of a batch run at once.
+      max_workers: worker processes or threads (the source's capacity: samples beyond it wait in the
+        pipeline's fair queue until one is free).
+      max_concurrency: calls of an async function in flight at once on the event loop (its capacity there).
 
     "process" is the isolation every untrusted parser in the engine shares (rewardmesh.reward_engine.isolation):
     warm spawned workers that import the function by its spec (so the server's main module must be
@@ -74,6 +88,7 @@ class FunctionSource:
         executor: str = "auto",
         max_workers: int = 2,
         memory_mb: int = 2048,
+        max_concurrency: int = 16,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("function source: 'name' must be a non-empty string")
@@ -86,6 +101,8 @@ class FunctionSource:
             raise ValueError(f"{where}: 'max_workers' must be an integer >= 1, got {max_workers!r}")
         if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
             raise ValueError(f"{where}: 'memory_mb' must be an integer >= 0 (0: no limit), got {memory_mb!r}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"{where}: 'max_concurrency' must be an integer >= 1, got {max_concurrency!r}")
         self._spec = parse_spec(function)
         self._fn = load_function(self._spec)  # fail at config time, in the parent, with a clear error
         self.name = name
@@ -109,12 +126,28 @@ class FunctionSource:
             )
         self._threads: ThreadPoolExecutor | None = None
         self._slots = asyncio.Semaphore(max_workers)
+        self.max_concurrency = max_concurrency
+        self._loop_slots = asyncio.Semaphore(max_concurrency)
         self._closed = False
 
     @property
     def mode(self) -> str:
         """Where calls run: "loop", "thread" or "process" (what executor="auto" chose)."""
         return self._mode
+
+    @property
+    def capacity(self) -> Capacity:
+        """Per sample: the worker processes (plus a spare for each slow call that stepped aside), the threads, or
+        the calls in flight on the event loop."""
+        if self.pool is not None:
+            return Capacity(self.pool.slots, "worker processes", "sample")
+        if self._mode == "thread":
+            return Capacity(self.max_workers, "threads", "sample")
+        return Capacity(self.max_concurrency, "calls in flight on the event loop", "sample")
+
+    def on_capacity(self, wake: Callable[[], None]) -> None:
+        if self.pool is not None:
+            self.pool.on_capacity(wake)
 
     async def warmup(self) -> None:
         """Start the worker processes now (spawning them and importing the function in each), so the
@@ -140,26 +173,26 @@ class FunctionSource:
             threads.shutdown(wait=False, cancel_futures=True)
         return DeadlineExceeded(f"{self._what} timed out after {self.timeout_s:g}s")
 
-    # A pipeline may take a slow sample's result as a future (IsolatedPool.run's ``late``): see score_batch.
-    answers_late = True
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        return list(await asyncio.gather(*self.start_each(batch)))
 
-    async def score_batch(self, batch: list[RewardInput], *, late: bool = False) -> BatchResult:
-        """Each sample's result, in order; ``late``: a sample still running after the pool's straggler time
-        is left as a future in its place (its batch does not wait for it)."""
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's call started now (queued for a worker process, a thread or the event loop)."""
         if self._closed:
-            return [Unavailable(f"function source {self.name!r} is closed") for _ in batch]
+            return [_done(Unavailable(f"function source {self.name!r} is closed")) for _ in batch]
         if self.pool is not None:
             calls = [Call(self._spec.resolved, verl_kwargs(s), self._what, verl=True) for s in batch]
-            return list(await self.pool.run(calls, late=late))
+            return self.pool.submit(calls)
         if self._mode == "thread":
-            return list(await asyncio.gather(*(self._in_thread(verl_kwargs(s)) for s in batch)))
-        return list(await asyncio.gather(*(self._on_loop(verl_kwargs(s)) for s in batch)))
+            return [asyncio.ensure_future(self._in_thread(verl_kwargs(s))) for s in batch]
+        return [asyncio.ensure_future(self._on_loop(verl_kwargs(s))) for s in batch]
 
     async def _on_loop(self, kwargs: dict[str, Any]) -> RewardOutput | RewardError:
-        try:
-            return await asyncio.wait_for(_run_on_loop(self._fn, self._what, kwargs), self.timeout_s)
-        except TimeoutError:
-            return DeadlineExceeded(f"{self._what} timed out after {self.timeout_s:g}s")
+        async with self._loop_slots:
+            try:
+                return await asyncio.wait_for(_run_on_loop(self._fn, self._what, kwargs), self.timeout_s)
+            except TimeoutError:
+                return DeadlineExceeded(f"{self._what} timed out after {self.timeout_s:g}s")
 
     async def close(self) -> None:
         """Stop every worker now, stuck ones included; calls still in flight fail."""

@@ -2,7 +2,8 @@
 
 Everything is async on one aiohttp session: a judge call is pure network wait, so hundreds can be
 in flight on the event loop without threads; max_concurrency and requests_per_minute protect the
-judge server, not us.
+judge server, not us, and are the source's capacity: the pipeline hands over a sample only when a request
+may start (common.rate_limit, common.circuit_breaker: the limiter and breaker any HTTP client can use).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import math
 import os
 import re
 import string
-import time
 from typing import Any
 
 import aiohttp
 
+from rewardmesh.common.circuit_breaker import acquire_breaker, release_breaker
 from rewardmesh.common.errors import (
     DeadlineExceeded,
     DependencyFailed,
@@ -26,9 +27,10 @@ from rewardmesh.common.errors import (
     SourceFailed,
     Unavailable,
 )
+from rewardmesh.common.rate_limit import RateLimiter
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 DEFAULT_PROMPT_TEMPLATE = """\
 You are a strict grader. Rate how well the response below answers the prompt, on a scale from 0 \
@@ -72,97 +74,12 @@ def chat_completions_url(url: str) -> str:
     return base + "/v1/chat/completions"
 
 
-class RateLimiter:
-    """Spaces request starts at least 60/requests_per_minute seconds apart (0 = unlimited).
-
-    Each caller reserves the next free start time before awaiting, with no await between reading
-    and advancing it, so concurrent callers on one event loop can never share a slot. Spacing
-    rather than a token bucket: no burst at start-up for a judge that is already loaded.
-    """
-
-    def __init__(self, requests_per_minute: float) -> None:
-        self.interval = 60.0 / requests_per_minute if requests_per_minute > 0 else 0.0
-        self._next_start = 0.0
-
-    async def acquire(self) -> None:
-        if self.interval <= 0:
-            return
-        now = asyncio.get_running_loop().time()
-        start = max(now, self._next_start)
-        self._next_start = start + self.interval
-        if start > now:
-            await asyncio.sleep(start - now)
-
-
 class _HTTPFailure(Exception):
     """A reply we will not retry (HTTP error status, unusable body)."""
 
     def __init__(self, message: str, *, server_error: bool = False) -> None:
         super().__init__(message)
         self.server_error = server_error  # a 5xx: counts against the endpoint's circuit breaker
-
-
-class CircuitBreaker:
-    """Fails calls to an endpoint fast while it is down, instead of every sample paying every retry.
-
-    Closed: calls go through; ``failures`` consecutive failures (connection errors, timeouts, HTTP 5xx)
-    open it. Open: calls fail at once for ``open_s``. Then half-open: one call goes through as a probe;
-    its success closes the breaker, its failure opens it again. Any answer but a 5xx is a success: the
-    endpoint is up. One breaker per endpoint URL and settings, shared by every open source that calls it.
-    """
-
-    def __init__(self, failures: int, open_s: float) -> None:
-        self.threshold = failures
-        self.open_s = open_s
-        self.consecutive = 0
-        self.opened_at: float | None = None
-        self.probing = False
-        self.last_error = ""
-
-    def allow(self) -> bool:
-        if self.opened_at is None:
-            return True
-        if self.probing or time.monotonic() - self.opened_at < self.open_s:
-            return False
-        self.probing = True  # half-open: this caller is the probe
-        return True
-
-    def success(self) -> None:
-        self.consecutive, self.opened_at, self.probing = 0, None, False
-
-    def failure(self, error: str) -> None:
-        self.consecutive += 1
-        self.last_error = error
-        if self.probing or self.consecutive >= self.threshold:
-            self.opened_at, self.probing = time.monotonic(), False
-
-    def describe(self, endpoint: str) -> str:
-        return (
-            f"judge {endpoint} is failing: circuit open after {self.consecutive} consecutive failure(s), "
-            f"retrying it in at most {self.open_s:g}s; last error: {self.last_error}"
-        )
-
-
-# Keyed by the settings too: sources that configure one endpoint differently do not inherit each other's.
-_BREAKERS: dict[tuple[str, int, float], tuple[CircuitBreaker, int]] = {}
-
-
-def acquire_breaker(endpoint: str, failures: int, open_s: float) -> CircuitBreaker:
-    """The endpoint's shared breaker; each acquire is paired with a release when its source closes."""
-    breaker, users = _BREAKERS.get((endpoint, failures, open_s), (CircuitBreaker(failures, open_s), 0))
-    _BREAKERS[endpoint, failures, open_s] = (breaker, users + 1)
-    return breaker
-
-
-def release_breaker(endpoint: str, breaker: CircuitBreaker) -> None:
-    """Forgets the breaker with its last user, so a later server at the same address starts closed."""
-    key = (endpoint, breaker.threshold, breaker.open_s)
-    held, users = _BREAKERS.get(key, (None, 0))
-    if held is breaker:
-        if users > 1:
-            _BREAKERS[key] = (breaker, users - 1)
-        else:
-            del _BREAKERS[key]
 
 
 # The score sits at the end of a reply; a regex never sees more than this many of its last characters.
@@ -205,7 +122,7 @@ def _non_negative(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and value >= 0
 
 
-class JudgeSource:
+class JudgeSource(RewardSource):
     """Scores each sample by asking an LLM judge and parsing a number out of its reply.
 
     Config keys:
@@ -215,14 +132,16 @@ class JudgeSource:
         {data_source} and {extra_info[key]}; write literal braces as {{ }}.
       score_regex: the last match's group 1 (or whole match if no group) is the judge's number;
         score = number * score_scale (default 0.1 maps 0-10 to 0-1). Extra ``judge_raw`` = number.
-      max_concurrency: requests in flight to the judge at once, from this source.
-      requests_per_minute: request starts per minute, retries included (0 = unlimited).
+      max_concurrency: requests in flight to the judge at once, from this source (its capacity: a sample
+        holds one until answered, its retries included).
+      requests_per_minute: request starts per minute, retries included (0 = unlimited); samples are then
+        handed over one at a time, as the limit allows.
       timeout_s: per HTTP attempt -> DeadlineExceeded (not retried: the judge is slow, not away).
       max_retries, retry_backoff_s: connection errors only (refused, reset, DNS) are retried, with
         backoff retry_backoff_s * 2**n, then DependencyFailed (FAILED_PRECONDITION: another reward
         server would fail the same way, so clients do not re-route it). HTTP errors are never retried:
         a 4xx will not improve and a 5xx judge under load should not get extra traffic from us.
-      breaker_failures, breaker_open_s: the endpoint's circuit breaker (see CircuitBreaker): after this
+      breaker_failures, breaker_open_s: the endpoint's circuit breaker (common.circuit_breaker): after this
         many consecutive failures, samples fail at once with DependencyFailed for breaker_open_s.
       parse_timeout_s: time budget for parsing one reply in the isolated parser worker.
       temperature, max_tokens, system_prompt: sent as is.
@@ -417,7 +336,7 @@ class JudgeSource:
                 async with self._semaphore:
                     await self._limiter.acquire()
                     if not self.breaker.allow():  # checked last: the breaker may have opened while we queued
-                        return DependencyFailed(self.breaker.describe(self.endpoint))
+                        return DependencyFailed(f"judge {self.breaker.describe(self.endpoint)}")
                     try:
                         async with asyncio.timeout(self.timeout_s):
                             reply = await self._post(body)
@@ -450,10 +369,21 @@ class JudgeSource:
         except Exception as exc:  # other aiohttp errors: bad redirect, payload error, ...
             return SourceFailed(f"judge {self.endpoint} request failed: {describe_exception(exc)}")
 
+    @property
+    def capacity(self) -> Capacity:
+        return Capacity(self.max_concurrency, "requests in flight", "sample", paced=self._limiter.interval > 0)
+
+    def start_delay(self) -> float:
+        return self._limiter.delay()
+
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        return list(await asyncio.gather(*self.start_each(batch)))
+
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
+        """Each sample's request started now (answered when its reply is parsed)."""
         if self._parser is not None:
             self._parser.start()  # spawns the parser's worker while the first requests are in flight
-        return list(await asyncio.gather(*(self._score_one(sample) for sample in batch)))
+        return [asyncio.ensure_future(self._score_one(sample)) for sample in batch]
 
     async def warmup(self) -> None:
         if self._parser is not None:

@@ -44,17 +44,21 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
 
 logger = logging.getLogger(__name__)
 
 _RETOKENIZE = ("auto", "always", "never")
+# Batches in flight on the model: one computing, the next staged (built, padded, copied) meanwhile. A third would
+# only wait for the model's lock, holding its samples out of the fair queue.
+BATCHES_IN_FLIGHT = 2
 
 
-class ModelSource:
+class ModelSource(RewardSource):
     """Scores samples with a local sequence-classification reward model."""
 
     kind = "model"
+    capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
 
     def __init__(
         self,

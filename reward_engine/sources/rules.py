@@ -18,7 +18,7 @@ from typing import Any
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output
-from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
+from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
@@ -317,9 +317,9 @@ _YIELD_EVERY_S = 0.02
 ISOLATION_MODES = ("auto", "process", "inline")
 
 
-class RuleSource:
-    """Runs a registered rule on each sample: isolated in warm worker processes (a pool per source,
-    several samples per round trip), or inline for rules registered as bounded (``isolate=False``).
+class RuleSource(RewardSource):
+    """Runs a registered rule on each sample: isolated in warm worker processes (a pool per source; its capacity
+    is its workers), or inline for rules registered as bounded (``isolate=False``; no limit: a batch runs at once).
 
     Config keys:
       rule: the registered name.
@@ -400,25 +400,21 @@ class RuleSource:
         except SourceFailed as exc:
             return exc
 
-    # A pipeline may take a slow sample's result as a future (IsolatedPool.run's ``late``): see score_batch.
-    answers_late = True
-
-    async def score_batch(self, batch: list[RewardInput], *, late: bool = False) -> BatchResult:
-        """Each sample's result, in order; ``late``: a sample still running after the pool's straggler time
-        is left as a future in its place (its batch does not wait for it)."""
+    @property
+    def capacity(self) -> Capacity:
+        """Isolated: per sample, the worker processes (plus a spare for each slow call that stepped aside).
+        Inline: no limit, a batch runs on the event loop as it is handed over."""
         if self.pool is not None:
-            assert self._spec is not None
-            calls = [
-                Call(
-                    self._spec,
-                    {},
-                    self._what,
-                    verl=True,
-                    args=(s.data_source, s.response_text, s.ground_truth, s.extra_info),
-                )
-                for s in batch
-            ]
-            return list(await self.pool.run(calls, late=late))
+            return Capacity(self.pool.slots, "worker processes", "sample")
+        return Capacity()
+
+    def on_capacity(self, wake: Callable[[], None]) -> None:
+        if self.pool is not None:
+            self.pool.on_capacity(wake)
+
+    async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
+        if self.pool is not None:
+            return list(await self.pool.run(self._calls(batch)))
         results: BatchResult = []
         last_yield = time.monotonic()
         for sample in batch:
@@ -427,6 +423,17 @@ class RuleSource:
                 await asyncio.sleep(0)
                 last_yield = time.monotonic()
         return results
+
+    def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
+        """Isolated: each sample's call queued for a worker now. Inline: None, a batch runs at once."""
+        if self.pool is not None:
+            return self.pool.submit(self._calls(batch))
+        return None
+
+    def _calls(self, batch: list[RewardInput]) -> list[Call]:
+        assert self._spec is not None
+        args = [(s.data_source, s.response_text, s.ground_truth, s.extra_info) for s in batch]
+        return [Call(self._spec, {}, self._what, verl=True, args=a) for a in args]
 
     async def warmup(self) -> None:
         """Start the worker processes now, so the first batch does not wait for them."""

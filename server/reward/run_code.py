@@ -64,9 +64,8 @@ class RunCode:
         named = self.engine.pipelines.get("code")
         for pipeline in [named] if named else self.engine.pipelines.values():
             for ws in pipeline.sources:
-                found = getattr(ws.source, "sandbox", None)
-                if isinstance(found, Sandbox):
-                    return found
+                if ws.source.sandbox is not None:
+                    return ws.source.sandbox
         if self._own is None:
             self._own = Sandbox()
         return self._own

@@ -58,3 +58,25 @@ async def test_server_down_raises_within_seconds_even_with_mask_errors() -> None
         await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 30)
     assert time.monotonic() - start < 30
     await reward.scorer.close()
+
+
+@pytest.mark.slow
+async def test_every_call_on_a_down_server_raises_as_fast_as_the_first() -> None:
+    """One reward callable (one client, as TRL keeps it across steps): the server's backoff grows with every failed
+    call, but each call's samples try on their own schedule, so no later call waits longer than the first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k")
+    try:
+        for call in range(4):
+            start = time.monotonic()
+            with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+                await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 60)
+            # The first takes about 0.2 x (1 + 2 + 4 + 8) x 0.75 s; once the server's backoff reached its 5 s cap,
+            # waiting on it would take 10-20 s a call.
+            assert time.monotonic() - start < 9.0, call
+        (stream,) = reward.scorer.client().streams
+        assert stream.failures >= 15  # the server's own backoff is at its cap
+    finally:
+        await reward.scorer.close()

@@ -14,10 +14,15 @@ import threading
 import time
 from typing import Any
 
+import grpc
 import pytest
 
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.client.targets import Member, TargetPool, expand_targets
+from rewardmesh.common.channels import open_channel
+from rewardmesh.server.reward.server import RewardServer, build_engine
+from rewardmesh.server.serving import ServerOptions
+from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.servers import fn_pipeline, reward_server, sample
 from tests.support.waiting import eventually
 
@@ -187,3 +192,96 @@ async def test_dead_target_is_retried_with_backoff_not_in_a_tight_loop(caplog: p
     assert all(r.HasField("error") for r in results)
     down_lines = [r for r in caplog.records if "is down" in r.getMessage()]
     assert len(down_lines) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_a_caller_never_waits_on_a_backoff_that_earlier_failures_grew() -> None:
+    """A member down for long backs off for max_backoff_s, but a caller's own tries follow its own schedule: at
+    once, then backoff_s, 2 x backoff_s ... (jittered down to half), probing the member whose backoff ends first."""
+    pool = TargetPool(["a:1", "b:1"], Member, backoff_s=0.1, max_backoff_s=30.0)
+    for _ in range(20):
+        for m in pool.members:
+            pool.mark_failed(m, "connection refused")
+    assert pool.pick() is None and pool.retry_in() >= 0.5 * 30.0 - 0.1  # the pool's own view: long backoffs
+    assert pool.retry_in(0) == 0.0  # a new caller tries at once
+    for attempt in range(1, 6):
+        assert 0.05 * 2 ** (attempt - 1) <= pool.retry_in(attempt) <= 0.1 * 2 ** (attempt - 1)
+    a, b = pool.members
+    a.down_until = b.down_until - 1.0  # a's backoff ends first
+    assert pool.pick(probe=True) is a and pool.pick(avoid=a, probe=True) is b
+    woke: list[Member] = []
+    pool.on_up(woke.append)
+    pool.mark_ok(b)
+    assert woke == [b] and pool.pick() is b
+    await pool.close()
+
+
+async def test_repeated_calls_on_a_down_fleet_fail_as_fast_as_the_first() -> None:
+    async with reward_server() as server:
+        address = server.address
+    async with RewardClient([address], max_attempts=5, retry_backoff_s=0.05) as client:
+        for call in range(6):
+            started = time.monotonic()
+            results = await asyncio.gather(*(client.submit(sample(f"c{call}-{i}"), "gsm8k") for i in range(8)))
+            # Each sample made its own 5 attempts: about 0.05 x (1 + 2 + 4 + 8) s of waiting. Waiting on the
+            # member's backoff instead (5 s once it had failed a dozen times) would take over 10 s a call.
+            assert time.monotonic() - started < 8.0, call
+            assert all("after 5 attempts" in r.error.message for r in results), results[0]
+        (stream,) = client.streams
+        assert stream.failures >= 10 and stream.down_until - time.monotonic() > 0  # down for long, backing off
+
+
+class Dialed(Member):
+    """A member with a real channel (what the pool watches while the member is down)."""
+
+    def __init__(self, address: str, server_name: str = "") -> None:
+        super().__init__(address, server_name)
+        self.channel = open_channel(address)
+
+    async def close(self) -> None:
+        assert self.channel is not None
+        await self.channel.close(grace=None)
+
+
+async def test_a_down_member_is_usable_at_once_when_its_server_is_back(caplog: pytest.LogCaptureFixture) -> None:
+    """Its backoff has half a minute to run; its channel connecting again ends it, and wakes who waits."""
+    caplog.set_level(logging.INFO, logger="rewardmesh.client.targets")
+    async with reward_server() as server:
+        address = server.address
+    pool = TargetPool([address], Dialed, backoff_s=30.0, max_backoff_s=60.0)
+    (member,) = pool.members
+    woke: list[Member] = []
+    pool.on_up(woke.append)
+    try:
+        assert member.channel is not None
+        with pytest.raises(grpc.RpcError):  # a real failed call: the channel has lost its connection
+            await reward_pb2_grpc.RewardServiceStub(member.channel).ListRewards(reward_pb2.ListRewardsRequest())
+        pool.mark_failed(member, "connection refused")
+        assert member.down_until - time.monotonic() > 14.0 and pool.pick() is None
+        back = RewardServer(build_engine(None), ServerOptions(host="127.0.0.1", port=int(address.rsplit(":", 1)[1])))
+        await back.start()
+        try:
+            await pool.wait_up(60.0)
+            assert pool.pick() is member and woke == [member]  # before its backoff ended
+            assert member.down_until == 0.0 and "is reachable again" in caplog.text
+        finally:
+            await back.stop(grace=0.5)
+    finally:
+        await pool.close()
+
+
+async def test_a_sample_waiting_for_a_down_fleet_is_scored_once_a_target_is_back() -> None:
+    async with reward_server() as server:
+        address = server.address
+    port = int(address.rsplit(":", 1)[1])
+    async with RewardClient([address], max_attempts=100, retry_backoff_s=1.0) as client:
+        waiting = client.submit(sample("w"), "gsm8k")
+        (stream,) = client.streams
+        await eventually(lambda: stream.down and stream.failures >= 2, "the sample's tries failed")
+        assert not waiting.done()
+        back = RewardServer(build_engine(None), ServerOptions(host="127.0.0.1", port=port))
+        await back.start()
+        try:
+            result = await asyncio.wait_for(waiting, 60)
+        finally:
+            await back.stop(grace=0.5)
+    assert not result.HasField("error") and result.score == 1.0

@@ -565,15 +565,16 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
     from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
     from tests.support.servers import sample
 
-    fns = "tests.support.server_reward_fns:fails_some"
-    pipelines = {"some_fail": {"sources": [{"type": "function", "function": fns}],
-                               "batching": {"max_batch_size": 4, "max_queue_delay_ms": 200}}}  # fmt: skip
+    # A batched source (a rule inline: samples of a per-sample source are each answered apart, as a batch of one);
+    # `auto` fails the sample whose data_source it does not know.
+    rule = {"type": "rule", "rule": "auto", "isolation": "inline"}
+    pipelines = {"some_fail": {"sources": [rule], "batching": {"max_batch_size": 4, "max_queue_delay_ms": 200}}}
     parents = {sid: (new_trace_id(), new_span_id()) for sid in ("m0", "m1", "m2", "m3")}
     SPANS.clear()
     async with reward_server(pipelines) as rs, RewardClient([rs.address]) as client:
-        responses = {"m0": "boom", "m1": "#### 4", "m2": "#### 4", "m3": "#### 4"}
-        results = await asyncio.gather(*(client.submit(sample(sid, response=r), "some_fail")
-                                         for sid, r in responses.items()))  # fmt: skip
+        samples = [sample(sid) for sid in ("m0", "m1", "m2", "m3")]
+        samples[0].data_source = "no_such_source"
+        results = await asyncio.gather(*(client.submit(s, "some_fail") for s in samples))
         assert [r.HasField("error") for r in results] == [True, False, False, False]
         assert {r.batch_size for r in results[1:]} == {4}  # one batch of four
         for sid in ("m0", "m1"):  # the failure first: it owns the batch's span

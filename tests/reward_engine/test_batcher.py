@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
-from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher
+from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, StartLimits
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, holds_for
 
 
 def inp(sid: str, tokens: int = 4) -> RewardInput:
@@ -148,10 +149,11 @@ async def test_expired_samples_are_dropped_before_compute() -> None:
     late_deadline = time.monotonic() + 0.02
     late = asyncio.create_task(b.submit(inp("late"), deadline=late_deadline))
     ok = asyncio.create_task(b.submit(inp("ok"), deadline=time.monotonic() + 30))
-    await eventually(lambda: b.queue_depth == 2 and time.monotonic() > late_deadline, "the late sample expires queued")
-    rec.gate.set()
-    with pytest.raises(DeadlineExceeded, match="deadline"):
+    # Answered at its deadline, while the batch slot is still busy: not when the next batch forms.
+    with pytest.raises(DeadlineExceeded, match="sample deadline passed"):
         await late
+    assert rec.active == 1 and b.queue_depth == 1 and time.monotonic() >= late_deadline
+    rec.gate.set()
     await asyncio.gather(running, ok)
     assert "late" not in sum(rec.batches, []) and "ok" in sum(rec.batches, [])
     await b.close()
@@ -248,4 +250,90 @@ async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> N
     assert rest[1] == ("tok-b", 2)
     assert rest[2][0] == "tok-bad1" and isinstance(rest[2][1], SourceFailed)  # type: ignore[index]
     assert len(rest) == 3  # "c" was cancelled: never delivered, never computed
+    await b.close()
+
+
+# ------------------------------------------------------------------------------------------ capacity
+
+
+class Apart:
+    """A per-sample source's compute: each sample answered apart, by the test, through its future."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.futures: dict[str, asyncio.Future[Any]] = {}
+
+    async def __call__(self, batch: list[RewardInput]) -> list[asyncio.Future[Any]]:
+        loop = asyncio.get_running_loop()
+        out = []
+        for x in batch:
+            self.started.append(x.sample_id)
+            out.append(self.futures.setdefault(x.sample_id, loop.create_future()))
+        return out
+
+    def finish(self, sid: str) -> None:
+        self.futures[sid].set_result(RewardOutput(1.0))
+
+
+async def test_a_batch_holds_at_most_the_free_slots_and_a_sample_its_slot_until_answered() -> None:
+    source = Apart()
+    b = DynamicBatcher(
+        source, BatcherConfig(max_batch_size=16, max_queue_delay_ms=50), limits=lambda: StartLimits(samples=2)
+    )
+    handed: list[list[str]] = []
+    peak = [0]
+
+    def on_start(batch: list[Any]) -> None:
+        handed.append([t.inp.sample_id for t in batch])
+        peak[0] = max(peak[0], b.in_flight_samples)
+
+    b.on_start = on_start
+    futures = [b.enqueue(inp(f"s{i}")) for i in range(6)]
+    await eventually(lambda: len(source.started) == 2, "two samples start")
+    await holds_for(lambda: len(source.started) == 2 and b.in_flight_samples == 2, "no third sample starts")
+    source.finish("s1")  # one slot frees: exactly one more starts (the queue delay does not apply per sample)
+    await eventually(lambda: len(source.started) == 3, "a third sample starts")
+    assert (await futures[1]).batch_size == 1 and not futures[0].done()
+    for sid in ("s0", "s2", "s3", "s4", "s5"):
+        await eventually(lambda sid=sid: sid in source.futures, f"{sid} starts")  # type: ignore[misc]
+        source.finish(sid)
+    await asyncio.gather(*futures)
+    assert handed[:2] == [["s0", "s1"], ["s2"]] and sorted(sum(handed, [])) == [f"s{i}" for i in range(6)]
+    assert peak == [2] and b.in_flight_samples == 0
+    await b.close()
+
+
+async def test_a_paced_source_gets_one_sample_at_a_time_when_its_delay_allows() -> None:
+    rec = Recorder()
+    allowed = [0.0]
+    b = DynamicBatcher(
+        rec,
+        BatcherConfig(max_batch_size=8, max_queue_delay_ms=0, max_concurrent_batches=4),
+        limits=lambda: StartLimits(paced=True),
+        start_delay=lambda: max(0.0, allowed[0] - time.monotonic()),
+    )
+    allowed[0] = time.monotonic() + 3600  # the next start is an hour away
+    futures = [b.enqueue(inp(f"s{i}")) for i in range(3)]
+    await holds_for(lambda: not rec.batches, "nothing starts before the source allows it")
+    allowed[0] = 0.0
+    b.wake()
+    await asyncio.gather(*futures)
+    assert rec.batches == [["s0"], ["s1"], ["s2"]]  # one at a time, never a batch queued in the source's limiter
+    await b.close()
+
+
+async def test_a_sample_that_can_no_longer_make_its_step_deadline_when_it_would_start_never_starts() -> None:
+    """Checked where the work starts, with what scoring takes by then (it may have grown since the sample came)."""
+    rec = Recorder()
+    rec.gate = asyncio.Event()
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+    running = asyncio.create_task(b.submit(inp("running")))
+    await eventually(lambda: rec.active == 1, "one sample computes")
+    later = b.enqueue(inp("later"), due=time.monotonic() + 30)  # fine when it comes: scoring took ~0 so far
+    b.service_s = 60.0  # scoring has come to take a minute
+    rec.gate.set()
+    with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
+        await later
+    await running
+    assert rec.batches == [["running"]]
     await b.close()

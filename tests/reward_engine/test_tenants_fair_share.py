@@ -11,7 +11,7 @@ import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
-from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.fair_queue import BURST, Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
 
@@ -77,6 +77,28 @@ async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch(
     await asyncio.gather(*futures)
     assert Counter(map(tenant_of, turnstile.batches[11])) == {"late": 2, "flood": 2}  # not behind 356 samples
     assert flood.in_flight == late.in_flight == 0
+    await b.close()
+
+
+async def test_a_tenant_back_from_idle_goes_ahead_of_a_backlog_up_to_its_credit_then_alternates() -> None:
+    """A small step sent at once (less than its share on average) is served ahead of a flooder's backlog, not
+    interleaved with it; beyond BURST samples of credit the two alternate by weight."""
+    turnstile = Turnstile()
+    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+    flood, small = Tenant("flood"), Tenant("small")
+    futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(600)]
+    for _ in range(10):
+        turnstile.permits.release()
+    await eventually(lambda: len(turnstile.batches) == 11, "ten flood batches done, the eleventh computing")
+    futures += [b.enqueue(inp(f"small-{i}"), tenant=small) for i in range(BURST + 16)]
+    for _ in range(400):
+        turnstile.permits.release()
+    await asyncio.gather(*futures)
+    after = [tenant_of(sid) for batch in turnstile.batches[11:] for sid in batch]
+    assert after[:BURST] == ["small"] * BURST, after[: BURST + 4]
+    shared = after[BURST : BURST + 24]  # its credit spent: one each, alternating
+    assert abs(shared.count("small") - shared.count("flood")) <= 2, shared
+    assert flood.in_flight == small.in_flight == 0
     await b.close()
 
 

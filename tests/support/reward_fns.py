@@ -134,3 +134,27 @@ def forks_a_sleeper(
         f.write(str(child.pid))
     child.wait()
     return 1.0
+
+
+def logged_start(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> float:
+    """Appends the sample's `ground_truth` (its id, in the tests that use it) to the file extra_info['log'] as it
+    starts (one O_APPEND write: lines of several workers never mix), then waits until the file extra_info['gate']
+    exists (at most a minute), if given, and burns extra_info['burn_ms'] of CPU: what started, in what order, in
+    the worker processes themselves."""
+    extra = extra_info or {}
+    fd = os.open(str(extra["log"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, f"{ground_truth}\n".encode())
+    finally:
+        os.close(fd)
+    gate = extra.get("gate")
+    if gate:
+        until = time.monotonic() + 60
+        while not os.path.exists(str(gate)) and time.monotonic() < until:
+            time.sleep(0.001)
+    burn_until = time.perf_counter() + float(extra.get("burn_ms", 0)) / 1000
+    while time.perf_counter() < burn_until:
+        pass
+    return 1.0

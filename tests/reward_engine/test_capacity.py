@@ -1,0 +1,293 @@
+"""Work leaves the fair queue only when its source can start it, on every kind of real source: a function on real
+worker processes, code in the real sandbox, a judge over HTTP against a slow local OpenAI-compatible server, and the
+tiny reward model, each with its kind's default batching and with a user's.
+
+In each, tenant A floods the pipeline while its source is held (its work cannot finish), two of A's samples wait with
+deadlines they cannot make, then tenant B sends a small step and the source is let go. What decides B's latency is
+asserted, not its latency: how many of A's samples started between B's arrival and each of B's starts (none before
+B's first, then B's weighted half), that the source never had more started than its capacity (so what was handed
+over is what ran: no queue of its own behind the fair queue), checked where the work really runs where that can be
+seen (the function's worker processes log their starts, the judge server logs its requests), and that the samples
+past their deadlines never took a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rewardmesh.common.errors import DeadlineExceeded
+from rewardmesh.demo.tiny_models import TinyModelPaths
+from rewardmesh.reward_engine.batcher import Scored, Ticket
+from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.pipeline import RewardPipeline
+from rewardmesh.reward_engine.types import RewardInput
+from tests.support.fake_openai import FakeOpenAI, Reply
+from tests.support.waiting import eventually
+
+FNS = "tests/support/reward_fns.py"
+# A user's batching, as a user wrote it for a function pipeline.
+USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size": 4096}
+BATCHINGS = pytest.mark.parametrize("batching", [None, USER_BATCHING], ids=["default", "user-batching"])
+STEP = 8  # B's step: small, all at once
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
+
+
+class Starts:
+    """A pipeline's start log: each batch as it is handed to the source, and every moment the source had more
+    started than its capacity, or than `workers()` says really run it (there must be none)."""
+
+    def __init__(self, pipeline: RewardPipeline, workers: Callable[[], int] | None = None) -> None:
+        self.pipeline = pipeline
+        self.workers = workers
+        self.batches: list[list[tuple[str, str]]] = []
+        self.over: list[str] = []
+        pipeline.batcher.on_start = self
+
+    def __call__(self, batch: list[Ticket]) -> None:
+        self.batches.append([(t.tenant.name, t.inp.sample_id) for t in batch])
+        limits, batcher = self.pipeline.limits(), self.pipeline.batcher
+        if limits.samples is not None and batcher.in_flight_samples > limits.samples:
+            self.over.append(f"{batcher.in_flight_samples} samples started, capacity {limits.samples}")
+        if self.workers is not None and batcher.in_flight_samples > self.workers():
+            self.over.append(f"{batcher.in_flight_samples} samples started, {self.workers()} workers")
+        if limits.batches is not None and batcher.in_flight_batches > limits.batches:
+            self.over.append(f"{batcher.in_flight_batches} batches started, capacity {limits.batches}")
+
+    @property
+    def order(self) -> list[tuple[str, str]]:
+        return [entry for batch in self.batches for entry in batch]
+
+    def ids(self) -> set[str]:
+        return {sid for _, sid in self.order}
+
+
+def a_before_each_b(order: list[str]) -> list[int]:
+    """For each of B's samples, in start order: how many of A's started before it (in `order`, tenants' names)."""
+    counts, a = [], 0
+    for tenant in order:
+        if tenant == "a":
+            a += 1
+        else:
+            counts.append(a)
+    return counts
+
+
+def assert_b_goes_first_then_shares(order: list[str], first: int = 0) -> None:
+    """From B's arrival on: at most `first` of A's samples before B's first, and B gets its weighted half after
+    (B's k-th sample after at most k + 1 of A's): B never waits behind A's backlog."""
+    counts = a_before_each_b(order)
+    assert len(counts) == STEP, order
+    assert counts[0] <= first, order
+    assert all(c <= k + 1 + first for k, c in enumerate(counts)), (counts, order)
+
+
+def sample(sid: str, response: str = "", ground_truth: str = "", tokens: int = 6, **extra: Any) -> RewardInput:
+    return RewardInput(
+        sid,
+        np.arange(1, 3, dtype=np.int32),
+        np.arange(3, 3 + tokens - 2, dtype=np.int32),
+        response_text=response or sid,
+        ground_truth=ground_truth or sid,
+        extra_info=extra,
+    )
+
+
+@asynccontextmanager
+async def pipeline_of(source: dict[str, Any], batching: dict[str, Any] | None) -> Any:
+    engine = RewardEngine()
+    engine.add_from_config({"p": {"sources": [source], **({"batching": batching} if batching else {})}})
+    await engine.warmup()
+    try:
+        yield engine.pipelines["p"]
+    finally:
+        await engine.close(drain=False)
+
+
+async def flood_then_step(
+    pipeline: RewardPipeline,
+    make: Callable[[str, int], RewardInput],
+    flood: int,
+    release: Callable[[], None],
+    *,
+    settled: Callable[[int], bool] = lambda held: True,
+    on_arrival: Callable[[], None] = lambda: None,
+    workers: Callable[[], int] | None = None,
+) -> tuple[Starts, int, list[str]]:
+    """A floods (`flood` samples) while the source is held (`settled(held)`: the `held` samples handed over are seen
+    running where the work runs); two more of A's wait behind them with a deadline and a step deadline they cannot
+    make, and are answered DEADLINE_EXCEEDED; B's step arrives (`on_arrival` marks it where the work runs); the
+    source is let go (`release`). Returns the start log, where B arrived in it, and the two hopeless samples' ids."""
+    starts = Starts(pipeline, workers)
+    batcher = pipeline.batcher
+    a, b = Tenant("a"), Tenant("b")
+    flooding = [batcher.enqueue(make("a", i), tenant=a) for i in range(flood)]
+    lim = pipeline.limits()
+
+    def full() -> bool:
+        if lim.samples is not None:
+            return batcher.in_flight_samples >= lim.samples
+        return batcher.in_flight_batches >= (lim.batches or batcher.config.max_concurrent_batches)
+
+    await eventually(
+        lambda: full() and batcher.queue_depth and settled(batcher.in_flight_samples),
+        "A's flood holds every slot, the rest queued",
+    )
+    now = time.monotonic()
+    late = batcher.enqueue(make("a", flood), tenant=a, deadline=now + 0.05)
+    hopeless = batcher.enqueue(make("a", flood + 1), tenant=a, due=now + 0.2)
+    for fut in (late, hopeless):
+        with pytest.raises(DeadlineExceeded):
+            await fut
+    mark = len(starts.order)
+    on_arrival()
+    step = [batcher.enqueue(make("b", i), tenant=b) for i in range(STEP)]
+    release()
+    results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
+    assert all(r.output.score is not None for r in results)
+    await batcher.close(drain=False)
+    await asyncio.gather(*flooding, return_exceptions=True)
+    assert starts.over == [], starts.over
+    return starts, mark, [make("a", flood).sample_id, make("a", flood + 1).sample_id]
+
+
+# ------------------------------------------------------------------------------ functions on worker processes
+
+
+@BATCHINGS
+async def test_a_function_pipeline_starts_a_small_step_next_on_its_worker_processes(
+    batching: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    log, gate = tmp_path / "starts.log", tmp_path / "gate"
+    log.touch()
+    source = {"type": "function", "function": f"{FNS}:logged_start", "max_workers": 2, "timeout_s": 60}
+
+    def make(tenant: str, i: int) -> RewardInput:
+        held: dict[str, Any] = {"gate": str(gate)} if tenant == "a" else {}
+        return sample(f"{tenant}{i}", log=str(log), burn_ms=1, **held)
+
+    processes: list[int] = []
+    async with pipeline_of(source, batching) as pipeline:
+        pool = pipeline.sources[0].source.pool
+        starts, mark, hopeless = await flood_then_step(
+            pipeline,
+            make,
+            60,
+            gate.touch,
+            settled=lambda held: len(log.read_text().split()) == held,
+            on_arrival=lambda: processes.append(len(pool.pids)),
+            workers=lambda: len(pool.pids),
+        )
+    assert_b_goes_first_then_shares([tenant for tenant, _ in starts.order[mark:]])
+    # Where the work ran: the workers' own log. Each sample handed over started there, once (but for those still
+    # waiting for a worker when the pipeline closed, at most one per worker), the hopeless ones never; and the
+    # capacity the batcher kept to was the worker processes that ran them.
+    in_workers = log.read_text().split()
+    assert len(in_workers) == len(set(in_workers)) and set(in_workers) <= starts.ids()
+    assert {f"b{i}" for i in range(STEP)} <= set(in_workers) and len(starts.ids() - set(in_workers)) <= 2
+    assert not set(hopeless) & set(in_workers) and processes == [2]
+
+
+# ------------------------------------------------------------------------------------ code in the sandbox
+
+
+@needs_bwrap
+@BATCHINGS
+async def test_a_code_pipeline_starts_a_small_step_next_in_its_sandbox_slots(batching: dict[str, Any] | None) -> None:
+    source = {"type": "code", "workers": 2, "timeout_s": 10}
+    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+    slow = "```python\nimport time\ntime.sleep(0.3)\nprint(input())\n```"  # A's: each holds its slot 0.3 s or more
+    echo = "```python\nprint(input())\n```"
+
+    def make(tenant: str, i: int) -> RewardInput:
+        return sample(f"{tenant}{i}", response=slow if tenant == "a" else echo, ground_truth=tests)
+
+    async with pipeline_of(source, batching) as pipeline:
+        # Held by its own programs: none of A's ends before 0.3 s, so the two late ones cannot reach a slot in time.
+        starts, mark, hopeless = await flood_then_step(pipeline, make, 24, lambda: None)
+    assert_b_goes_first_then_shares([tenant for tenant, _ in starts.order[mark:]])
+    assert not set(hopeless) & starts.ids()
+
+
+# ------------------------------------------------------------------------------------- a judge over HTTP
+
+
+@BATCHINGS
+async def test_a_judge_pipeline_sends_a_small_step_next_to_its_server(batching: dict[str, Any] | None) -> None:
+    gate = asyncio.Event()
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        if body["messages"][-1]["content"].startswith("a"):
+            await gate.wait()  # the judge holds A's requests until the test lets go
+        return Reply("Score: 5", delay_s=0.05)  # a slow judge
+
+    async with FakeOpenAI(reply=reply) as server:
+        connections = 8
+        source = {"type": "judge", "url": server.url, "model": "m", "prompt_template": "{response}",
+                  "max_concurrency": connections}  # fmt: skip
+        arrived: list[int] = []
+        async with pipeline_of(source, batching) as pipeline:
+            starts, mark, hopeless = await flood_then_step(
+                pipeline,
+                lambda t, i: sample(f"{t}{i}"),
+                100,
+                gate.set,
+                settled=lambda held: len(server.requests) == held,
+                on_arrival=lambda: arrived.append(len(server.requests)),
+                workers=lambda: connections,
+            )
+        requested = [r.user_message for r in server.requests]
+    assert_b_goes_first_then_shares([tenant for tenant, _ in starts.order[mark:]])
+    # Where the work ran: the judge server's own log. After B arrived, before B's first request, at most the A's
+    # requests sent beside it (one per other request in flight).
+    assert not set(hopeless) & set(requested) and not set(hopeless) & starts.ids()
+    assert a_before_each_b([sid[0] for sid in requested[arrived[0] :]])[0] <= connections - 1
+    assert server.peak_in_flight <= connections
+
+
+# ------------------------------------------------------------------------------------------ a reward model
+
+
+@contextmanager
+def model_held(pipeline: RewardPipeline) -> Iterator[Callable[[], None]]:
+    """Holds the model: its forward passes take turns on its lock, and the test has it."""
+    lock = pipeline.sources[0].source._lock  # type: ignore[attr-defined]
+    lock.acquire()
+    held = [True]
+
+    def release() -> None:
+        if held[0]:
+            held[0] = False
+            lock.release()
+
+    try:
+        yield release
+    finally:
+        release()
+
+
+@BATCHINGS
+async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
+    batching: dict[str, Any] | None, tiny_models: TinyModelPaths
+) -> None:
+    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    async with pipeline_of(source, batching) as pipeline:
+        with model_held(pipeline) as release:
+            starts, mark, hopeless = await flood_then_step(pipeline, lambda t, i: sample(f"{t}{i}"), 400, release)
+    # Two batches in flight (one computing, one staged): B's whole step goes in the first batch handed over after
+    # it arrived; before it, only the batch already staged, which was handed over before B arrived.
+    first = next(k for k, batch in enumerate(starts.batches) if any(tenant == "b" for tenant, _ in batch))
+    assert sum(len(batch) for batch in starts.batches[:first]) == mark
+    assert sorted(sid for tenant, sid in starts.batches[first] if tenant == "b") == sorted(f"b{i}" for i in range(8))
+    assert not set(hopeless) & starts.ids()
