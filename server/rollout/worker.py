@@ -1,12 +1,17 @@
-"""The rollout data plane: one sample's generate -> reward -> timing, and the load counters GetInfo reports.
+"""The rollout data plane: samples generated -> rewarded -> timed, and the load counters GetInfo reports.
 
 The servicer (`server/rollout/service.py`) decodes and validates a GenerateRequest into `Job`s and encodes
 what this module returns; everything between (the agent loop, the Score stream to a reward server, the
 timing) lives here, as the reward servicer's data plane lives in `RewardEngine`.
+
+Where the agent loop allows it (no tools: one turn per sample) the samples of one prompt go to the backend as one
+group (`Backend.generate_group`: vLLM prepares the prompt once and runs its n samples as one request); each is still
+handed on, to the reward stream and the caller, the moment it finishes. A sample with tools runs its own agent loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -19,9 +24,9 @@ from opentelemetry.util.types import AttributeValue
 from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.common.tensors import ids_tensor, numpy_to_tensor
 from rewardmesh.server.decoding import decoder
-from rewardmesh.server.rollout.agent_loop import AgentSettings, Rollout, run_agent_loop
-from rewardmesh.server.rollout.backends.base import Backend, GenerationRequest
-from rewardmesh.server.rollout.telemetry import NoTrace, RolloutTelemetry, SampleTrace
+from rewardmesh.server.rollout.agent_loop import AgentSettings, Rollout, one_turn, run_agent_loop, turn_max_tokens
+from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest
+from rewardmesh.server.rollout.telemetry import NO_TRACE, NoTrace, RolloutTelemetry, SampleTrace, traces_on
 from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2, rollout_pb2
 
@@ -33,6 +38,8 @@ FINISH = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "max_turns": common_pb2.FINISH_REASON_MAX_TURNS,
 }
+
+Answer = asyncio.Future[rollout_pb2.GenerateResponse]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,23 @@ class RunSettings:
     step_deadline: float | None = None  # time.monotonic() by which the call's samples must be scored
 
 
+def groups(jobs: Sequence[Job]) -> Iterator[tuple[int, int]]:
+    """[lo, hi) runs of samples one engine request can draw: one prompt, seeds consecutive (or all unseeded)."""
+    lo = 0
+    for i in range(1, len(jobs) + 1):
+        if i == len(jobs) or not _same_group(jobs[i - 1], jobs[i]):
+            yield lo, i
+            lo = i
+
+
+def _same_group(a: Job, b: Job) -> bool:
+    if a.prompt is not b.prompt:
+        return False
+    if a.seed is None or b.seed is None:
+        return a.seed is b.seed
+    return b.seed == a.seed + 1
+
+
 class RolloutWorker:
     """Runs samples through the agent loop and, when a pipeline is named, the reward service."""
 
@@ -76,6 +100,7 @@ class RolloutWorker:
         self.pending_rewards = 0
         self.active_requests = 0
         self.traces = RolloutTelemetry()  # sample timelines; span trees only for the samples kept
+        self._tasks: set[asyncio.Task[None]] = set()  # background announcements of failed samples' traces
 
     def load(self) -> rollout_pb2.RolloutLoad:
         return rollout_pb2.RolloutLoad(
@@ -100,70 +125,77 @@ class RolloutWorker:
             await self.rewards.announce_kept(rewards)  # with the traceparents those samples were sent without
         return kept, exported
 
-    async def run(self, job: Job, settings: RunSettings) -> rollout_pb2.GenerateResponse:
-        """One sample, generated and (if asked) scored; a generation failure is this sample's error."""
-        attrs: dict[str, AttributeValue] = {
-            "rewardmesh.sample_id": job.sample_id,
-            "rewardmesh.group_id": job.prompt.group_id,
-            "rewardmesh.prompt_length": len(job.prompt.ids),
-        }
-        span = self.traces.begin(job.sample_id, attrs)
-        response = None
-        try:
-            response = await self._run(job, settings, span)
-            return response
-        finally:
-            self.traces.finish(span, response)
+    def start(self, jobs: Sequence[Job], settings: RunSettings) -> list[Answer]:
+        """Start these samples: one future per job, in order, each resolving with that sample's response once it
+        is generated and (if asked) scored; a failure is that sample's error in its response. Cancelling a future
+        abandons its sample (its generation is aborted once no sample of its engine request is left)."""
+        loop = asyncio.get_running_loop()
+        samples = [_Sample(self, job, settings, loop.create_future()) for job in jobs]
+        if settings.agent.tools:  # the agent loop decides per sample how many turns it takes
+            for s in samples:
+                s.task = loop.create_task(self._agent_loop(s))
+        else:
+            for lo, hi in groups(jobs):
+                group = samples[lo:hi]
+                task = loop.create_task(self._generate_group(group))
+                for s in group:
+                    s.task, s.group = task, group
+        return [s.answer for s in samples]
 
-    async def _run(self, job: Job, settings: RunSettings, span: SampleTrace | NoTrace) -> rollout_pb2.GenerateResponse:
+    async def _agent_loop(self, s: _Sample) -> None:
         self.running_samples += 1
         try:
-            sampling = replace(settings.sampling, seed=job.seed)
-            rollout = await run_agent_loop(self.backend, job.prompt.ids, sampling, settings.agent, span.turn)
+            sampling = replace(s.settings.sampling, seed=s.job.seed)
+            rollout = await run_agent_loop(self.backend, s.job.prompt.ids, sampling, s.settings.agent, s.span.turn)
         except SAMPLE_ERRORS as exc:  # any failure is this sample's error, not the stream's
-            log.warning("sample %s failed in generation: %s", job.sample_id, exc)
-            span.failed(str(exc))
-            failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id)
-            return rollout_pb2.GenerateResponse(
-                sample=failed, result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc))
-            )
+            s.failed(exc)
+            return
         finally:
             self.running_samples -= 1
-        response = rollout_pb2.GenerateResponse()
-        sample = response.sample  # built in place: the response is the one Sample this call keeps
-        self._fill(sample, job, rollout)
-        span.annotate(
-            {
-                "rewardmesh.response_length": len(rollout.response_ids),
-                "rewardmesh.num_preempted": rollout.num_preempted,
-                "rewardmesh.num_turns": rollout.num_turns,
-                "rewardmesh.policy_version": rollout.policy_version,
-            }
-        )
-        if not settings.reward or self.rewards is None:
-            return response
-        self.pending_rewards += 1
-        started = time.perf_counter()
+        s.generated(rollout)
+
+    async def _generate_group(self, group: list[_Sample]) -> None:
+        """One engine request for samples of one prompt, each handed on the moment the engine finishes it."""
+        first, n = group[0], len(group)
+        settings = first.settings
+        prompt = first.job.prompt.ids
+        max_tokens = turn_max_tokens(self.backend, len(prompt), 0, settings.sampling, settings.agent)
+        if max_tokens <= 0:
+            for s in group:
+                s.generated(one_turn(self.backend, settings.sampling, None, 0.0))
+            return
+        request = replace(settings.sampling, prompt_ids=prompt, max_tokens=max_tokens, seed=first.job.seed)
+        waiting = [True] * n
+        self.running_samples += n
+        started = time.time_ns()
+
+        def on_sample(k: int, out: GenerationOutput | Exception) -> None:
+            if not waiting[k]:
+                return
+            waiting[k] = False
+            self.running_samples -= 1
+            s = group[k]
+            ended = time.time_ns()
+            s.span.turn("generate", "turn 0", started, ended)
+            if isinstance(out, Exception):
+                s.failed(out)
+            else:
+                s.generated(one_turn(self.backend, request, out, (ended - started) / 1e9))
+
         try:
-            ctx = span.reward_context(settings.reward)
-            result = await self.rewards.submit(
-                sample,
-                settings.reward,
-                timeout=settings.reward_timeout,
-                trace_context=ctx,
-                step_deadline=settings.step_deadline,
-            )
-            span.reward_done(result)
-            if result.HasField("error") and ctx is None and isinstance(span, SampleTrace):
-                # Kept: it failed. Its reward server remembers the failure until it hears the traceparent.
-                await self.rewards.announce_kept({job.sample_id: span.reward_traceparent()})
-        finally:
-            self.pending_rewards -= 1
-        sample.timing.reward = time.perf_counter() - started
-        sample.timing.reward_queue = result.timing.queue
-        sample.timing.reward_compute = result.timing.compute
-        response.result.CopyFrom(result)
-        return response
+            await self.backend.generate_group(request, n, on_sample)
+        except SAMPLE_ERRORS as exc:  # the request failed as a whole: every sample not yet handed on
+            for k in range(n):
+                on_sample(k, exc)
+        except BaseException:  # cancelled: the samples never finished
+            for k in range(n):
+                if waiting[k]:
+                    waiting[k] = False
+                    self.running_samples -= 1
+                    group[k].abandon()
+            raise
+        for k in range(n):  # an engine that returned without reporting a sample: that sample's error
+            on_sample(k, RuntimeError(f"the {self.backend.name} backend reported no output for this sample"))
 
     def _fill(self, sample: common_pb2.Sample, job: Job, rollout: Rollout) -> None:
         """Write the finished sample's fields; the prompt tensor is passed through as it came."""
@@ -193,3 +225,132 @@ class RolloutWorker:
             sample.response_logprobs.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_logprobs, np.float32)))
         if rollout.response_versions is not None:
             sample.response_policy_versions.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_versions, np.int64)))
+
+    def _announce_failed(self, sample_id: str, traceparent: str) -> None:
+        """A scored sample failed and was sent without its trace context: its reward server keeps the failure's
+        spans until it hears the traceparent."""
+        if self.rewards is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.rewards.announce_kept({sample_id: traceparent}))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _Sample:
+    """One sample from start to answer: generated (by its own agent loop or its group's request), then scored by
+    callbacks on the reward future, with no task of its own."""
+
+    __slots__ = ("answer", "group", "job", "reward", "reward_context", "scoring", "settings", "span", "started",
+                 "task", "worker")  # fmt: skip
+
+    def __init__(self, worker: RolloutWorker, job: Job, settings: RunSettings, answer: Answer) -> None:
+        self.worker = worker
+        self.job = job
+        self.settings = settings
+        self.answer = answer
+        self.task: asyncio.Task[None] | None = None  # what generates it
+        self.group: list[_Sample] | None = None  # the samples that task generates, where it is a group's request
+        self.reward: asyncio.Future[reward_pb2.RewardResult] | None = None
+        self.reward_context: dict[str, str] | None = None
+        self.scoring: rollout_pb2.GenerateResponse | None = None
+        self.started = 0.0
+        self.span: SampleTrace | NoTrace = (
+            worker.traces.begin(job.sample_id, self._attributes()) if traces_on() else NO_TRACE
+        )
+        answer.add_done_callback(self._answered)
+
+    def _attributes(self) -> dict[str, AttributeValue]:
+        job = self.job
+        return {
+            "rewardmesh.sample_id": job.sample_id,
+            "rewardmesh.group_id": job.prompt.group_id,
+            "rewardmesh.prompt_length": len(job.prompt.ids),
+        }
+
+    def generated(self, rollout: Rollout) -> None:
+        """Build the sample, then score it (a pipeline named) or answer."""
+        if self.answer.done():  # abandoned meanwhile
+            return
+        worker, settings = self.worker, self.settings
+        response = rollout_pb2.GenerateResponse()
+        sample = response.sample  # built in place: the response is the one Sample this call keeps
+        worker._fill(sample, self.job, rollout)
+        self.span.annotate(
+            {
+                "rewardmesh.response_length": len(rollout.response_ids),
+                "rewardmesh.num_preempted": rollout.num_preempted,
+                "rewardmesh.num_turns": rollout.num_turns,
+                "rewardmesh.policy_version": rollout.policy_version,
+            }
+        )
+        rewards = worker.rewards
+        if not settings.reward or rewards is None:
+            self._finish(response)
+            return
+        worker.pending_rewards += 1
+        self.scoring = response
+        self.started = time.perf_counter()
+        self.reward_context = self.span.reward_context(settings.reward)
+        self.reward = rewards.submit(
+            sample,
+            settings.reward,
+            timeout=settings.reward_timeout,
+            trace_context=self.reward_context,
+            step_deadline=settings.step_deadline,
+        )
+        self.reward.add_done_callback(self._scored)
+
+    def _scored(self, fut: asyncio.Future[reward_pb2.RewardResult]) -> None:
+        self.worker.pending_rewards -= 1
+        response = self.scoring
+        if fut.cancelled() or response is None:  # the sample was abandoned
+            return
+        exc = fut.exception()
+        result = fut.result() if exc is None else _error_result(self.job.sample_id, exc)
+        span = self.span
+        span.reward_done(result)
+        if result.HasField("error") and self.reward_context is None and isinstance(span, SampleTrace):
+            self.worker._announce_failed(self.job.sample_id, span.reward_traceparent())
+        timing = response.sample.timing
+        timing.reward = time.perf_counter() - self.started
+        timing.reward_queue = result.timing.queue
+        timing.reward_compute = result.timing.compute
+        response.result.CopyFrom(result)
+        self._finish(response)
+
+    def failed(self, exc: BaseException) -> None:
+        """Generation failed: this sample's error, not the stream's."""
+        job = self.job
+        log.warning("sample %s failed in generation: %s", job.sample_id, exc)
+        self.span.failed(str(exc))
+        failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id)
+        self._finish(
+            rollout_pb2.GenerateResponse(
+                sample=failed, result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc))
+            )
+        )
+
+    def abandon(self) -> None:
+        """Its generation ended without it (cancelled): the answer is cancelled if nobody did so yet."""
+        self.answer.cancel()
+
+    def _finish(self, response: rollout_pb2.GenerateResponse) -> None:
+        self.worker.traces.finish(self.span, response)
+        if not self.answer.done():
+            self.answer.set_result(response)
+
+    def _answered(self, answer: Answer) -> None:
+        """The answer is set or cancelled: a cancelled sample stops generating (its group's request once no sample
+        of it is left) and its reward is cancelled on the reward server."""
+        if not answer.cancelled():
+            return
+        self.worker.traces.finish(self.span, None)
+        if self.reward is not None:
+            self.reward.cancel()
+        task, group = self.task, self.group
+        if task is not None and not task.done() and (group is None or all(s.answer.done() for s in group)):
+            task.cancel()
+
+
+def _error_result(sample_id: str, exc: BaseException) -> reward_pb2.RewardResult:
+    return reward_pb2.RewardResult(sample_id=sample_id, error=status_proto(exc))

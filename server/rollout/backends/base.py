@@ -4,8 +4,9 @@ the weight capabilities an engine may not have."""
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "GenerationFailed",
     "GenerationOutput",
     "GenerationRequest",
+    "SampleDone",
     "WeightsError",
     "WeightsNotApplied",
 ]
@@ -52,6 +54,10 @@ class GenerationOutput:
     logprobs: list[float] | None = None
     # Per token, where the engine knows it: the weights version that produced that token (None: unknown).
     token_versions: list[int] | None = None
+
+
+# `on_sample(k, result)`: sample k of a group finished; an exception is that one sample's failure.
+SampleDone = Callable[[int, "GenerationOutput | Exception"], None]
 
 
 class GenerationFailed(RuntimeError):
@@ -99,6 +105,25 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationOutput: ...
+
+    async def generate_group(self, request: GenerationRequest, n: int, on_sample: SampleDone) -> None:
+        """`n` samples of one prompt, each reported by `on_sample(k, output)` the moment it finishes (an exception:
+        sample k failed, the others go on). Sample k is drawn with seed `request.seed + k` (unseeded when the seed is
+        None), the seeds vLLM gives the samples of one request with n > 1, so it equals `generate` with that seed.
+        Returns once every sample is reported; cancelling it aborts those still generating.
+
+        By default, n `generate` calls; an engine that prepares a prompt once for many samples overrides it.
+        """
+
+        async def one(k: int) -> None:
+            try:
+                out = await self.generate(replace(request, seed=None if request.seed is None else request.seed + k))
+            except Exception as exc:  # that sample's failure: its siblings go on
+                on_sample(k, exc)
+            else:
+                on_sample(k, out)
+
+        await asyncio.gather(*(one(k) for k in range(n)))
 
     @abc.abstractmethod
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
