@@ -311,15 +311,16 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: Path)
 # ------------------------------------------------------------------------------------------- real shapes
 
 
-def build_shaped_model(out: Path, shape: str, *, seed: int = 0) -> Path:
-    """A random model of a real shape (`SHAPES`) in bf16, with the tiny tokenizer grown to its vocabulary."""
+def shaped_config(shape: str, tokenizer: PreTrainedTokenizerFast) -> Any:
+    """The transformers config of a real shape (`SHAPES`), its special token ids the tokenizer's."""
     if shape not in SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
     spec = SHAPES[shape]
     fields = spec.fields()
     model_type = fields.pop("model_type")
-    tokenizer = grown_tokenizer(int(fields["vocab_size"]))
-    config = AutoConfig.for_model(
+    if len(tokenizer) != fields["vocab_size"]:
+        raise ValueError(f"{shape}: the tokenizer has {len(tokenizer)} ids, the model {fields['vocab_size']}")
+    return AutoConfig.for_model(
         model_type,
         **fields,
         bos_token_id=None,
@@ -327,11 +328,20 @@ def build_shaped_model(out: Path, shape: str, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         **({"num_labels": 1} if spec.kind == "reward_model" else {}),
     )
-    auto: Any = AutoModelForCausalLM if spec.kind == "policy" else AutoModelForSequenceClassification
+
+
+def build_shaped_model(out: Path, shape: str, *, seed: int = 0) -> Path:
+    """A random model of a real shape (`SHAPES`) in bf16, with the tiny tokenizer grown to its vocabulary."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+    kind = SHAPES[shape].kind
+    tokenizer = grown_tokenizer(int(SHAPES[shape].fields()["vocab_size"]))
+    config = shaped_config(shape, tokenizer)
+    auto: Any = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.bfloat16)
-    if spec.kind == "policy":
+    if kind == "policy":
         model.generation_config = GenerationConfig(
             eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
             pad_token_id=tokenizer.pad_token_id,
