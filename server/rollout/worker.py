@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from opentelemetry.util.types import AttributeValue
@@ -130,7 +131,7 @@ class RolloutWorker:
         is generated and (if asked) scored; a failure is that sample's error in its response. Cancelling a future
         abandons its sample (its generation is aborted once no sample of its engine request is left)."""
         loop = asyncio.get_running_loop()
-        samples = [_Sample(self, job, settings, loop.create_future()) for job in jobs]
+        samples = [_Sample(self, job, settings, loop) for job in jobs]
         if settings.agent.tools:  # the agent loop decides per sample how many turns it takes
             for s in samples:
                 s.task = loop.create_task(self._agent_loop(s))
@@ -140,7 +141,7 @@ class RolloutWorker:
                 task = loop.create_task(self._generate_group(group))
                 for s in group:
                     s.task, s.group = task, group
-        return [s.answer for s in samples]
+        return list(samples)
 
     async def _agent_loop(self, s: _Sample) -> None:
         self.running_samples += 1
@@ -192,7 +193,7 @@ class RolloutWorker:
                 if waiting[k]:
                     waiting[k] = False
                     self.running_samples -= 1
-                    group[k].abandon()
+                    group[k].cancel()
             raise
         for k in range(n):  # an engine that returned without reporting a sample: that sample's error
             on_sample(k, RuntimeError(f"the {self.backend.name} backend reported no output for this sample"))
@@ -236,18 +237,19 @@ class RolloutWorker:
         task.add_done_callback(self._tasks.discard)
 
 
-class _Sample:
-    """One sample from start to answer: generated (by its own agent loop or its group's request), then scored by
-    callbacks on the reward future, with no task of its own."""
+class _Sample(asyncio.Future[rollout_pb2.GenerateResponse]):
+    """One sample, and the future of its response: generated (by its own agent loop or its group's request), then
+    scored by a callback on the reward future, with no task of its own. Cancelling it abandons the sample: its
+    reward is cancelled on the reward server, its generation once no sample of its engine request is left."""
 
-    __slots__ = ("answer", "group", "job", "reward", "reward_context", "scoring", "settings", "span", "started",
-                 "task", "worker")  # fmt: skip
+    __slots__ = ("group", "job", "reward", "reward_context", "scoring", "settings", "span", "started", "task",
+                 "worker")  # fmt: skip
 
-    def __init__(self, worker: RolloutWorker, job: Job, settings: RunSettings, answer: Answer) -> None:
+    def __init__(self, worker: RolloutWorker, job: Job, settings: RunSettings, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
         self.worker = worker
         self.job = job
         self.settings = settings
-        self.answer = answer
         self.task: asyncio.Task[None] | None = None  # what generates it
         self.group: list[_Sample] | None = None  # the samples that task generates, where it is a group's request
         self.reward: asyncio.Future[reward_pb2.RewardResult] | None = None
@@ -257,7 +259,6 @@ class _Sample:
         self.span: SampleTrace | NoTrace = (
             worker.traces.begin(job.sample_id, self._attributes()) if traces_on() else NO_TRACE
         )
-        answer.add_done_callback(self._answered)
 
     def _attributes(self) -> dict[str, AttributeValue]:
         job = self.job
@@ -269,20 +270,21 @@ class _Sample:
 
     def generated(self, rollout: Rollout) -> None:
         """Build the sample, then score it (a pipeline named) or answer."""
-        if self.answer.done():  # abandoned meanwhile
+        if self.done():  # abandoned meanwhile
             return
-        worker, settings = self.worker, self.settings
+        worker, settings, span = self.worker, self.settings, self.span
         response = rollout_pb2.GenerateResponse()
         sample = response.sample  # built in place: the response is the one Sample this call keeps
         worker._fill(sample, self.job, rollout)
-        self.span.annotate(
-            {
-                "rewardmesh.response_length": len(rollout.response_ids),
-                "rewardmesh.num_preempted": rollout.num_preempted,
-                "rewardmesh.num_turns": rollout.num_turns,
-                "rewardmesh.policy_version": rollout.policy_version,
-            }
-        )
+        if span is not NO_TRACE:
+            span.annotate(
+                {
+                    "rewardmesh.response_length": len(rollout.response_ids),
+                    "rewardmesh.num_preempted": rollout.num_preempted,
+                    "rewardmesh.num_turns": rollout.num_turns,
+                    "rewardmesh.policy_version": rollout.policy_version,
+                }
+            )
         rewards = worker.rewards
         if not settings.reward or rewards is None:
             self._finish(response)
@@ -290,7 +292,7 @@ class _Sample:
         worker.pending_rewards += 1
         self.scoring = response
         self.started = time.perf_counter()
-        self.reward_context = self.span.reward_context(settings.reward)
+        self.reward_context = span.reward_context(settings.reward)
         self.reward = rewards.submit(
             sample,
             settings.reward,
@@ -330,26 +332,22 @@ class _Sample:
             )
         )
 
-    def abandon(self) -> None:
-        """Its generation ended without it (cancelled): the answer is cancelled if nobody did so yet."""
-        self.answer.cancel()
-
     def _finish(self, response: rollout_pb2.GenerateResponse) -> None:
         self.worker.traces.finish(self.span, response)
-        if not self.answer.done():
-            self.answer.set_result(response)
+        if not self.done():
+            self.set_result(response)
 
-    def _answered(self, answer: Answer) -> None:
-        """The answer is set or cancelled: a cancelled sample stops generating (its group's request once no sample
-        of it is left) and its reward is cancelled on the reward server."""
-        if not answer.cancelled():
-            return
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Abandon the sample (see the class)."""
+        if not super().cancel(msg):
+            return False
         self.worker.traces.finish(self.span, None)
         if self.reward is not None:
             self.reward.cancel()
         task, group = self.task, self.group
-        if task is not None and not task.done() and (group is None or all(s.answer.done() for s in group)):
+        if task is not None and not task.done() and (group is None or all(s.done() for s in group)):
             task.cancel()
+        return True
 
 
 def _error_result(sample_id: str, exc: BaseException) -> reward_pb2.RewardResult:

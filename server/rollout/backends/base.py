@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,8 +117,12 @@ class Backend(abc.ABC):
         """
 
         async def one(k: int) -> None:
+            sample = request
+            if request.seed is not None and k:
+                sample = copy.copy(request)  # a shallow copy: the lists are shared, never changed
+                sample.seed = request.seed + k
             try:
-                out = await self.generate(replace(request, seed=None if request.seed is None else request.seed + k))
+                out = await self.generate(sample)
             except Exception as exc:  # that sample's failure: its siblings go on
                 on_sample(k, exc)
             else:
