@@ -180,8 +180,13 @@ class RolloutWorker:
             s.span.turn("generate", "turn 0", started, ended)
             if isinstance(out, Exception):
                 s.failed(out)
+                return
+            try:
+                rollout = one_turn(self.backend, request, out, (ended - started) / 1e9)
+            except SAMPLE_ERRORS as exc:
+                s.failed(exc)
             else:
-                s.generated(one_turn(self.backend, request, out, (ended - started) / 1e9))
+                s.generated(rollout)
 
         try:
             await self.backend.generate_group(request, n, on_sample)
@@ -269,9 +274,15 @@ class _Sample(asyncio.Future[rollout_pb2.GenerateResponse]):
         }
 
     def generated(self, rollout: Rollout) -> None:
-        """Build the sample, then score it (a pipeline named) or answer."""
+        """Build the sample, then score it (a pipeline named) or answer; a failure on the way is its error."""
         if self.done():  # abandoned meanwhile
             return
+        try:
+            self._build_and_score(rollout)
+        except SAMPLE_ERRORS as exc:
+            self.failed(exc)
+
+    def _build_and_score(self, rollout: Rollout) -> None:
         worker, settings, span = self.worker, self.settings, self.span
         response = rollout_pb2.GenerateResponse()
         sample = response.sample  # built in place: the response is the one Sample this call keeps
@@ -307,6 +318,14 @@ class _Sample(asyncio.Future[rollout_pb2.GenerateResponse]):
         response = self.scoring
         if fut.cancelled() or response is None:  # the sample was abandoned
             return
+        try:
+            self._answer_scored(fut, response)
+        except SAMPLE_ERRORS as exc:
+            self.failed(exc)
+
+    def _answer_scored(
+        self, fut: asyncio.Future[reward_pb2.RewardResult], response: rollout_pb2.GenerateResponse
+    ) -> None:
         exc = fut.exception()
         result = fut.result() if exc is None else _error_result(self.job.sample_id, exc)
         span = self.span
@@ -321,9 +340,11 @@ class _Sample(asyncio.Future[rollout_pb2.GenerateResponse]):
         self._finish(response)
 
     def failed(self, exc: BaseException) -> None:
-        """Generation failed: this sample's error, not the stream's."""
+        """This sample failed (in generation, or building or scoring it): its error, not the stream's."""
+        if self.done():
+            return
         job = self.job
-        log.warning("sample %s failed in generation: %s", job.sample_id, exc)
+        log.warning("sample %s failed: %s", job.sample_id, exc)
         self.span.failed(str(exc))
         failed = common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id)
         self._finish(
