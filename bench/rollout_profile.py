@@ -30,6 +30,7 @@ import os
 import pstats
 import signal
 import sys
+import sysconfig
 import tempfile
 import time
 from collections import defaultdict
@@ -59,49 +60,60 @@ LINES = [
     "other",
 ]
 
-# (substring of a function's file, line); the first match wins.
-RULES = [
-    ("/server/rollout/worker.py", "sample building"),
-    ("/common/tensors.py", "sample building"),
-    ("/server/decoding.py", "sample building"),
-    ("/numpy/", "sample building"),
-    ("/tokenizers/", "sample building"),
-    ("/transformers/", "sample building"),
-    ("/server/rollout/service.py", "Generate servicer"),
-    ("/server/limits.py", "Generate servicer"),
-    ("/client/reward_client.py", "reward stream hand-off"),
-    ("/common/pool.py", "reward stream hand-off"),
-    ("/common/balancing.py", "reward stream hand-off"),
-    ("/server/rollout/telemetry.py", "telemetry"),
-    ("/common/telemetry.py", "telemetry"),
-    ("/common/flight_recorder.py", "telemetry"),
-    ("/opentelemetry/", "telemetry"),
-    ("/grpc/", "gRPC messages, Python"),
-    ("/google/protobuf/", "gRPC messages, Python"),
-    ("/asyncio/", "event loop, Python"),
-    ("/server/rollout/agent_loop.py", "engine"),
-    ("/server/rollout/backends/", "engine"),
-    ("/bench/rollout_throughput.py", "engine"),
-    ("/vllm/", "engine"),
+ROOT = str(Path(__file__).resolve().parents[1]).replace(os.sep, "/") + "/"
+STDLIB = sysconfig.get_paths()["stdlib"].replace(os.sep, "/") + "/"
+
+# The project's files (paths from the repository root, rewardmesh/ prefixed or not): (start of the path, line).
+OWN = [
+    ("server/rollout/worker.py", "sample building"),
+    ("common/tensors.py", "sample building"),
+    ("server/decoding.py", "sample building"),
+    ("server/rollout/service.py", "Generate servicer"),
+    ("server/status.py", "Generate servicer"),
+    ("server/limits.py", "Generate servicer"),
+    ("client/", "reward stream hand-off"),
+    ("server/rollout/telemetry.py", "telemetry"),
+    ("common/telemetry.py", "telemetry"),
+    ("common/flight_recorder.py", "telemetry"),
+    ("server/rollout/agent_loop.py", "engine"),
+    ("server/rollout/backends/", "engine"),
+    ("bench/rollout_throughput.py", "engine"),
+]
+# Other packages, by the directory they are imported from: (package, line).
+PACKAGES = [
+    ("numpy", "sample building"),
+    ("tokenizers", "sample building"),
+    ("transformers", "sample building"),
+    ("opentelemetry", "telemetry"),
+    ("grpc", "gRPC messages, Python"),
+    ("google", "gRPC messages, Python"),  # protobuf
+    ("asyncio", "event loop, Python"),
+    ("vllm", "engine"),
+    ("zmq", "engine"),  # vLLM's front end talks to its engine core over ZeroMQ
+    ("msgspec", "engine"),
 ]
 
 
 def line_of(func: tuple[str, int, str]) -> str | None:
-    """The line a Python function's own time goes to; None for a C function (its callers decide)."""
+    """The line a Python function's own time goes to; None for a C function or the standard library's (enum,
+    copy, selectors: their callers decide), asyncio excepted (the event loop, Python)."""
     filename = func[0]
     if filename == "~" or filename.startswith("<"):
         return None
     path = filename.replace(os.sep, "/")
-    for part, line in RULES:
-        if part in path:
-            return line
-    return "other"
+    if path.startswith(STDLIB) and "site-packages/" not in path:
+        return "event loop, Python" if path[len(STDLIB) :].startswith("asyncio/") else None
+    if path.startswith(ROOT):
+        own = path[len(ROOT) :].removeprefix("rewardmesh/")
+        return next((line for start, line in OWN if own.startswith(start)), "other")
+    parts = path.split("/")
+    return next((line for package, line in PACKAGES if package in parts), "other")
 
 
 def breakdown(stats: pstats.Stats) -> dict[str, float]:
-    """Seconds of own time per line. A C function's time is split among its callers' lines by what each call
-    site spent; C work called from C (grpc's core resuming a task, serializing a message) shows up in the C
-    function the event loop called, which is the gRPC core and event loop line."""
+    """Seconds of own time per line. A C (or standard library) function's time is split among its callers' lines
+    by what each call site spent; C work called from C (grpc's core resuming a task, serializing a message) shows
+    up in the C function the event loop called, which is the gRPC core and event loop line."""
     raw: Any = stats.stats  # type: ignore[attr-defined]
     out: dict[str, float] = defaultdict(float)
     for func, (_, _, own, _, callers) in raw.items():
@@ -109,16 +121,17 @@ def breakdown(stats: pstats.Stats) -> dict[str, float]:
         if line is not None:
             out[line] += own
             continue
+        native = func[0] == "~"
         spent = {caller: entry[2] for caller, entry in callers.items()}
         total = sum(spent.values())
         if total <= 0:
-            out["gRPC core and event loop, C"] += own
+            out["gRPC core and event loop, C" if native else "other"] += own
             continue
         for caller, share in spent.items():
             owner = line_of(caller)
-            if owner is None or owner == "event loop, Python":
+            if native and owner in (None, "event loop, Python"):
                 owner = "gRPC core and event loop, C"  # the loop's callbacks and task steps: C all the way down
-            out[owner] += own * share / total
+            out[owner or "other"] += own * share / total
     return dict(out)
 
 

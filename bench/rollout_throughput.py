@@ -486,6 +486,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     token_prompts = [token_prompt(list(p.token_ids)) for p in prompts]
     sampling = Sampling(temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed, ignore_eos=True)
     results: dict[str, list[float]] = {"offline": [], "async": [], "mesh": []}
+    mesh_pids: dict[str, int] = {}
     progress(f"vllm: engine arguments on every path: {kwargs}")
 
     @contextlib.asynccontextmanager
@@ -534,6 +535,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             rollout = ServerProcess("rollout-vllm", [*rollout_argv("vllm", model, reward.address), *flags], workdir)
             rollout.start(timeout_s=900)
             await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
+            mesh_pids.update(rollout=rollout.pid, reward=reward.pid)
             async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
 
                 async def run() -> int:
@@ -550,10 +552,20 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     paths = {"offline": offline, "async": bare_async, "mesh": mesh}
 
+    samples = len(prompts) * args.vllm_n
+    # CPU per sample of the front ends (the engines' own processes are not counted): this process for the in-process
+    # paths (the others idle meanwhile), the mesh's rollout server, reward server and this process as its trainer.
+    cpu: dict[str, list[dict[str, float]]] = {"offline": [], "async": [], "mesh": []}
+
     async def measure(name: str, run: Callable[[], Awaitable[int]], r: int) -> None:
+        roles = {"this process": os.getpid(), **(mesh_pids if name == "mesh" else {})}
+        before = cpu_snapshot(list(roles.values()))
         t = time.perf_counter()
         tokens = await run()
         results[name].append(tokens / (time.perf_counter() - t))
+        usage = cpu_usage(before, cpu_snapshot(list(roles.values())))
+        if usage is not None:
+            cpu[name].append({role: usage.process_s.get(pid, 0.0) / samples * 1e6 for role, pid in roles.items()})
         progress(f"vllm round {r + 1}: {name} {results[name][-1]:,.0f} tokens/s")
 
     interleaved = not torch.cuda.is_available()
@@ -580,6 +592,9 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "rounds": results,
         "mesh_vs_offline": mid["mesh"] / mid["offline"],
         "mesh_vs_async": mid["mesh"] / mid["async"],
+        "cpu_us_per_sample": {
+            path: {role: med([r[role] for r in rounds]) for role in rounds[0]} for path, rounds in cpu.items() if rounds
+        },
     }
 
 
@@ -612,12 +627,23 @@ def _free_memory() -> None:
 
 def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
     tps, eargs, rounds = res["tokens_per_s"], res["engine_args"], res["rounds"]
+    cpu = res.get("cpu_us_per_sample", {})
+
+    def cpu_of(path: str) -> str:
+        roles = cpu.get(path, {})
+        if not roles:
+            return ""
+        if path != "mesh":
+            return f"{roles['this process']:,.0f} µs"
+        return (f"{sum(roles.values()):,.0f} µs (rollout {roles['rollout']:,.0f} / reward {roles['reward']:,.0f} / "
+                f"trainer {roles['this process']:,.0f})")  # fmt: skip
+
     rows = [
-        ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", ""],
+        ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", "", cpu_of("offline")],
         [f"vLLM `AsyncLLM`, {args.vllm_prompts} requests of n={args.vllm_n} in flight, final outputs only",
-         f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", ""],
+         f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", "1.00", cpu_of("async")],
         ["mesh: TrainerClient -> `serve rollout --backend vllm` -> `serve reward` (`noop`)", f"{tps['mesh']:,.0f}",
-         f"{res['mesh_vs_offline']:.2f}", f"{res['mesh_vs_async']:.2f} of AsyncLLM"],
+         f"**{res['mesh_vs_offline']:.2f}**", f"**{res['mesh_vs_async']:.2f}**", cpu_of("mesh")],
     ]  # fmt: skip
     return "\n".join([
         f"### vLLM on {machine_info()['device']}, {res['model']} ({args.vllm_prompts} prompts x n={args.vllm_n}, "
@@ -626,9 +652,12 @@ def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
         f"{eargs.get('max_num_batched_tokens')}, {args.rounds} rounds "
         f"{'alternating between the paths' if res['interleaved'] else 'per path'}, medians)",
         "",
-        markdown_table(["path", "tokens/s", "vs offline", "notes"], rows),
+        markdown_table(["path", "tokens/s", "vs offline", "vs AsyncLLM", "front-end CPU per sample"], rows),
         "",
         "Per-round tokens/s: " + "; ".join(f"{k} " + ", ".join(f"{x:,.0f}" for x in v) for k, v in rounds.items()),
+        "",
+        "Front-end CPU: what the path's own processes spent per sample, the engines' core and worker processes not "
+        "counted (the same engine work on every path).",
     ])  # fmt: skip
 
 

@@ -11,9 +11,11 @@ handed on, to the reward stream and the caller, the moment it finishes. A sample
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -23,7 +25,7 @@ import numpy as np
 from opentelemetry.util.types import AttributeValue
 
 from rewardmesh.client.reward_client import RewardClient
-from rewardmesh.common.tensors import ids_tensor, numpy_to_tensor
+from rewardmesh.common.tensors import numpy_to_tensor
 from rewardmesh.server.decoding import decoder
 from rewardmesh.server.rollout.agent_loop import AgentSettings, Rollout, one_turn, run_agent_loop, turn_max_tokens
 from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest
@@ -72,6 +74,24 @@ class RunSettings:
     reward: str  # pipeline name; empty: unscored
     reward_timeout: float | None
     step_deadline: float | None = None  # time.monotonic() by which the call's samples must be scored
+
+
+# A sample's per-token lists go on the wire packed in C by `array` (typecode -> wire dtype): the wire is
+# little-endian, as array is on such a machine; elsewhere numpy converts.
+_WIRE = {"i": common_pb2.DTYPE_INT32, "q": common_pb2.DTYPE_INT64, "f": common_pb2.DTYPE_FLOAT32}
+_NUMPY = {"i": np.int32, "q": np.int64, "f": np.float32}
+_LITTLE = sys.byteorder == "little"
+_ONE_INT32 = (1).to_bytes(4, "little")
+
+
+def _put(tensor: common_pb2.Tensor, values: list[int] | list[float], typecode: str) -> None:
+    """Write `values` into `tensor` as a 1-D tensor of the typecode's wire dtype, in place."""
+    if not _LITTLE:
+        tensor.CopyFrom(numpy_to_tensor(np.asarray(values, dtype=_NUMPY[typecode])))
+        return
+    tensor.dtype = _WIRE[typecode]
+    tensor.shape.append(len(values))
+    tensor.raw_data = array.array(typecode, values).tobytes()
 
 
 def groups(jobs: Sequence[Job]) -> Iterator[tuple[int, int]]:
@@ -210,8 +230,13 @@ class RolloutWorker:
         sample.sample_id = job.sample_id
         sample.group_id = prompt.group_id
         sample.prompt_ids.CopyFrom(prompt.ids_tensor)
-        sample.response_ids.CopyFrom(ids_tensor(resp))
-        sample.response_mask.CopyFrom(ids_tensor(rollout.response_mask))
+        _put(sample.response_ids, resp, "i")
+        if rollout.num_tool_calls == 0 and _LITTLE:  # no tool output: every token is the policy's
+            mask = sample.response_mask
+            mask.dtype, mask.raw_data = common_pb2.DTYPE_INT32, _ONE_INT32 * len(resp)
+            mask.shape.append(len(resp))
+        else:
+            _put(sample.response_mask, rollout.response_mask, "i")
         sample.prompt_text = prompt.text
         sample.response_text = decoder(self.backend.tokenizer)(resp)
         sample.data_source = prompt.prompt.data_source
@@ -228,9 +253,9 @@ class RolloutWorker:
         if prompt.prompt.HasField("extra_info"):
             sample.extra_info.CopyFrom(prompt.prompt.extra_info)
         if rollout.response_logprobs is not None:
-            sample.response_logprobs.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_logprobs, np.float32)))
+            _put(sample.response_logprobs, rollout.response_logprobs, "f")
         if rollout.response_versions is not None:
-            sample.response_policy_versions.CopyFrom(numpy_to_tensor(np.asarray(rollout.response_versions, np.int64)))
+            _put(sample.response_policy_versions, rollout.response_versions, "q")
 
     def _announce_failed(self, sample_id: str, traceparent: str) -> None:
         """A scored sample failed and was sent without its trace context: its reward server keeps the failure's

@@ -118,7 +118,11 @@ def to_output(
         )
     if reason not in ("stop", "length", "abort"):
         reason = "stop"  # e.g. "repetition": the engine ended the sequence on purpose
-    token_ids = [int(t) for t in completion.token_ids]
+    token_ids = completion.token_ids
+    if token_ids and type(token_ids[0]) is not int:  # numpy ints from some releases' paths
+        token_ids = [int(t) for t in token_ids]
+    else:
+        token_ids = list(token_ids)
     logprobs = _token_logprobs(completion, token_ids) if request.logprobs else None
     versions = _token_versions(completion, len(token_ids))
     if versions is None and same_weights:
@@ -188,6 +192,7 @@ def _token_versions(completion: Any, n: int) -> list[int] | None:
             label = int(span.version)
         except (TypeError, ValueError):
             return None  # labelled by someone else: unknown
-        for i in range(max(0, span.start), min(n, span.end)):
-            versions[i] = label
+        start, end = max(0, span.start), min(n, span.end)
+        if start < end:
+            versions[start:end] = [label] * (end - start)
     return None if -1 in versions else versions

@@ -50,6 +50,9 @@ async def test_samples_stream_back_scored_fast_ones_first(tok: Any) -> None:
         assert s.finish_reason == common_pb2.FINISH_REASON_STOP and s.timing.num_turns == 1
         assert s.timing.reward > 0 and s.timing.reward >= s.timing.reward_compute
         assert s.timing.response_length == len(ids_from(s.response_ids, "r")) > 0
+        assert ids_from(s.response_mask, "m").tolist() == [1] * s.timing.response_length  # no tool: all the policy's
+        versions = tensor_to_numpy(s.response_policy_versions, "v", ndim=1)
+        assert versions.dtype == np.int64 and versions.tolist() == [0] * s.timing.response_length
         assert s.response_text == "so #### 4" and s.ground_truth == "4"
     slow = next(r for r in got if r.sample.group_id == "slow")
     assert slow.sample.timing.generate_sequences >= 0.35
