@@ -89,7 +89,7 @@ def reward_summary(_: str, out: Path) -> tuple[bool, str]:
     res = json.loads(out.read_text())
     a, b = res["offline"]["throughput"], res["batching"]["throughput"]
     return res.get("server_exit_code") == 0, (
-        f"samples/s: offline batches {a:,.0f}, through the server {b:,.0f} (mean batch "
+        f"samples/s: offline batches {a:,.1f}, through the server {b:,.1f} (mean batch "
         f"{res['batching'].get('mean_batch_size', 0):.1f}); served/offline **{b / a:.2f}**; full batch "
         f"{res['full_batch_ms']:.1f} ms"
     )

@@ -90,8 +90,11 @@ async def serve_rollout(model: str, port_file: str, threads: int, device: str, b
     backend: Backend
     if backend_name == "vllm":
         from rewardmesh.server.rollout.backends.vllm_backend import VLLMBackend
+        from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
 
-        backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16")
+        extra = engine_args_from_env()  # REWARDMESH_ENGINE_ARG, as `rewardmesh serve rollout` reads it
+        backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16",
+                              engine_args=extra)  # fmt: skip
     else:
         backend = HFBackend(model, device=device, dtype="bfloat16", num_threads=threads)
     server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0))
