@@ -50,7 +50,7 @@ from rewardmesh.server.rollout.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
-from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
+from rewardmesh.server.rollout.backends.vllm_engine import STREAM_INTERVAL, engine_args_from_env
 from rewardmesh.server.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
 from rewardmesh.server.rollout.server import RolloutServer, RolloutServerConfig, backend_options
 from rewardmesh.server.rollout.worker import Job, PromptInput, RolloutWorker, RunSettings
@@ -592,6 +592,7 @@ async def test_vllm_engine_gets_offline_scheduler_limits_engine_args_and_no_stat
     assert (mine.max_num_seqs, mine.max_num_batched_tokens) == (want.max_num_seqs, want.max_num_batched_tokens)
     assert core.model_config.max_logprobs == 3  # an engine argument reaches the engine
     assert not core.log_stats
+    assert mine.stream_interval == STREAM_INTERVAL  # a group's samples: two outputs each, not one per token
 
 
 @pytest.mark.slow
