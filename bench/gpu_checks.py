@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=480.0, help="the whole run's time limit")
     p.add_argument("--dry-run", action="store_true", help="print the steps and what would run here, run nothing")
     args = p.parse_args(argv)
-    out = (args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="rewardmesh-gpu-checks-"))).resolve()
+    given = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    # A new temporary directory only for a real run (a dry run writes nothing).
+    out = (given or Path(tempfile.gettempdir()) / f"rewardmesh-gpu-checks-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     plan = steps(out)
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
