@@ -10,7 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm==0.32.0
 PROTO_SRC := $(wildcard protos/rewardmesh/v1/*.proto)
 
-.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools bench-tools flake-hunt load-tools
+.PHONY: install install-gpu demo test lint typecheck pytest protos bench clean k8s-check sandbox-tools bench-tools \
+	flake-hunt load-tools gpu-checks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -92,6 +93,14 @@ bench: $(STAMP) sandbox-tools bench-tools
 	$(BIN)/python -m bench.tracing_overhead
 	$(BIN)/python -m bench.demo_learning
 	$(BIN)/python -m bench.code_sandbox
+
+# Every check that needs a GPU, in one go, one table (docs/vllm.md, bench/gpu_checks.py): the vLLM backend's tests,
+# the CUDA IPC tests, rollout throughput (tiny and Qwen2.5-1.5B-shaped policies), the reward model on the GPU, CUDA
+# IPC weight sync. GPU_PY is the interpreter with vLLM and a CUDA torch (.venv's after `make install-gpu`); without
+# a CUDA GPU it runs what needs none and stops at the first step that does (exit code 2).
+GPU_PY ?= $(BIN)/python
+gpu-checks:
+	$(GPU_PY) -m bench.gpu_checks $(GPU_CHECKS_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

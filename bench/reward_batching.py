@@ -54,6 +54,7 @@ from bench.common import (
     markdown_table,
     progress,
 )
+from rewardmesh.demo.model_shapes import SHAPES
 from rewardmesh.demo.server_process import ServerProcess
 
 # Targets the benchmark checks.
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="local sequence-classifier reward model directory (default: a random tiny Llama RM of "
         "--layers x --hidden, built once into --cache-dir)",
+    )
+    model.add_argument(
+        "--shape",
+        choices=sorted(name for name, shape in SHAPES.items() if shape.kind == "reward_model"),
+        help="a random bf16 reward model of a real shape (e.g. Qwen2.5-0.5B's), built once under --cache-dir/shapes",
     )
     model.add_argument("--layers", type=int, default=4, help="layers of the default tiny reward model")
     model.add_argument("--hidden", type=int, default=256, help="hidden size of the default tiny reward model")
@@ -161,12 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def ensure_model(args: argparse.Namespace) -> Path:
-    """The reward model directory: --model, or the default tiny RM, built once and reused."""
+    """The reward model directory: --model, a model of --shape, or the default tiny RM, built once and reused."""
     if args.model is not None:
         if not (args.model / "config.json").is_file():
             raise SystemExit(f"--model {args.model}: no config.json there; pass a local reward model directory")
         return Path(args.model)
-    from rewardmesh.demo.tiny_models import BUILD_VERSION, build_reward_model, build_tokenizer
+    from rewardmesh.demo.tiny_models import BUILD_VERSION, build_reward_model, build_shaped_models, build_tokenizer
+
+    if args.shape:
+        progress(f"the {args.shape} shape, built once under {args.cache_dir / 'shapes'} (bf16, random)")
+        return build_shaped_models(args.cache_dir / "shapes", [args.shape])[args.shape]
 
     heads = max(1, args.hidden // 64)
     out = args.cache_dir / f"reward_model-l{args.layers}-h{args.hidden}-a{heads}-s{MODEL_SEED}-v{BUILD_VERSION}"

@@ -15,8 +15,11 @@ round by round and medians are reported. CPU time per sample is read from /proc 
   transformers `generate` of the same batch in this process (same prompts, n, max_tokens, sampling,
   torch threads); tokens/s and the ratio.
 - `vllm`: `rewardmesh serve rollout --backend vllm` against vLLM's offline `LLM.generate` and a bare `AsyncLLM`
-  with every request in flight, on the same engine arguments (scheduler limits explicit on every path), every
-  sample to max_tokens; on vLLM's CPU build (`.venv-vllm`) or a GPU; skipped where vLLM is not installed.
+  with every request in flight (one request of n samples per prompt, final outputs only), on the same engine
+  arguments (scheduler limits explicit on every path), every sample to max_tokens; on vLLM's CPU build
+  (`.venv-vllm`) or a GPU; skipped where vLLM is not installed. The policy is the tiny one, a local directory
+  (`--vllm-model`) or a model of a real shape built here (`--vllm-shape qwen2.5-0.5b`, bf16; see
+  `rewardmesh tiny-models --shape`).
 
 The rollout server with the instant engine is this module run as
 `python -m bench.rollout_throughput serve-instant --reward-target HOST:PORT`.
@@ -45,9 +48,11 @@ from typing import Any
 import numpy as np
 
 from bench.common import cpu_snapshot, cpu_usage, echo_server_argv, machine_info, markdown_table, progress
+from rewardmesh.demo.model_shapes import SHAPES
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.server.rollout.backends.base import Backend
 
+POLICY_SHAPES = [name for name, shape in SHAPES.items() if shape.kind == "policy"]
 REWARD_SERVICE = "rewardmesh.v1.RewardService"
 ROLLOUT_SERVICE = "rewardmesh.v1.RolloutService"
 TARGET_MESH_VS_BARE = 0.9  # GPU target of the throughput issue
@@ -443,6 +448,8 @@ def vllm_engine_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
     extra = {**engine_args_from_env(), **parse_engine_args(args.vllm_engine_arg)}
     kwargs: dict[str, Any] = {"model": model, "seed": args.seed, "disable_log_stats": True,
                               "gpu_memory_utilization": args.vllm_gpu_memory_utilization, **extra}  # fmt: skip
+    if args.vllm_max_model_len:
+        kwargs["max_model_len"] = args.vllm_max_model_len
     if args.vllm_max_num_seqs:
         kwargs["max_num_seqs"] = args.vllm_max_num_seqs
     if args.vllm_max_num_batched_tokens:
@@ -462,21 +469,24 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
     from vllm import LLM, AsyncEngineArgs, SamplingParams  # type: ignore[import-not-found,unused-ignore]
+    from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found,unused-ignore]
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
 
     from rewardmesh.client.trainer import Sampling, TrainerClient
-    from rewardmesh.demo.tiny_models import build_tiny_models
     from rewardmesh.server.rollout.backends.vllm_outputs import token_prompt
 
-    model = str(args.vllm_model or build_tiny_models(args.models).policy)
+    model = str(vllm_policy(args))
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     prompts = prompt_specs(args.vllm_prompts, args.prompt_tokens, len(tokenizer), args.seed)
     kwargs = vllm_engine_args(args, model)
+    # The bare engine at its best: one request of n samples per prompt, final outputs only (no per-token outputs).
     params = SamplingParams(n=args.vllm_n, temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed,
-                            ignore_eos=True, detokenize=False)  # fmt: skip
+                            ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
     token_prompts = [token_prompt(list(p.token_ids)) for p in prompts]
     sampling = Sampling(temperature=1.0, max_tokens=args.vllm_max_tokens, seed=args.seed, ignore_eos=True)
     results: dict[str, list[float]] = {"offline": [], "async": [], "mesh": []}
+    mesh_pids: dict[str, int] = {}
     progress(f"vllm: engine arguments on every path: {kwargs}")
 
     @contextlib.asynccontextmanager
@@ -525,6 +535,7 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             rollout = ServerProcess("rollout-vllm", [*rollout_argv("vllm", model, reward.address), *flags], workdir)
             rollout.start(timeout_s=900)
             await rollout.wait_serving(ROLLOUT_SERVICE, timeout_s=900)
+            mesh_pids.update(rollout=rollout.pid, reward=reward.pid)
             async with TrainerClient([rollout.address], reward="noop", sampling=sampling) as client:
 
                 async def run() -> int:
@@ -541,10 +552,20 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     paths = {"offline": offline, "async": bare_async, "mesh": mesh}
 
+    samples = len(prompts) * args.vllm_n
+    # CPU per sample of the front ends (the engines' own processes are not counted): this process for the in-process
+    # paths (the others idle meanwhile), the mesh's rollout server, reward server and this process as its trainer.
+    cpu: dict[str, list[dict[str, float]]] = {"offline": [], "async": [], "mesh": []}
+
     async def measure(name: str, run: Callable[[], Awaitable[int]], r: int) -> None:
+        roles = {"this process": os.getpid(), **(mesh_pids if name == "mesh" else {})}
+        before = cpu_snapshot(list(roles.values()))
         t = time.perf_counter()
         tokens = await run()
         results[name].append(tokens / (time.perf_counter() - t))
+        usage = cpu_usage(before, cpu_snapshot(list(roles.values())))
+        if usage is not None:
+            cpu[name].append({role: usage.process_s.get(pid, 0.0) / samples * 1e6 for role, pid in roles.items()})
         progress(f"vllm round {r + 1}: {name} {results[name][-1]:,.0f} tokens/s")
 
     interleaved = not torch.cuda.is_available()
@@ -564,13 +585,29 @@ async def run_vllm(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     await measure(name, run, r)
     mid = {k: med(v) for k, v in results.items()}
     return {
+        "model": args.vllm_shape or ("the tiny policy" if not args.vllm_model else str(args.vllm_model)),
         "engine_args": {k: v for k, v in kwargs.items() if k != "model"},
         "interleaved": interleaved,
         "tokens_per_s": mid,
         "rounds": results,
         "mesh_vs_offline": mid["mesh"] / mid["offline"],
         "mesh_vs_async": mid["mesh"] / mid["async"],
+        "cpu_us_per_sample": {
+            path: {role: med([r[role] for r in rounds]) for role in rounds[0]} for path, rounds in cpu.items() if rounds
+        },
     }
+
+
+def vllm_policy(args: argparse.Namespace) -> Path:
+    """--vllm-model, a model of --vllm-shape built (once) under --models, or the tiny policy."""
+    from rewardmesh.demo.tiny_models import build_shaped_models, build_tiny_models
+
+    if args.vllm_model:
+        return Path(args.vllm_model)
+    if args.vllm_shape:
+        progress(f"vllm: the {args.vllm_shape} shape, built once under {args.models / 'shapes'} (bf16, random)")
+        return build_shaped_models(args.models / "shapes", [args.vllm_shape])[args.vllm_shape]
+    return build_tiny_models(args.models).policy
 
 
 def rollout_argv(backend: str, model: str, reward_target: str) -> list[str]:
@@ -590,21 +627,37 @@ def _free_memory() -> None:
 
 def render_vllm(res: dict[str, Any], args: argparse.Namespace) -> str:
     tps, eargs, rounds = res["tokens_per_s"], res["engine_args"], res["rounds"]
+    cpu = res.get("cpu_us_per_sample", {})
+
+    def cpu_of(path: str) -> str:
+        roles = cpu.get(path, {})
+        if not roles:
+            return ""
+        if path != "mesh":
+            return f"{roles['this process']:,.0f} µs"
+        return (f"{sum(roles.values()):,.0f} µs (rollout {roles['rollout']:,.0f} / reward {roles['reward']:,.0f} / "
+                f"trainer {roles['this process']:,.0f})")  # fmt: skip
+
     rows = [
-        ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", ""],
-        ["vLLM `AsyncLLM`, all requests in flight", f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", ""],
+        ["vLLM offline `LLM.generate`", f"{tps['offline']:,.0f}", "1.00", "", cpu_of("offline")],
+        [f"vLLM `AsyncLLM`, {args.vllm_prompts} requests of n={args.vllm_n} in flight, final outputs only",
+         f"{tps['async']:,.0f}", f"{tps['async'] / tps['offline']:.2f}", "1.00", cpu_of("async")],
         ["mesh: TrainerClient -> `serve rollout --backend vllm` -> `serve reward` (`noop`)", f"{tps['mesh']:,.0f}",
-         f"{res['mesh_vs_offline']:.2f}", f"{res['mesh_vs_async']:.2f} of AsyncLLM"],
+         f"**{res['mesh_vs_offline']:.2f}**", f"**{res['mesh_vs_async']:.2f}**", cpu_of("mesh")],
     ]  # fmt: skip
     return "\n".join([
-        f"### vLLM on {machine_info()['device']} ({args.vllm_prompts} prompts x n={args.vllm_n}, every sample "
+        f"### vLLM on {machine_info()['device']}, {res['model']} ({args.vllm_prompts} prompts x n={args.vllm_n}, "
+        f"{args.prompt_tokens}-token prompts, every sample "
         f"{args.vllm_max_tokens} tokens, max_num_seqs {eargs.get('max_num_seqs')}, max_num_batched_tokens "
         f"{eargs.get('max_num_batched_tokens')}, {args.rounds} rounds "
         f"{'alternating between the paths' if res['interleaved'] else 'per path'}, medians)",
         "",
-        markdown_table(["path", "tokens/s", "vs offline", "notes"], rows),
+        markdown_table(["path", "tokens/s", "vs offline", "vs AsyncLLM", "front-end CPU per sample"], rows),
         "",
         "Per-round tokens/s: " + "; ".join(f"{k} " + ", ".join(f"{x:,.0f}" for x in v) for k, v in rounds.items()),
+        "",
+        "Front-end CPU: what the path's own processes spent per sample, the engines' core and worker processes not "
+        "counted (the same engine work on every path).",
     ])  # fmt: skip
 
 
@@ -636,9 +689,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="hf mode: torch threads, bare and rollout server alike")
     p.add_argument(
         "--models", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        / "rewardmesh" / "models", help="hf mode: where the tiny models are built (reused)",
+        / "rewardmesh" / "models", help="where the tiny models (and --vllm-shape models) are built (reused)",
     )  # fmt: skip
     p.add_argument("--vllm-model", type=Path, help="vllm mode: local model directory (default: the tiny policy)")
+    p.add_argument("--vllm-shape", choices=sorted(POLICY_SHAPES),
+                   help="vllm mode: a random bf16 policy of a real shape, built under --models/shapes")  # fmt: skip
+    p.add_argument("--vllm-max-model-len", type=int, default=0, help="vllm mode: context length (0: the model's)")
     p.add_argument("--vllm-prompts", type=int, default=64)
     p.add_argument("--vllm-n", type=int, default=8)
     p.add_argument("--vllm-max-tokens", type=int, default=64, help="vllm mode: tokens in every sample (ignore_eos)")

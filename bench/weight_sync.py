@@ -90,8 +90,11 @@ async def serve_rollout(model: str, port_file: str, threads: int, device: str, b
     backend: Backend
     if backend_name == "vllm":
         from rewardmesh.server.rollout.backends.vllm_backend import VLLMBackend
+        from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
 
-        backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16")
+        extra = engine_args_from_env()  # REWARDMESH_ENGINE_ARG, as `rewardmesh serve rollout` reads it
+        backend = VLLMBackend(model, gpu_memory_utilization=0.2, enforce_eager=True, dtype="bfloat16",
+                              engine_args=extra)  # fmt: skip
     else:
         backend = HFBackend(model, device=device, dtype="bfloat16", num_threads=threads)
     server = RolloutServer(backend, None, ServerOptions(host="127.0.0.1", port=0))
@@ -217,11 +220,12 @@ async def run(args: argparse.Namespace) -> int:
     # every other update, pays fresh staging buffers).
     serve = [*py, "rollout-server", "--model", str(model_dir), "--threads", str(args.threads), "--device", args.device,
              "--backend", args.backend]  # fmt: skip
+    counts = [int(c) for c in args.server_counts.split(",") if c]
     fleets = {(t, n): [ServerProcess(f"rollout-{t}{n}-{i}", serve, workdir)
                        for i in range(n)]
-              for t in args.transports for n in (1, 2)}  # fmt: skip
+              for t in args.transports for n in counts}  # fmt: skip
     copies = ("dist, a copy per server", 2)  # the TCP chain itself: what servers on different hosts get
-    if "dist" in args.transports:
+    if "dist" in args.transports and 2 in counts:
         fleets[copies] = [ServerProcess(f"rollout-copies-{i}", serve, workdir) for i in range(2)]
     rollouts = [r for fleet in fleets.values() for r in fleet]
     sinks = [ServerProcess(f"sink{i}", [*py, "sink"], workdir) for i in range(2)]
@@ -235,7 +239,7 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.gather(*(asyncio.to_thread(p.start, 600) for p in procs))  # sinks serve once they wrote
         await asyncio.gather(*(p.wait_serving() for p in rollouts))
         progress("servers up; forming the bare gloo groups")
-        bare = {n: await asyncio.to_thread(BareBroadcast, store, n) for n in (1, 2)}
+        bare = {n: await asyncio.to_thread(BareBroadcast, store, n) for n in counts}
         clients = {key: TrainerClient([r.address for r in fleet]) for key, fleet in fleets.items()}
         for c in clients.values():
             c.weight_sync.delta = False  # the same tensors every round: whole updates (`--delta` times deltas)
@@ -269,16 +273,15 @@ async def run(args: argparse.Namespace) -> int:
                 digest(t)
 
         modes: dict[tuple[str, int], Callable[[], Awaitable[object]]] = {
-            ("memcpy", 1): lambda: asyncio.to_thread(memcpy),
-            ("bare gloo broadcast", 1): lambda: asyncio.to_thread(bare[1].send, flat),
-            ("bare gloo broadcast", 2): lambda: asyncio.to_thread(bare[2].send, flat),
-            ("bare grpc.aio stream", 1): lambda: bare_stream(sink_channels[:1], pieces),
-            ("bare grpc.aio stream", 2): lambda: bare_stream(sink_channels, pieces),
+            ("memcpy", 1): lambda: asyncio.to_thread(memcpy)
         }
+        for n in counts:
+            modes[("bare gloo broadcast", n)] = lambda n=n: asyncio.to_thread(bare[n].send, flat)  # type: ignore[misc]
+            modes[("bare grpc.aio stream", n)] = lambda n=n: bare_stream(sink_channels[:n], pieces)  # type: ignore[misc]
         if args.device == "cpu":
             modes[("xxh3 digest of every tensor", 1)] = lambda: asyncio.to_thread(digests)
         for transport in args.transports:
-            for n in (1, 2):
+            for n in counts:
                 modes[(f"update_weights {transport}", n)] = lambda t=transport, n=n: update((t, n), t)  # type: ignore[misc]
                 modes[(f"update_weights {transport}, no digests", n)] = lambda t=transport, n=n: update(  # type: ignore[misc]
                     (t, n), t, verify=False
@@ -323,7 +326,7 @@ async def run(args: argparse.Namespace) -> int:
         cells = " | ".join(f"{a / 1e6:.0f}, {sh / 1e6:.0f}" for a, sh in usage)
         print(f"| update_weights {name} ({n}) | {cells} |")
     checks = []
-    if "dist" in args.transports:
+    if "dist" in args.transports and counts == [1, 2]:
         r1 = med[("bare gloo broadcast", 1)] / med[("update_weights dist", 1)]
         r2 = med[("bare gloo broadcast", 2)] / med[("update_weights dist", 2)]
         scale = med[("update_weights dist", 2)] / med[("update_weights dist", 1)]
@@ -337,19 +340,19 @@ async def run(args: argparse.Namespace) -> int:
                     med[("bare gloo broadcast", 2)] / each, "", True),
                    ("dist, a copy per server, 2 servers / 1 server (time, for reference)",
                     each / med[("update_weights dist", 1)], "", True)]  # fmt: skip
-    if "grpc" in args.transports:
+    if "grpc" in args.transports and counts == [1, 2]:
         g1 = med[("bare grpc.aio stream", 1)] / med[("update_weights grpc", 1)]
         g2 = med[("bare grpc.aio stream", 2)] / med[("update_weights grpc", 2)]
         checks += [("grpc vs bare grpc.aio stream, 1 server", g1, ">= 0.6", g1 >= 0.6),
                    ("grpc vs bare grpc.aio stream, 2 servers", g2, ">= 0.6", g2 >= 0.6)]  # fmt: skip
     for transport in args.transports:
-        for n in (1, 2):
+        for n in counts:
             cost = med[(f"update_weights {transport}", n)] / med[(f"update_weights {transport}, no digests", n)]
             checks.append((f"{transport}, {n} server(s): with digests / without (time)", cost, "<= 1.15", cost <= 1.15))
-    if "ipc" in args.transports:
+    if "ipc" in args.transports and 1 in counts:
         rate = nbytes / med[("update_weights ipc", 1)] / 1e9
         checks.append(("ipc end to end, 1 server (GB/s, not a ratio)", rate, ">= 5", rate >= 5))
-    if "shm" in args.transports:
+    if "shm" in args.transports and 1 in counts:
         s1 = med[("memcpy", 1)] / med[("update_weights shm", 1)]
         checks.append(("shm vs memcpy, 1 server", s1, "", True))
     print("\n| check | measured | target | result |\n|---|---|---|---|")
@@ -465,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (unverified here)")
     p.add_argument("--transports", default="grpc,dist,shm", help="any of ipc,grpc,dist,shm (ipc: --device cuda)")
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout servers' backend")
+    p.add_argument("--server-counts", default="1,2", choices=["1", "2", "1,2"],
+                   help="rollout servers per update (default 1,2; the scaling checks need both)")  # fmt: skip
     p.add_argument("--delta", action="store_true", help="time delta updates after AdamW steps against whole dist")
     p.add_argument("--lrs", default="1e-6,1e-5", help="--delta: the learning rates (default 1e-6,1e-5)")
     r = sub.add_parser("rollout-server")

@@ -3,18 +3,24 @@
 Nothing here downloads anything: the tokenizer is a byte-level BPE trained in-process on a generated corpus,
 and the models are randomly initialised Llama networks saved with ``save_pretrained``. Every build is
 deterministic (same bytes for the same seed and library versions).
+
+Models of real size (`SHAPES`): the architectures and sizes of released models, from the configs in
+``model_shapes/``, randomly initialised in bf16 with the tiny tokenizer grown to the real vocabulary size: what
+a benchmark needs to measure the engine's cost at the sizes users train.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import itertools
 import json
 import logging
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,9 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -30,6 +39,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 from transformers.utils import logging as hf_logging
+
+from rewardmesh.demo.model_shapes import SHAPES
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +137,38 @@ def build_tokenizer(vocab_size: int = 512, *, number_tokens: bool = True) -> Pre
         tok = _with_number_merges(tok)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+        padding_side="right",
+    )
+
+
+def grown_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with its vocabulary grown to `vocab_size` ids: the extra ones are byte strings no merge
+    produces (text never encodes to them) that decode like any token, so every id a model of that vocabulary
+    can sample has text, as with a real tokenizer of that size."""
+    base = build_tokenizer()
+    spec: dict[str, Any] = json.loads(base.backend_tokenizer.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in spec["added_tokens"]}
+    next_id = max(max(vocab.values()), max(t["id"] for t in spec["added_tokens"])) + 1
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = ("".join(chars) for width in itertools.count(2) for chars in itertools.product(alphabet, repeat=width))
+    for token in fillers:
+        if next_id >= vocab_size:
+            break
+        if token not in taken:
+            vocab[token] = next_id
+            next_id += 1
+    if next_id < vocab_size:  # pragma: no cover - the fillers never run out
+        raise ValueError(f"could not grow the tokenizer to {vocab_size} ids")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         unk_token=None,
@@ -263,6 +306,81 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: Path)
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     logger.debug("wrote %s: %s", out, sorted(p.name for p in out.iterdir()))
+
+
+# ------------------------------------------------------------------------------------------- real shapes
+
+
+def shaped_config(shape: str, tokenizer: PreTrainedTokenizerFast) -> Any:
+    """The transformers config of a real shape (`SHAPES`), its special token ids the tokenizer's."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+    spec = SHAPES[shape]
+    fields = spec.fields()
+    model_type = fields.pop("model_type")
+    if len(tokenizer) != fields["vocab_size"]:
+        raise ValueError(f"{shape}: the tokenizer has {len(tokenizer)} ids, the model {fields['vocab_size']}")
+    return AutoConfig.for_model(
+        model_type,
+        **fields,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **({"num_labels": 1} if spec.kind == "reward_model" else {}),
+    )
+
+
+def build_shaped_model(out: Path, shape: str, *, seed: int = 0) -> Path:
+    """A random model of a real shape (`SHAPES`) in bf16, with the tiny tokenizer grown to its vocabulary."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(sorted(SHAPES))}")
+    kind = SHAPES[shape].kind
+    tokenizer = grown_tokenizer(int(SHAPES[shape].fields()["vocab_size"]))
+    config = shaped_config(shape, tokenizer)
+    auto: Any = AutoModelForCausalLM if kind == "policy" else AutoModelForSequenceClassification
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config, dtype=torch.bfloat16)
+    if kind == "policy":
+        model.generation_config = GenerationConfig(
+            eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+    _save(model, tokenizer, out)
+    return out
+
+
+def build_shaped_models(out: Path, shapes: list[str], *, seed: int = 0) -> dict[str, Path]:
+    """Build (or reuse) each named shape under ``out/<shape>``, as `build_tiny_models` builds: a marker written
+    last, a staging directory renamed into place, a file lock against concurrent builders."""
+    paths: dict[str, Path] = {}
+    for shape in shapes:
+        spec = {"version": BUILD_VERSION, "shape": shape, "seed": seed}
+        build = functools.partial(build_shaped_model, shape=shape, seed=seed)
+        paths[shape] = _build_once(Path(out) / shape, spec, build)
+    return paths
+
+
+def _build_once(final: Path, spec: dict[str, Any], build: Callable[[Path], object]) -> Path:
+    """`build(staging)` unless `final` holds a complete build of `spec` (its marker file, written last)."""
+    if _read_json(final / _MARKER) == spec:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _read_json(final / _MARKER) == spec:  # another process built it while we waited
+            return final
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".build-{final.name}-") as tmp:
+            staging = Path(tmp) / final.name
+            build(staging)
+            (staging / _MARKER).write_text(json.dumps(spec) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            staging.rename(final)
+    logger.info("built %s in %s (%.1f s)", spec.get("shape", final.name), final, time.perf_counter() - t0)
+    return final
 
 
 # ------------------------------------------------------------------------------------------------- build

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rewardmesh.common.telemetry import setup_telemetry
+from rewardmesh.demo.model_shapes import SHAPES
 from rewardmesh.server.config import load_yaml, resolve
 
 if TYPE_CHECKING:
@@ -135,9 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--engine-arg", dest="engine_arg", action="append", metavar="KEY=VALUE",
                          help="vllm backend: any other vllm.AsyncEngineArgs field (repeatable)")  # fmt: skip
 
-    tiny = sub.add_parser("tiny-models", help="build tiny policy and reward models locally (no download)")
+    tiny = sub.add_parser(
+        "tiny-models",
+        help="build tiny policy and reward models locally (no download)",
+        description="Builds the tiny policy and reward models, or with --shape random bf16 models of real "
+        "architectures and sizes (from configs shipped in rewardmesh/demo/model_shapes), each into OUT/SHAPE.",
+    )
     tiny.add_argument("--out", type=Path, default=default_models_dir(), help="output directory (default %(default)s)")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--shape", action="append", default=[], choices=sorted(SHAPES), metavar="SHAPE",
+                      help=f"a model of a real shape instead of the tiny set (repeatable): "
+                           f"{', '.join(sorted(SHAPES))}")  # fmt: skip
 
     demo = sub.add_parser(
         "demo",
@@ -231,9 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "tiny-models":
-        from rewardmesh.demo.tiny_models import build_tiny_models
+        from rewardmesh.demo.tiny_models import build_shaped_models, build_tiny_models
 
         _setup_logging("INFO")
+        if args.shape:
+            for name, path in build_shaped_models(args.out, args.shape, seed=args.seed).items():
+                print(f"{name}: {path}")
+            return 0
         paths = build_tiny_models(args.out, seed=args.seed)
         for name, path in vars(paths).items():
             print(f"{name}: {path}")

@@ -67,32 +67,22 @@ async def run_agent_loop(
     end_ns)` is an optional hook for tracing each generate and tool call.
     """
     ids = list(prompt_ids)
-    out = Rollout([], [], "stop", response_logprobs=[] if sampling.logprobs else None, response_versions=[])
+    out = new_rollout(sampling)
     versions: list[int] = []
     max_turns = max(1, settings.max_turns)
     for turn in range(max_turns):
-        budget = backend.max_model_len - len(ids)
-        if settings.max_response_tokens:
-            budget = min(budget, settings.max_response_tokens - len(out.response_ids))
-        max_tokens = min(sampling.max_tokens, budget)
+        max_tokens = turn_max_tokens(backend, len(ids), len(out.response_ids), sampling, settings)
         if max_tokens <= 0:
             out.finish_reason = "length"
             break
         started = time.time_ns()
         gen = await backend.generate(replace(sampling, prompt_ids=ids, max_tokens=max_tokens))
         ended = time.time_ns()
-        out.generate_s += (ended - started) / 1e9
         if on_turn is not None:
             on_turn("generate", f"turn {turn}", started, ended)
-        out.num_turns += 1
+        add_turn(out, gen, (ended - started) / 1e9)
         versions.append(gen.policy_version)
-        if gen.num_preempted >= 0:
-            out.num_preempted = max(out.num_preempted, 0) + gen.num_preempted
-        out.response_ids += gen.token_ids
-        out.response_mask += [1] * len(gen.token_ids)
-        _extend(out, gen)
         ids += gen.token_ids
-        out.finish_reason = gen.finish_reason
         if not settings.tools or gen.finish_reason != "stop":
             break
         calls = parse_tool_calls(backend.tokenizer.decode(gen.token_ids, skip_special_tokens=False))
@@ -124,6 +114,46 @@ async def run_agent_loop(
         ids += observation
     # The oldest policy that contributed tokens: what bounded staleness must check.
     out.policy_version = min(versions) if versions else backend.policy_version
+    return out
+
+
+def new_rollout(sampling: GenerationRequest) -> Rollout:
+    """A rollout before its first turn (log-probs collected when the request asks for them)."""
+    return Rollout([], [], "stop", response_logprobs=[] if sampling.logprobs else None, response_versions=[])
+
+
+def turn_max_tokens(
+    backend: Backend, context_tokens: int, response_tokens: int, sampling: GenerationRequest, settings: AgentSettings
+) -> int:
+    """What the next turn may generate: max_tokens, within the context left and the response budget (<= 0: none)."""
+    budget = backend.max_model_len - context_tokens
+    if settings.max_response_tokens:
+        budget = min(budget, settings.max_response_tokens - response_tokens)
+    return min(sampling.max_tokens, budget)
+
+
+def add_turn(out: Rollout, gen: GenerationOutput, generate_s: float) -> None:
+    """Append one generated turn: its tokens (mask 1), log-probs, versions, preemptions and finish reason."""
+    out.generate_s += generate_s
+    out.num_turns += 1
+    if gen.num_preempted >= 0:
+        out.num_preempted = max(out.num_preempted, 0) + gen.num_preempted
+    out.response_ids += gen.token_ids
+    out.response_mask += [1] * len(gen.token_ids)
+    _extend(out, gen)
+    out.finish_reason = gen.finish_reason
+
+
+def one_turn(backend: Backend, sampling: GenerationRequest, gen: GenerationOutput | None, generate_s: float) -> Rollout:
+    """The rollout of a sample whose loop ends after one turn (no tools), from that turn's output (None: no
+    turn, the budget was spent before it): the same as `run_agent_loop` gives for it."""
+    out = new_rollout(sampling)
+    if gen is None:
+        out.finish_reason = "length"
+        out.policy_version = backend.policy_version
+        return out
+    add_turn(out, gen, generate_s)
+    out.policy_version = gen.policy_version
     return out
 
 

@@ -204,27 +204,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         jobs, settings = await self._plan(request)
         per_message = max(1, request.max_samples_per_message)
         loop = asyncio.get_running_loop()
-        finished: collections.deque[asyncio.Task[rollout_pb2.GenerateResponse]] = collections.deque()
+        finished: collections.deque[asyncio.Future[rollout_pb2.GenerateResponse]] = collections.deque()
         wake: list[asyncio.Future[None] | None] = [None]
-        job_of: dict[asyncio.Task[rollout_pb2.GenerateResponse], Job] = {}
+        job_of: dict[asyncio.Future[rollout_pb2.GenerateResponse], Job] = {}
         started = sent = 0
 
-        def on_done(task: asyncio.Task[rollout_pb2.GenerateResponse]) -> None:
-            finished.append(task)
+        def on_done(answer: asyncio.Future[rollout_pb2.GenerateResponse]) -> None:
+            finished.append(answer)
             w = wake[0]
             if w is not None and not w.done():
                 w.set_result(None)
 
-        def start(count: int) -> None:
+        def start() -> None:
+            """Start what the bound leaves room for, whole prompt groups (one engine request each) where they fit."""
             nonlocal started
-            for job in jobs[started : started + count]:
-                task = loop.create_task(self.worker.run(job, settings))
-                job_of[task] = job
-                task.add_done_callback(on_done)
-            started = min(len(jobs), started + count)
+            end = _room_end(started, sent + self.max_call_unsent, request.n, len(jobs), self.max_call_unsent)
+            if end > started:
+                batch = jobs[started:end]
+                for job, answer in zip(batch, self.worker.start(batch, settings), strict=True):
+                    job_of[answer] = job
+                    answer.add_done_callback(on_done)
+                started = end
 
         with self.worker.request():
-            start(self.max_call_unsent)
+            start()
             try:
                 while sent < len(jobs):
                     if not finished:
@@ -236,18 +239,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                         chunk = ready[lo : lo + per_message]
                         yield chunk[0] if len(chunk) == 1 else rollout_pb2.GenerateResponse(items=chunk)
                         sent += len(chunk)
-                        start(len(chunk))  # room for as many as the client just took
+                        start()  # room for as many as the client just took
             finally:
                 # The client went away (or we are done): abort whatever is still generating or waiting.
-                for task in job_of:
-                    task.cancel()
+                for answer in job_of:
+                    answer.cancel()
 
     @staticmethod
-    def _response(job: Job, task: asyncio.Task[rollout_pb2.GenerateResponse]) -> rollout_pb2.GenerateResponse:
-        """The task's response; anything it raised is that sample's INTERNAL error, never a lost sample."""
-        exc = task.exception() if not task.cancelled() else asyncio.CancelledError("sample cancelled")
+    def _response(job: Job, answer: asyncio.Future[rollout_pb2.GenerateResponse]) -> rollout_pb2.GenerateResponse:
+        """The sample's response; anything it raised is that sample's INTERNAL error, never a lost sample."""
+        exc = answer.exception() if not answer.cancelled() else asyncio.CancelledError("sample cancelled")
         if exc is None:
-            return task.result()
+            return answer.result()
         return rollout_pb2.GenerateResponse(
             sample=common_pb2.Sample(sample_id=job.sample_id, group_id=job.prompt.group_id),
             result=reward_pb2.RewardResult(sample_id=job.sample_id, error=status_proto(exc)),
@@ -300,6 +303,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             cuda_device_uuid=self.weights.cuda_uuid(),
             weight_delta=self.weights.takes_deltas(),
         )
+
+
+def _room_end(started: int, limit: int, n: int, total: int, bound: int) -> int:
+    """Where the next start ends: up to `limit` (started samples not yet sent stay within the bound), in whole
+    groups of `n` (a group larger than the bound in pieces, else it waits until the whole group fits)."""
+    end = started
+    while end < total:
+        group_end = min(total, (end // n + 1) * n)
+        if group_end <= limit:
+            end = group_end
+        elif group_end - end > bound:  # never fits whole: as much as there is room for
+            return max(end, limit)
+        else:
+            break
+    return end
 
 
 def _drain(queue: collections.deque[Any]) -> list[Any]:

@@ -138,6 +138,11 @@ class NoTrace:
 NO_TRACE = NoTrace()
 
 
+def traces_on() -> bool:
+    """Whether sample traces are recorded in this process (off: a sample needs no attributes built for them)."""
+    return recorder() is not None
+
+
 def _parent_of(ctx: SpanContext) -> tuple[int, int, bool] | None:
     """(trace id, parent span id, head-sampled) for the samples started under `ctx`."""
     if not ctx.is_valid:

@@ -17,6 +17,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
+from rewardmesh.demo.model_shapes import SHAPES
 from rewardmesh.demo.tiny_models import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -26,6 +27,8 @@ from rewardmesh.demo.tiny_models import (
     build_reward_model,
     build_tiny_models,
     build_tokenizer,
+    grown_tokenizer,
+    shaped_config,
 )
 
 TEXTS = [
@@ -210,3 +213,43 @@ def test_benchmark_sized_reward_model(tmp_path: Path) -> None:
     assert (rm.config.num_hidden_layers, rm.config.hidden_size, rm.config.num_attention_heads) == (4, 256, 4)
     with torch.inference_mode():
         assert torch.isfinite(rm(torch.tensor([tok.encode("1 + 1 = 2")])).logits).all()
+
+
+# -------------------------------------------------------------------------------------------------- real shapes
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab_tokenizer() -> Any:
+    return grown_tokenizer(151936)
+
+
+def test_the_grown_tokenizer_has_the_real_vocabulary_and_tokenizes_as_the_tiny_one(qwen_vocab_tokenizer: Any) -> None:
+    tok, tiny = qwen_vocab_tokenizer, build_tokenizer()
+    assert len(tok) == 151936 and tok.eos_token_id == tiny.eos_token_id and tok.pad_token_id == tiny.pad_token_id
+    text = "What is 17 + 25? The answer is 42."
+    assert tok.encode(text) == tiny.encode(text)  # the grown ids are never produced from text
+    grown = [*range(len(tiny), len(tok), 997), len(tok) - 1]
+    assert all(tok.decode([i]) for i in grown)  # every id a model of this vocabulary samples has text
+    assert len(set(tok.convert_ids_to_tokens(grown))) == len(grown)
+
+
+@pytest.mark.parametrize(
+    ("shape", "parameters", "head_dim"),
+    [
+        ("qwen2.5-0.5b", 494_032_768, 64),
+        ("qwen2.5-1.5b", 1_543_714_304, 128),
+        ("qwen2.5-0.5b-rm", 494_032_768 + 896, 64),
+    ],
+)
+def test_real_shapes_have_the_released_models_sizes(
+    qwen_vocab_tokenizer: Any, shape: str, parameters: int, head_dim: int
+) -> None:
+    """The configs give the released models' parameter counts (checked on the meta device: no weights built)."""
+    config = shaped_config(shape, qwen_vocab_tokenizer)
+    auto: Any = AutoModelForCausalLM if SHAPES[shape].kind == "policy" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert config.hidden_size // config.num_attention_heads == head_dim and config.vocab_size == 151936
+    with pytest.raises(ValueError, match="unknown model shape 'qwen9'"):
+        shaped_config("qwen9", qwen_vocab_tokenizer)

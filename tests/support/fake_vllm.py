@@ -68,6 +68,8 @@ class WeightTransferUpdateRequest:
 
 
 class RequestOutputKind(Enum):
+    CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -173,26 +175,47 @@ class FakeEngine:
         return cls.last
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        """n = 1: the final output. n > 1 (deltas): each sample's first token, then each sample's end, in the order
+        of its `seconds`, as vLLM's parallel sampling does with a long stream interval (sample k: seed + k)."""
         self.prompts.append(prompt)
         self.params.append(params)
         ids = list(prompt["prompt_token_ids"])
-        spec = self.respond(ids, params, self)
-        await asyncio.sleep(spec.get("seconds", 0.0))
-        tokens = spec["token_ids"]
+        if params.n == 1:
+            spec = self.respond(ids, params, self)
+            await asyncio.sleep(spec.get("seconds", 0.0))
+            yield self._output(spec, params, 0, spec["token_ids"], True)
+            return
+        assert params.output_kind == RequestOutputKind.DELTA
+        seed = params.seed
+        children = [SamplingParams(**{**vars(params), "n": 1, "seed": None if seed is None else seed + k})
+                    for k in range(params.n)]  # fmt: skip
+        specs = [self.respond(ids, child, self) for child in children]
+        for k, spec in enumerate(specs):
+            yield self._output(spec, params, k, spec["token_ids"][:1], False)
+        elapsed = 0.0
+        for k, spec in sorted(enumerate(specs), key=lambda ks: ks[1].get("seconds", 0.0)):
+            await asyncio.sleep(spec.get("seconds", 0.0) - elapsed)
+            elapsed = spec.get("seconds", 0.0)
+            yield self._output(spec, params, k, spec["token_ids"][1:], True, first=1)
+
+    def _output(
+        self, spec: dict[str, Any], params: Any, index: int, tokens: list[int], final: bool, first: int = 0
+    ) -> Any:
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [{t: SimpleNamespace(logprob=spec["logprob"] - i / 100)} for i, t in enumerate(tokens)]
+            logprobs = [{t: SimpleNamespace(logprob=spec["logprob"] - (first + i) / 100)} for i, t in enumerate(tokens)]
         spans = spec.get("weight_versions")
         if spans is None and self.label is not None:
-            spans = [SimpleNamespace(version=self.label, start=0, end=len(tokens))]
+            spans = [SimpleNamespace(version=self.label, start=0, end=len(spec["token_ids"]))]
         completion = SimpleNamespace(
+            index=index,
             token_ids=tokens,
-            finish_reason=spec["finish_reason"],
-            stop_reason=spec["stop_reason"],
+            finish_reason=spec["finish_reason"] if final else None,
+            stop_reason=spec["stop_reason"] if final else None,
             logprobs=logprobs,
-            weight_versions=spans,
+            weight_versions=spans if final else None,
         )
-        yield SimpleNamespace(outputs=[completion], metrics=SimpleNamespace(num_preemptions=spec["preemptions"]))
+        return SimpleNamespace(outputs=[completion], metrics=SimpleNamespace(num_preemptions=spec["preemptions"]))
 
     async def abort(self, request_id: str) -> None:
         self.calls.append(("abort", request_id))

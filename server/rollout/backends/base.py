@@ -4,6 +4,8 @@ the weight capabilities an engine may not have."""
 from __future__ import annotations
 
 import abc
+import asyncio
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ __all__ = [
     "GenerationFailed",
     "GenerationOutput",
     "GenerationRequest",
+    "SampleDone",
     "WeightsError",
     "WeightsNotApplied",
 ]
@@ -52,6 +55,10 @@ class GenerationOutput:
     logprobs: list[float] | None = None
     # Per token, where the engine knows it: the weights version that produced that token (None: unknown).
     token_versions: list[int] | None = None
+
+
+# `on_sample(k, result)`: sample k of a group finished; an exception is that one sample's failure.
+SampleDone = Callable[[int, "GenerationOutput | Exception"], None]
 
 
 class GenerationFailed(RuntimeError):
@@ -99,6 +106,29 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationOutput: ...
+
+    async def generate_group(self, request: GenerationRequest, n: int, on_sample: SampleDone) -> None:
+        """`n` samples of one prompt, each reported by `on_sample(k, output)` the moment it finishes (an exception:
+        sample k failed, the others go on). Sample k is drawn with seed `request.seed + k` (unseeded when the seed is
+        None), the seeds vLLM gives the samples of one request with n > 1, so it equals `generate` with that seed.
+        Returns once every sample is reported; cancelling it aborts those still generating.
+
+        By default, n `generate` calls; an engine that prepares a prompt once for many samples overrides it.
+        """
+
+        async def one(k: int) -> None:
+            sample = request
+            if request.seed is not None and k:
+                sample = copy.copy(request)  # a shallow copy: the lists are shared, never changed
+                sample.seed = request.seed + k
+            try:
+                out = await self.generate(sample)
+            except Exception as exc:  # that sample's failure: its siblings go on
+                on_sample(k, exc)
+            else:
+                on_sample(k, out)
+
+        await asyncio.gather(*(one(k) for k in range(n)))
 
     @abc.abstractmethod
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...

@@ -36,7 +36,13 @@ import torch
 from rewardmesh.common.errors import Unavailable
 from rewardmesh.common.planes.cuda_ipc import device_uuid, rebuild_args
 from rewardmesh.common.planes.manifest import Entry, WeightsError, validate_weights
-from rewardmesh.server.rollout.backends.base import Backend, GenerationOutput, GenerationRequest, WeightsNotApplied
+from rewardmesh.server.rollout.backends.base import (
+    Backend,
+    GenerationOutput,
+    GenerationRequest,
+    SampleDone,
+    WeightsNotApplied,
+)
 from rewardmesh.server.rollout.backends.requests import validate_request
 from rewardmesh.server.rollout.backends.vllm_engine import (
     build_engine,
@@ -47,7 +53,7 @@ from rewardmesh.server.rollout.backends.vllm_engine import (
     shutdown_engine,
     uses_ipc_transfer,
 )
-from rewardmesh.server.rollout.backends.vllm_outputs import sampling_params, to_output, token_prompt
+from rewardmesh.server.rollout.backends.vllm_outputs import SampleDeltas, sampling_params, to_output, token_prompt
 from rewardmesh.server.rollout.backends.vllm_weights import (
     CHUNK_BYTES,
     WORKER_EXTENSION,
@@ -72,6 +78,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
 
 # ------------------------------------------------------------------------------------------------- backend
 
@@ -133,6 +141,7 @@ class VLLMBackend(Backend):
         self.unusable: str | None = None
         self._torn: set[str] = set()
         self._inflight: dict[str, asyncio.Future[GenerationOutput]] = {}
+        self._groups = 0  # requests of n > 1 samples in flight
         self._tasks: set[asyncio.Task[Any]] = set()
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         self._closed = False
@@ -211,16 +220,18 @@ class VLLMBackend(Backend):
 
     @property
     def running(self) -> int:
-        return sum(1 for f in self._inflight.values() if not f.done())
+        """Engine requests in flight (a group of samples is one)."""
+        return self._groups + sum(1 for f in self._inflight.values() if not f.done())
 
-    def sampling_params(self, request: GenerationRequest) -> Any:
-        return sampling_params(request)
+    def sampling_params(self, request: GenerationRequest, n: int = 1) -> Any:
+        return sampling_params(request, n)
 
     @staticmethod
     def prompt(prompt_ids: list[int]) -> Any:
         return token_prompt(prompt_ids)
 
-    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+    async def _admit(self, request: GenerationRequest) -> None:
+        """Refuse what must not reach the engine (closed, torn weights, a bad request); boot it if need be."""
         if self._closed:
             raise RuntimeError("VLLMBackend is closed")
         if self.unusable:
@@ -228,6 +239,9 @@ class VLLMBackend(Backend):
         validate_request(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         if self._engine is None:
             await self.start()
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        await self._admit(request)
         request_id = f"{self._id_prefix}{next(self._ids)}"
         future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
         self._inflight[request_id] = future
@@ -269,7 +283,42 @@ class VLLMBackend(Backend):
     def _to_output(
         self, request: GenerationRequest, final: Any, version: int, same_weights: bool = False
     ) -> GenerationOutput:
-        return to_output(self.tokenizer, request, final, version, same_weights)
+        return to_output(self.tokenizer, request, final.outputs[0], getattr(final, "metrics", None), version,
+                         same_weights)  # fmt: skip
+
+    async def generate_group(self, request: GenerationRequest, n: int, on_sample: SampleDone) -> None:
+        """One engine request with n samples (vLLM prepares the prompt once; sample k has seed `seed + k`), each
+        reported the moment vLLM finishes it. vLLM refuses n > 1 greedy: those samples are requests of their own."""
+        if n == 1 or request.temperature < GREEDY_BELOW:
+            await super().generate_group(request, n, on_sample)
+            return
+        await self._admit(request)
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        version, updates = self.policy_version, self._updates
+        samples = SampleDeltas()
+        left = n
+        self._groups += 1
+        try:
+            prompt = self.prompt(list(request.prompt_ids))
+            async for out in self._engine.generate(prompt, self.sampling_params(request, n), request_id):
+                # A request's metrics are its one sample's only when the output carries that sample alone.
+                metrics = getattr(out, "metrics", None) if len(out.outputs) == 1 else None
+                for delta in out.outputs:
+                    completion = samples.add(delta)
+                    if completion is None:
+                        continue
+                    left -= 1
+                    try:
+                        result = to_output(self.tokenizer, request, completion, metrics, version,
+                                           same_weights=updates == self._updates)  # fmt: skip
+                    except Exception as exc:  # this sample's failure (vLLM's finish_reason "error")
+                        on_sample(completion.index, exc)
+                    else:
+                        on_sample(completion.index, result)
+        finally:
+            self._groups -= 1
+            if left:  # cancelled or failed part-way: make sure vLLM drops the samples still running
+                self._spawn(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> None:
         engine = self._engine

@@ -67,12 +67,20 @@ def engine_args_from_env() -> dict[str, Any]:
     return parse_engine_args([a for a in os.environ.get("REWARDMESH_ENGINE_ARG", "").split(",") if a])
 
 
+# Tokens between two outputs of a streamed request: more than any sample has, so a request of n samples reports each
+# in two outputs (its first token, its end) rather than one per token per sample.
+STREAM_INTERVAL = 1 << 20
+
+
 def complete_engine_args(kwargs: dict[str, Any], known: set[str]) -> dict[str, Any]:
     """The backend's defaults for what the caller left unset (checked first; the caller's values win):
-    processed log-probs, vLLM's "ipc" weight transfer where the release has it, and stats logging off, as the
-    offline ``LLM`` class has it (``disable_log_stats=False`` turns it on)."""
+    processed log-probs, vLLM's "ipc" weight transfer where the release has it, stats logging off, as the
+    offline ``LLM`` class has it (``disable_log_stats=False`` turns it on), and a stream interval longer than any
+    sample (the backend's only streamed requests are groups of samples; see STREAM_INTERVAL)."""
     check_engine_args(kwargs, known)
     out = dict(kwargs)
+    if "stream_interval" in known and "stream_interval" not in out:
+        out["stream_interval"] = STREAM_INTERVAL
     if "logprobs_mode" in known and "logprobs_mode" not in out:
         # the log-prob of the distribution actually sampled from (after temperature, top-k, top-p)
         out["logprobs_mode"] = "processed_logprobs"

@@ -10,8 +10,13 @@ from rewardmesh.server.rollout.backends.base import GenerationFailed, Generation
 from rewardmesh.server.rollout.backends.requests import trim_at_stop
 
 
-def sampling_params(request: GenerationRequest) -> Any:
-    """vLLM's SamplingParams for one sample (n=1): the final output only, text detokenized only for stop strings.
+def sampling_params(request: GenerationRequest, n: int = 1) -> Any:
+    """vLLM's SamplingParams for `n` samples of one prompt, text detokenized only for stop strings.
+
+    n = 1: the final output only. n > 1: each sample's tokens as deltas, in two outputs (its first token and its
+    end, as a stream interval longer than the sample makes it), since only deltas report each sample as it
+    finishes: a final-only request with n > 1 answers when its last sample ends. The samples' seeds are vLLM's:
+    `seed + k` for sample k.
 
     One object per distinct setting, shared by every request that has it: building SamplingParams validates
     every field (a measurable share of the front end's CPU at thousands of short samples per second), and vLLM
@@ -21,6 +26,7 @@ def sampling_params(request: GenerationRequest) -> Any:
 
     return _sampling_params(
         SamplingParams,  # part of the key: the objects belong to the vLLM that made them
+        n,
         request.max_tokens,
         request.temperature,
         request.top_p,
@@ -37,6 +43,7 @@ def sampling_params(request: GenerationRequest) -> Any:
 @functools.lru_cache(maxsize=4096)
 def _sampling_params(
     params_cls: Any,
+    n: int,
     max_tokens: int,
     temperature: float,
     top_p: float,
@@ -51,12 +58,15 @@ def _sampling_params(
     from vllm.sampling_params import RequestOutputKind
 
     options: dict[str, Any] = {}
-    if "skip_clone" in _fields(params_cls):
+    fields = _fields(params_cls)
+    if n > 1 and "stream_interval" in fields:  # per request where vLLM has it (0.32); else the engine's default
+        options["stream_interval"] = max_tokens
+    if "skip_clone" in fields:
         # Each request's copy may be shallow: what vLLM changes on it per request is assigned, not mutated,
         # except the set of stop ids, to which it adds the same model's eos ids each time.
         options["skip_clone"] = True
     return params_cls(
-        n=1,
+        n=n,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -68,7 +78,7 @@ def _sampling_params(
         logprobs=0 if logprobs else None,  # 0: only the sampled token's
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.FINAL_ONLY if n == 1 else RequestOutputKind.DELTA,
         **options,
     )
 
@@ -93,14 +103,14 @@ def token_prompt(prompt_ids: list[int]) -> Any:
 
 
 def to_output(
-    tokenizer: Any, request: GenerationRequest, final: Any, version: int, same_weights: bool = False
+    tokenizer: Any, request: GenerationRequest, completion: Any, metrics: Any, version: int, same_weights: bool = False
 ) -> GenerationOutput:
-    """vLLM's final RequestOutput -> GenerationOutput; finish_reason "error" raises GenerationFailed.
+    """One sample's finished CompletionOutput (all its tokens) and its request's metrics -> GenerationOutput;
+    finish_reason "error" raises GenerationFailed.
 
     ``same_weights``: no weight update began while the request ran, so every token is ``version``'s
     even where vLLM reports no per-token versions.
     """
-    completion = final.outputs[0]
     reason = completion.finish_reason or "abort"
     if reason == "error":
         raise GenerationFailed(
@@ -108,7 +118,11 @@ def to_output(
         )
     if reason not in ("stop", "length", "abort"):
         reason = "stop"  # e.g. "repetition": the engine ended the sequence on purpose
-    token_ids = [int(t) for t in completion.token_ids]
+    token_ids = completion.token_ids
+    if token_ids and type(token_ids[0]) is not int:  # numpy ints from some releases' paths
+        token_ids = [int(t) for t in token_ids]
+    else:
+        token_ids = list(token_ids)
     logprobs = _token_logprobs(completion, token_ids) if request.logprobs else None
     versions = _token_versions(completion, len(token_ids))
     if versions is None and same_weights:
@@ -120,10 +134,7 @@ def to_output(
         if kept is not None:
             token_ids = kept
     n = len(token_ids)
-    metrics = getattr(final, "metrics", None)
     preempted = getattr(metrics, "num_preemptions", None)
-    if not isinstance(preempted, int):
-        preempted = getattr(final, "num_preempted", None)  # older releases' spelling, where present
     return GenerationOutput(
         token_ids=token_ids,
         finish_reason=reason,
@@ -132,6 +143,28 @@ def to_output(
         logprobs=logprobs[:n] if logprobs is not None else None,
         token_versions=versions[:n] if versions is not None else None,
     )
+
+
+class SampleDeltas:
+    """The samples of one n > 1 request, put together from vLLM's deltas: each sample's tokens and log-probs
+    arrive in pieces (several samples' pieces may share one output), its end with its finish reason."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[Any]] = {}
+
+    def add(self, completion: Any) -> Any | None:
+        """Take one delta; the sample's whole CompletionOutput once it finished (else None)."""
+        k = completion.index
+        tokens = self._tokens.setdefault(k, [])
+        tokens.extend(completion.token_ids)
+        if completion.logprobs is not None:
+            self._logprobs.setdefault(k, []).extend(completion.logprobs)
+        if completion.finish_reason is None:
+            return None
+        completion.token_ids = self._tokens.pop(k)
+        completion.logprobs = self._logprobs.pop(k, None)
+        return completion
 
 
 def _token_logprobs(completion: Any, token_ids: list[int]) -> list[float] | None:
@@ -159,6 +192,7 @@ def _token_versions(completion: Any, n: int) -> list[int] | None:
             label = int(span.version)
         except (TypeError, ValueError):
             return None  # labelled by someone else: unknown
-        for i in range(max(0, span.start), min(n, span.end)):
-            versions[i] = label
+        start, end = max(0, span.start), min(n, span.end)
+        if start < end:
+            versions[start:end] = [label] * (end - start)
     return None if -1 in versions else versions

@@ -53,6 +53,20 @@ async def test_a_call_runs_at_most_its_bound_of_samples_at_once(tok: Any) -> Non
         await eventually(lambda: not backend.running, "the cancelled call's samples stop")
 
 
+async def test_a_call_starts_whole_prompt_groups_within_its_bound(tok: Any) -> None:
+    """Bound 6, groups of 4: one group starts (one engine request where the backend groups), the next waits until
+    it fits whole rather than starting half of it."""
+    backend = ScriptedBackend(tok, forever)
+    async with rollout_server(backend) as ro, rollout_stub(ro.address) as stub:
+        ro.servicer.max_call_unsent = 6
+        prompts = [rollout_pb2.Prompt(group_id=f"g{i}", token_ids=ids_tensor(tok.encode("2 + 2 ="))) for i in range(3)]
+        call = stub.Generate(rollout_pb2.GenerateRequest(prompts=prompts, n=4))
+        await eventually(lambda: len(backend.requests) >= 4, "the first group generating")
+        await holds_for(lambda: len(backend.requests) == 4, "the second group waits for room for all four")
+        call.cancel()
+        await eventually(lambda: not backend.running, "the cancelled call's samples stop")
+
+
 async def test_a_generate_call_past_its_deadline_fails_its_samples_not_the_step(tok: Any) -> None:
     # Every wait on the client side has a deadline.
     async with rollout_server(ScriptedBackend(tok, forever)) as ro:

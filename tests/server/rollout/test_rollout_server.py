@@ -13,6 +13,7 @@ from grpc import aio
 
 from rewardmesh.common.planes.grpc_chunks import iter_update_requests
 from rewardmesh.common.tensors import ids_from, ids_tensor, tensor_to_numpy
+from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest
 from rewardmesh.v1 import common_pb2, rollout_pb2
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.servers import fn_pipeline, reward_server, rollout_server, rollout_stub
@@ -69,6 +70,9 @@ async def test_samples_stream_back_scored_fast_ones_first(tok: Any) -> None:
         assert s.finish_reason == common_pb2.FINISH_REASON_STOP and s.timing.num_turns == 1
         assert s.timing.reward > 0 and s.timing.reward >= s.timing.reward_compute
         assert s.timing.response_length == len(ids_from(s.response_ids, "r")) > 0
+        assert ids_from(s.response_mask, "m").tolist() == [1] * s.timing.response_length  # no tool: all the policy's
+        versions = tensor_to_numpy(s.response_policy_versions, "v", ndim=1)
+        assert versions.dtype == np.int64 and versions.tolist() == [0] * s.timing.response_length
         assert s.response_text == "so #### 4" and s.ground_truth == "4"
     slow = next(r for r in got if r.sample.group_id == "slow")
     assert slow.sample.timing.generate_sequences >= 0.35
@@ -187,6 +191,28 @@ async def test_bad_requests_are_invalid_argument_naming_the_field(tok: Any) -> N
             assert text in (info.value.details() or ""), (text, info.value.details())
         ok = [r async for r in stub.Generate(gen_request([good]))]  # still serving
     assert len(ok) == 1
+
+
+class OneBadSample(ScriptedBackend):
+    """Sample 1 of each prompt (seed 1) comes back with a token id no tensor of the wire can hold: a backend bug."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        out = await super().generate(request)
+        if request.seed == 1:
+            out.token_ids = [*out.token_ids, 1 << 40]
+        return out
+
+
+async def test_a_sample_that_cannot_be_built_is_its_own_error_and_its_group_is_answered(tok: Any) -> None:
+    async with reward_server() as rs, rollout_server(OneBadSample(tok, timed_script), [rs.address]) as ro:
+        async with rollout_stub(ro.address) as stub:
+            request = gen_request([prompt(tok, "2 + 2", "g")], n=3, reward="gsm8k")
+            request.sampling.seed = 0
+            got = {r.sample.sample_id: r async for r in stub.Generate(request, timeout=30)}
+    assert sorted(got) == ["g/0", "g/1", "g/2"]
+    assert got["g/1"].result.error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "OverflowError" in got["g/1"].result.error.message
+    assert all(got[s].result.score == 1.0 and not got[s].result.HasField("error") for s in ("g/0", "g/2"))
 
 
 async def test_client_cancel_aborts_in_flight_generations(tok: Any) -> None:

@@ -5,6 +5,7 @@ on vLLM itself wherever it is installed: its CPU build (`make test-vllm`, every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -23,6 +24,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rewardmesh.client.reward_client import RewardClient
 from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.demo.mesh import reward_server
@@ -30,8 +32,15 @@ from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.server.cli import build_parser
 from rewardmesh.server.config import resolve
+from rewardmesh.server.rollout.agent_loop import AgentSettings
 from rewardmesh.server.rollout.backends import make_backend
-from rewardmesh.server.rollout.backends.base import GenerationFailed, GenerationRequest, WeightsError, WeightsNotApplied
+from rewardmesh.server.rollout.backends.base import (
+    GenerationFailed,
+    GenerationOutput,
+    GenerationRequest,
+    WeightsError,
+    WeightsNotApplied,
+)
 from rewardmesh.server.rollout.backends.requests import trim_at_stop
 from rewardmesh.server.rollout.backends.vllm_backend import (
     RewardMeshWorkerExtension,
@@ -41,13 +50,15 @@ from rewardmesh.server.rollout.backends.vllm_backend import (
     pack_chunks,
     parse_engine_args,
 )
-from rewardmesh.server.rollout.backends.vllm_engine import engine_args_from_env
+from rewardmesh.server.rollout.backends.vllm_engine import STREAM_INTERVAL, engine_args_from_env
 from rewardmesh.server.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
 from rewardmesh.server.rollout.server import RolloutServer, RolloutServerConfig, backend_options
+from rewardmesh.server.rollout.worker import Job, PromptInput, RolloutWorker, RunSettings
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.support.fake_vllm import FakeEngine, echo, installed
 from tests.support.paths import REPO
+from tests.support.waiting import eventually
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -280,6 +291,52 @@ async def test_generation_maps_logprobs_versions_preemptions_and_errors(
         await backend.generate(GenerationRequest([1, 2], max_tokens=5))
     engine.respond = lambda ids, params, eng: {**echo(ids, params, eng), "finish_reason": "repetition"}
     assert (await backend.generate(GenerationRequest([1], max_tokens=3))).finish_reason == "stop"
+    await backend.close()
+
+
+async def test_a_group_is_one_request_of_deltas_each_sample_reported_as_it_ends(
+    tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine]
+) -> None:
+    """n > 1: one request of n samples streamed as deltas (the stand-in sends each sample's first token, then its
+    end); each sample is put together and reported when it ends, one that vLLM fails is that sample's error
+    alone, and cancelling the group aborts the request."""
+    backend = VLLMBackend(str(tiny_models.policy))
+    await backend.start()
+    engine = fake_vllm.last
+    assert engine is not None
+
+    def by_seed(ids: list[int], params: Any, eng: FakeEngine) -> dict[str, Any]:
+        k = params.seed - 10  # sample k of seed 10: it ends after (3 - k) ticks, sample 1 fails
+        return {**echo(ids, params, eng), "seconds": 0.01 * (3 - k), "finish_reason": "error" if k == 1 else "length"}
+
+    engine.respond = by_seed
+    reported: list[tuple[int, GenerationOutput | Exception]] = []
+    request = GenerationRequest([5, 6, 7], max_tokens=5, logprobs=True, seed=10)
+    await backend.generate_group(request, 3, lambda k, out: reported.append((k, out)))
+    assert len(engine.params) == 1 and engine.params[0].n == 3 and engine.params[0].seed == 10
+    assert engine.params[0].output_kind.name == "DELTA"
+    assert [k for k, _ in reported] == [2, 1, 0]  # as they end, not in index order
+    outs = dict(reported)
+    assert isinstance(outs[1], GenerationFailed)
+    for k in (0, 2):
+        out = outs[k]
+        assert isinstance(out, GenerationOutput)
+        assert out.token_ids == [7, 6, 5, 7, 6] and out.finish_reason == "length"  # both deltas, joined
+        assert out.logprobs == pytest.approx([-0.25, -0.26, -0.27, -0.28, -0.29])
+        assert out.token_versions == [0] * 5
+    assert backend.running == 0
+    greedy: list[tuple[int, GenerationOutput | Exception]] = []
+    await backend.generate_group(GenerationRequest([5], 3, temperature=0.0), 2, lambda k, o: greedy.append((k, o)))
+    assert [p.n for p in engine.params[1:]] == [1, 1] and len(greedy) == 2  # vLLM refuses n > 1 greedy
+
+    engine.respond = lambda ids, params, eng: {**echo(ids, params, eng), "seconds": 30.0}
+    group = asyncio.create_task(backend.generate_group(request, 2, lambda k, out: reported.append((k, out))))
+    await eventually(lambda: backend.running == 1, "the group's request is in flight")
+    group.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await group
+    await eventually(lambda: [c for c in engine.calls if c[0] == "abort"], "the request is aborted")
+    assert backend.running == 0 and len(reported) == 3
     await backend.close()
 
 
@@ -535,6 +592,7 @@ async def test_vllm_engine_gets_offline_scheduler_limits_engine_args_and_no_stat
     assert (mine.max_num_seqs, mine.max_num_batched_tokens) == (want.max_num_seqs, want.max_num_batched_tokens)
     assert core.model_config.max_logprobs == 3  # an engine argument reaches the engine
     assert not core.log_stats
+    assert mine.stream_interval == STREAM_INTERVAL  # a group's samples: two outputs each, not one per token
 
 
 @pytest.mark.slow
@@ -553,6 +611,130 @@ async def test_vllm_generates_deterministically(engine: VLLMBackend) -> None:
     seeded = GenerationRequest(ps[1], max_tokens=24, temperature=1.0, seed=7)
     assert (await engine.generate(seeded)).token_ids == (await engine.generate(seeded)).token_ids
     assert engine.running == 0
+
+
+@contextlib.contextmanager
+def engine_requests(engine: VLLMBackend) -> Iterator[list[int]]:
+    """The `n` of every request that reaches vLLM's engine while the block runs (the engine itself, observed)."""
+    core: Any = engine._engine
+    seen: list[int] = []
+    real = core.generate
+
+    def observed(prompt: Any, params: Any, request_id: str, **kw: Any) -> Any:
+        seen.append(params.n)
+        return real(prompt, params, request_id, **kw)
+
+    core.generate = observed
+    try:
+        yield seen
+    finally:
+        del core.generate  # the instance attribute goes; the class's method serves again
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_a_group_is_one_request_and_equals_its_samples_drawn_one_by_one(engine: VLLMBackend) -> None:
+    """vLLM gives sample k of an n > 1 request the seed `seed + k`: the same tokens, log-probs and per-token
+    versions as n requests with those seeds; samples that end early are reported before the group ends."""
+    reported: list[tuple[int, GenerationOutput | Exception]] = []
+
+    def on_sample(k: int, out: GenerationOutput | Exception) -> None:
+        reported.append((k, out))
+
+    for i, p in enumerate(prompts(engine)):
+        seed = 11 + i
+        request = GenerationRequest(p, 40, temperature=1.0, top_k=50, seed=seed, logprobs=True)
+        reported.clear()
+        with engine_requests(engine) as seen:
+            await engine.generate_group(request, 4, on_sample)
+        grouped = {k: out for k, out in reported if isinstance(out, GenerationOutput)}
+        order = [k for k, _ in reported]
+        assert seen == [4] and sorted(order) == [0, 1, 2, 3]
+        with engine_requests(engine) as seen:
+            alone = await asyncio.gather(
+                *(engine.generate(dataclasses.replace(request, seed=seed + k)) for k in range(4))
+            )
+        assert seen == [1, 1, 1, 1]
+        for k, out in enumerate(alone):
+            got = grouped[k]
+            assert got.token_ids == out.token_ids and got.finish_reason == out.finish_reason
+            assert got.logprobs == out.logprobs and got.logprobs is not None and len(got.logprobs) == len(got.token_ids)
+            assert got.token_versions == out.token_versions == [engine.policy_version] * len(got.token_ids)
+        lengths = [len(grouped[k].token_ids) for k in order]
+        assert lengths == sorted(lengths)  # a shorter sample is never reported after a longer one
+    assert engine.running == 0
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_server_groups_single_turn_samples_and_runs_tool_samples_one_by_one(served: Served) -> None:
+    """Through Generate: without tools a prompt's n samples are one engine request; with tools (the agent loop
+    may take several turns) each is its own. Both give the same samples for the same seed."""
+    engine = served.backend
+    ps = prompts(engine)
+
+    async def generate(tools: list[str]) -> dict[str, Any]:
+        request = rollout_pb2.GenerateRequest(
+            prompts=[rollout_pb2.Prompt(group_id=f"p{i}", token_ids=ids_tensor(p)) for i, p in enumerate(ps)],
+            n=4,
+            sampling=rollout_pb2.SamplingParams(max_tokens=24, temperature=1.0, seed=5, logprobs=True),
+            agent=rollout_pb2.AgentLoopConfig(max_turns=3, tools=tools),
+        )
+        async with aio.insecure_channel(served.server.address) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            answers = [r async for r in stub.Generate(request, timeout=120)]
+        assert all(not a.result.HasField("error") for a in answers)
+        return {a.sample.sample_id: a.sample for a in answers}
+
+    with engine_requests(engine) as grouped_requests:
+        grouped = await generate([])
+    with engine_requests(engine) as tool_requests:
+        one_by_one = await generate(["calculator"])
+    assert grouped_requests == [4] * len(ps)
+    assert tool_requests == [1] * (4 * len(ps))  # the model called no tool: one turn each
+    assert sorted(grouped) == sorted(one_by_one) == sorted(f"p{i}/{k}" for i in range(len(ps)) for k in range(4))
+    for sid, sample in grouped.items():
+        other = one_by_one[sid]
+        for field in ("response_ids", "response_mask", "response_logprobs", "response_policy_versions"):
+            assert getattr(sample, field) == getattr(other, field), (sid, field)
+        assert (sample.finish_reason, sample.policy_version) == (other.finish_reason, other.policy_version)
+        assert sample.timing.num_turns == other.timing.num_turns == 1
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_each_sample_of_a_group_is_scored_as_it_finishes_not_when_its_group_does(
+    engine: VLLMBackend,
+) -> None:
+    """Sample 0 stops after a few tokens, sample 1 runs 480: sample 0 comes back scored by a real reward server
+    while the group's engine request is still generating sample 1."""
+    p = prompts(engine)[1]
+    for seed in range(40):  # a seed whose sample 0 draws, early on, a token that sample 1 never draws
+        long = GenerationRequest(p, 480, temperature=1.0, seed=seed, ignore_eos=True)
+        first, second = await asyncio.gather(
+            engine.generate(long), engine.generate(dataclasses.replace(long, seed=seed + 1))
+        )
+        stop = next((t for t in first.token_ids[:4] if t not in second.token_ids), None)
+        if stop is not None:
+            break
+    else:
+        pytest.fail("no seed gave sample 0 an early token that sample 1 never draws")
+    prompt = PromptInput(rollout_pb2.Prompt(group_id="g"), "g", p, ids_tensor(p), "")
+    jobs = [Job("g/0", prompt, seed), Job("g/1", prompt, seed + 1)]
+    settings = RunSettings(dataclasses.replace(long, prompt_ids=[], stop_token_ids=[stop], seed=None),
+                           AgentSettings(), reward="noop", reward_timeout=None)  # fmt: skip
+    async with reward_server() as reward, RewardClient([reward.address]) as rewards:
+        worker = RolloutWorker(engine, rewards)
+        with engine_requests(engine) as seen:
+            short, rest = worker.start(jobs, settings)
+            scored = await short
+            running_then = engine.running
+            last = await rest
+    assert seen == [2]
+    assert scored.sample.response_ids.shape == [first.token_ids.index(stop) + 1]
+    assert not scored.result.HasField("error") and scored.result.sample_id == "g/0" and scored.sample.timing.reward > 0
+    assert running_then == 1  # the group's request was still generating sample 1
+    assert last.sample.response_ids.shape == [480] and not last.result.HasField("error")
 
 
 @pytest.mark.slow
