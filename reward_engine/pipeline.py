@@ -71,20 +71,23 @@ class RewardPipeline:
 
     def limits(self) -> StartLimits:
         """What the sources can have started at once: the least per-sample capacity of its per-sample sources
-        (each sample goes to every source), the least batch capacity of its per-batch ones."""
+        (each sample goes to every source), the least batch capacity of its per-batch ones; inline when every
+        source works on the event loop itself."""
         samples: int | None = None
         batches: int | None = None
         paced = False
+        inline = True
         for ws in self.sources:
             cap = ws.source.capacity
             paced = paced or cap.paced
-            if not cap.slots:
+            if cap.inline:
                 continue
+            inline = False
             if cap.per == "sample":
                 samples = cap.slots if samples is None else min(samples, cap.slots)
             else:
                 batches = cap.slots if batches is None else min(batches, cap.slots)
-        return StartLimits(samples, batches, paced)
+        return StartLimits(samples, batches, paced, inline)
 
     def start_delay(self) -> float:
         """Seconds before every source may start another sample (a paced source's rate limit)."""

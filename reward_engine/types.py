@@ -126,9 +126,10 @@ class Capacity:
 
     ``per="sample"``: each sample handed over holds one of ``slots`` until its result is in (worker processes,
     sandbox slots, judge requests in flight). ``per="batch"``: each batch holds one (a reward model's batches in
-    flight). ``slots=0``: no limit, what is handed over starts at once (a rule inline on the event loop).
-    ``paced``: the source also spaces its starts out in time (a rate limit): samples are handed over one at a
-    time, when its ``start_delay()`` says the next may start.
+    flight). ``slots=0``: the source works on the event loop itself (a rule inline): its capacity is the loop,
+    which every tenant's messages also need, so the batcher hands it one batch at a time, each bounded in loop
+    time. ``paced``: the source also spaces its starts out in time (a rate limit): samples are handed over one at
+    a time, when its ``start_delay()`` says the next may start.
     """
 
     slots: int = 0
@@ -138,13 +139,18 @@ class Capacity:
 
     def __post_init__(self) -> None:
         if self.slots < 0:
-            raise ValueError(f"capacity: slots must be >= 0 (0: no limit), got {self.slots}")
+            raise ValueError(f"capacity: slots must be >= 0 (0: inline on the event loop), got {self.slots}")
         if self.per not in ("sample", "batch"):
             raise ValueError(f"capacity: per must be 'sample' or 'batch', got {self.per!r}")
 
+    @property
+    def inline(self) -> bool:
+        """The source's work runs on the event loop itself."""
+        return not self.slots
+
     def describe(self) -> str:
         if not self.slots:
-            return f"no limit ({self.unit})"
+            return f"the event loop ({self.unit}): one batch at a time, each bounded in loop time"
         return f"{self.slots} {self.unit}" + (", paced" if self.paced else "")
 
 

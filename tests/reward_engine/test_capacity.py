@@ -1,6 +1,6 @@
 """Work leaves the fair queue only when its source can start it, on every kind of real source: a function on real
-worker processes, code in the real sandbox, a judge over HTTP against a slow local OpenAI-compatible server, and the
-tiny reward model, each with its kind's default batching and with a user's.
+worker processes, code in the real sandbox, a judge over HTTP against a slow local OpenAI-compatible server, the
+tiny reward model and a rule inline on the event loop, each with its kind's default batching and with a user's.
 
 In each, tenant A floods the pipeline while its source is held (its work cannot finish), two of A's samples wait with
 deadlines they cannot make, then tenant B sends a small step and the source is let go. What decides B's latency is
@@ -31,6 +31,7 @@ from rewardmesh.reward_engine.batcher import Scored, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
+from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.support.waiting import eventually
@@ -64,6 +65,8 @@ class Starts:
             self.over.append(f"{batcher.in_flight_samples} samples started, {self.workers()} workers")
         if limits.batches is not None and batcher.in_flight_batches > limits.batches:
             self.over.append(f"{batcher.in_flight_batches} batches started, capacity {limits.batches}")
+        if limits.inline and batcher.in_flight_batches > 1:
+            self.over.append(f"{batcher.in_flight_batches} inline batches started at once")
 
     @property
     def order(self) -> list[tuple[str, str]]:
@@ -291,3 +294,72 @@ async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
     assert sum(len(batch) for batch in starts.batches[:first]) == mark
     assert sorted(sid for tenant, sid in starts.batches[first] if tenant == "b") == sorted(f"b{i}" for i in range(8))
     assert not set(hopeless) & starts.ids()
+
+
+# ------------------------------------------------------------------------------- a rule inline on the event loop
+
+
+@BATCHINGS
+async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_next(
+    batching: dict[str, Any] | None,
+) -> None:
+    """The event loop is an inline rule's capacity: A's flood runs one batch at a time, each within the bound the
+    measured cost per sample gives, so B's step, arriving while one of A's batches is started, waits for that one
+    batch only."""
+    async with pipeline_of({"type": "rule", "rule": "gsm8k"}, batching) as pipeline:
+        batcher = pipeline.batcher
+        assert pipeline.limits().inline
+        starts = Starts(pipeline)
+        bounds: list[int] = []  # the bound each batch was taken under
+        arrival: list[tuple[int, int]] = []  # (batches started, batches in flight) when B's step arrived
+        a, b = Tenant("a"), Tenant("b")
+        step: list[asyncio.Future[Scored]] = []
+
+        def b_arrives() -> None:
+            arrival.append((len(starts.batches), batcher.in_flight_batches))
+            step.extend(batcher.enqueue(sample(f"b{i}", "#### 4", "4"), tenant=b) for i in range(STEP))
+
+        def on_start(batch: list[Ticket]) -> None:
+            bounds.append(batcher.inline_bound())
+            starts(batch)
+            if len(starts.batches) == 6:  # A's flood is running, its batch just handed over and not yet run
+                asyncio.get_running_loop().call_soon(b_arrives)
+
+        batcher.on_start = on_start
+        flooding = [batcher.enqueue(sample(f"a{i}", "#### 4", "4"), tenant=a) for i in range(3000)]
+        await eventually(lambda: len(step) == STEP, "B's step arrives during A's flood")
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 60)
+        assert all(r.output.score == 1.0 for r in results)
+        await asyncio.gather(*flooding)
+    assert starts.over == [], starts.over
+    ((started, in_flight),) = arrival
+    assert in_flight == 1  # the batch B arrived beside: the only one started
+    first_b = next(k for k, batch in enumerate(starts.batches) if any(t == "b" for t, _ in batch))
+    assert first_b == started  # none of A's batches started after B arrived and before B's first
+    assert {sid for t, sid in starts.batches[first_b] if t == "b"} == {f"b{i}" for i in range(STEP)}
+    max_batch = (batching or {}).get("max_batch_size", 256)
+    sizes = [len(batch) for batch in starts.batches]
+    assert all(size <= bound <= max_batch for size, bound in zip(sizes, bounds, strict=True)), (sizes, bounds)
+
+
+async def test_an_inline_batch_is_bounded_by_its_measured_loop_time() -> None:
+    """An inline rule that costs 0.25 ms of loop time per sample: at most 1 ms / 0.25 ms = 4 samples a batch
+    (the measured cost per sample is never below what the rule burns, however loaded the machine)."""
+
+    @register_rule("test_capacity_burn", isolate=False)
+    def burn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+        until = time.perf_counter() + 0.00025
+        while time.perf_counter() < until:
+            pass
+        return 1.0
+
+    try:
+        async with pipeline_of({"type": "rule", "rule": "test_capacity_burn"}, None) as pipeline:
+            assert pipeline.limits().inline
+            starts = Starts(pipeline)
+            results = await asyncio.gather(*(pipeline.batcher.enqueue(sample(f"a{i}")) for i in range(200)))
+    finally:
+        RULES.pop("test_capacity_burn", None)
+    assert all(r.output.score == 1.0 for r in results)
+    assert starts.over == [] and len(starts.order) == 200
+    assert max(len(batch) for batch in starts.batches) <= 4, [len(batch) for batch in starts.batches]
