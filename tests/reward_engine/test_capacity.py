@@ -286,10 +286,11 @@ async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
 ) -> None:
     source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
     async with pipeline_of(source, batching) as pipeline:
+        assert pipeline.limits().batches == 1  # on the CPU: nothing to overlap, no batch staged behind the one held
         with model_held(pipeline) as release:
             starts, mark, hopeless = await flood_then_step(pipeline, lambda t, i: sample(f"{t}{i}"), 400, release)
-    # Two batches in flight (one computing, one staged): B's whole step goes in the first batch handed over after
-    # it arrived; before it, only the batch already staged, which was handed over before B arrived.
+    # On the CPU one batch in flight (on an accelerator two: one computing, one staged): B's whole step goes in the
+    # first batch handed over after it arrived; before it, only what was handed over before B arrived.
     first = next(k for k, batch in enumerate(starts.batches) if any(tenant == "b" for tenant, _ in batch))
     assert sum(len(batch) for batch in starts.batches[:first]) == mark
     assert sorted(sid for tenant, sid in starts.batches[first] if tenant == "b") == sorted(f"b{i}" for i in range(8))
