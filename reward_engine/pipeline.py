@@ -71,8 +71,8 @@ class RewardPipeline:
 
     def limits(self) -> StartLimits:
         """What the sources can have started at once: the least per-sample capacity of its per-sample sources
-        (each sample goes to every source), the least batch capacity of its per-batch ones; inline when every
-        source works on the event loop itself."""
+        (each sample goes to every source; less what is held outside the pipeline), the least batch capacity of
+        its per-batch ones; inline when every source works on the event loop itself."""
         samples: int | None = None
         batches: int | None = None
         paced = False
@@ -83,10 +83,11 @@ class RewardPipeline:
             if cap.inline:
                 continue
             inline = False
+            free = cap.free_for_pipeline
             if cap.per == "sample":
-                samples = cap.slots if samples is None else min(samples, cap.slots)
+                samples = free if samples is None else min(samples, free)
             else:
-                batches = cap.slots if batches is None else min(batches, cap.slots)
+                batches = free if batches is None else min(batches, free)
         return StartLimits(samples, batches, paced, inline)
 
     def start_delay(self) -> float:

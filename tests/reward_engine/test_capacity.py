@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -34,6 +35,7 @@ from rewardmesh.reward_engine.pipeline import RewardPipeline
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
+from tests.support.servers import http_gateway, reward_server
 from tests.support.waiting import eventually
 
 FNS = "tests/support/reward_fns.py"
@@ -221,6 +223,46 @@ async def test_a_code_pipeline_starts_a_small_step_next_in_its_sandbox_slots(bat
         starts, mark, hopeless = await flood_then_step(pipeline, make, 24, lambda: None)
     assert_b_goes_first_then_shares([tenant for tenant, _ in starts.order[mark:]])
     assert not set(hopeless) & starts.ids()
+
+
+@needs_bwrap
+@pytest.mark.slow
+async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
+    """/run_code takes slots of the code pipeline's own sandbox pool (one pool for both doors): while its calls hold
+    them, the pipeline's samples wait in the fair queue, not in the pool, and start as those calls end; a call that
+    comes while the pipeline holds every slot waits for the next one to free, and the pipeline starts no more
+    until it has it. Checked where the slots are: no sample of the pipeline ever waited for a slot in the pool."""
+    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+    held = "import time\ntime.sleep(1.5)\nprint(input())\n"  # holds its slot 1.5 s or more
+    pipelines = {"code": {"sources": [{"type": "code", "workers": 2, "timeout_s": 10}]}}
+    async with reward_server(pipelines) as server, http_gateway(server) as gw, aiohttp.ClientSession() as http:
+        pipeline = server.engine.pipelines["code"]
+        sandbox = pipeline.sources[0].source.sandbox
+        assert sandbox is not None
+        starts = Starts(pipeline, workers=lambda: sandbox.workers - sandbox.held_outside)
+        batcher, b = pipeline.batcher, Tenant("b")
+
+        async def run_code() -> dict[str, Any]:
+            async with http.post(f"{gw.url}/run_code", json={"code": held, "stdin": "1\n"}) as resp:
+                return dict(await resp.json())
+
+        # /run_code holds both slots: a step of the pipeline's waits in its fair queue.
+        calls = [asyncio.ensure_future(run_code()) for _ in range(2)]
+        await eventually(lambda: sandbox.held_outside == 2, "/run_code holds both slots")
+        step = [batcher.enqueue(sample(f"b{i}", "```python\nprint(input())\n```", tests), tenant=b) for i in range(4)]
+        queued_while_held = (sandbox.held_outside, batcher.queue_depth)
+        assert [r["status"] for r in await asyncio.gather(*calls)] == ["Success", "Success"]
+        assert all(r.output.score == 1.0 for r in await asyncio.gather(*step))
+        # The pipeline holds both slots: a /run_code call waits in the pool for one, and gets the first to free.
+        slow = [batcher.enqueue(sample(f"a{i}", f"```python\n{held}```", tests), tenant=b) for i in range(2)]
+        await eventually(lambda: batcher.in_flight_samples == 2, "the pipeline holds both slots")
+        late_call = asyncio.ensure_future(run_code())
+        assert (await late_call)["status"] == "Success"
+        assert all(r.output.score == 1.0 for r in await asyncio.gather(*slow))
+    assert queued_while_held == (2, 4)
+    assert starts.over == [], starts.over
+    assert sandbox.stats["jobs that waited for a slot"] == 0, sandbox.stats
+    assert sandbox.stats["outside jobs"] == 3 and sandbox.stats["outside jobs that waited for a slot"] == 1
 
 
 # ------------------------------------------------------------------------------------- a judge over HTTP
