@@ -32,7 +32,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
@@ -262,6 +262,28 @@ class DynamicBatcher:
         cost = self.inline_cost_s
         size = int(INLINE_BATCH_S / cost) if cost > 0 else 1
         return max(1, min(self.config.max_batch_size, size))
+
+    def effective_config(self, lim: StartLimits | None = None) -> BatcherConfig:
+        """The batching really run under `lim` (the sources' capacity; now, by default): the knobs clamped to what
+        can start. Per-sample sources start and answer each sample apart: batches of 1 (as each result says), as
+        many in flight as their slots allow, no queue delay. Sources on the event loop: one batch at a time, of
+        the current bound. Batched sources: at most their batches in flight (and, beside per-sample ones, batches
+        of at most their slots)."""
+        cfg = self.config
+        lim = self._limits() if lim is None else lim
+        if lim.inline:
+            return replace(cfg, max_batch_size=self.inline_bound(), max_concurrent_batches=1)
+        size = cfg.max_batch_size if lim.samples is None else max(1, min(cfg.max_batch_size, lim.samples))
+        if lim.paced:
+            size = 1
+        delay = 0.0 if lim.samples is not None else cfg.max_queue_delay_ms
+        if lim.batches is not None:
+            batches = max(1, min(cfg.max_concurrent_batches, lim.batches))
+            return replace(cfg, max_batch_size=size, max_queue_delay_ms=delay, max_concurrent_batches=batches)
+        if lim.samples is not None:
+            in_flight = max(1, min(cfg.max_concurrent_batches * cfg.max_batch_size, lim.samples))
+            return replace(cfg, max_batch_size=1, max_queue_delay_ms=0.0, max_concurrent_batches=in_flight)
+        return replace(cfg, max_batch_size=size)
 
     def describe_limits(self) -> str:
         """What bounds the work handed over now, in words (for logs)."""

@@ -69,10 +69,10 @@ class RewardPipeline:
         for ws in sources:
             ws.source.on_capacity(self.batcher.wake)
 
-    def limits(self) -> StartLimits:
+    def limits(self, *, lent: bool = True) -> StartLimits:
         """What the sources can have started at once: the least per-sample capacity of its per-sample sources
-        (each sample goes to every source; less what is held outside the pipeline), the least batch capacity of
-        its per-batch ones; inline when every source works on the event loop itself."""
+        (each sample goes to every source; with ``lent``, less what is held outside the pipeline now), the least
+        batch capacity of its per-batch ones; inline when every source works on the event loop itself."""
         samples: int | None = None
         batches: int | None = None
         paced = False
@@ -83,12 +83,17 @@ class RewardPipeline:
             if cap.inline:
                 continue
             inline = False
-            free = cap.free_for_pipeline
+            free = cap.free_for_pipeline if lent else cap.slots
             if cap.per == "sample":
                 samples = free if samples is None else min(samples, free)
             else:
                 batches = free if batches is None else min(batches, free)
         return StartLimits(samples, batches, paced, inline)
+
+    def effective_batching(self) -> BatcherConfig:
+        """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards
+        reports; see DynamicBatcher.effective_config)."""
+        return self.batcher.effective_config(self.limits(lent=False))
 
     def start_delay(self) -> float:
         """Seconds before every source may start another sample (a paced source's rate limit)."""
