@@ -153,7 +153,9 @@ class RewardPipeline:
             per_source.append(started if started is not None else [])
             if started is None:
                 whole.append(k)
-        if whole:
+        if len(whole) == 1:  # awaited in place, no task: an inline source's batch runs in one turn of the loop
+            per_source[whole[0]] = await self.sources[whole[0]].source.score_batch(batch)
+        elif whole:
             scored = await asyncio.gather(*(self.sources[k].source.score_batch(batch) for k in whole))
             for k, results in zip(whole, scored, strict=True):
                 per_source[k] = results
