@@ -11,7 +11,10 @@ Work leaves the queue only when the pipeline's sources can start it (`StartLimit
 capacity): a batch slot must be free, and where a source takes work per sample (worker processes, sandbox slots,
 judge requests) a batch holds at most the free sample slots, each held until that sample's result is in. So every
 waiting sample waits here, in fair order, up to the moment a worker starts it; no queue of a source's own sits
-behind this one, whatever the knobs say (they are clamped to what can start: `describe_limits`).
+behind this one, whatever the knobs say (they are clamped to what can start: `describe_limits`). A source that
+works on the event loop itself (an inline rule) has the loop as its capacity, shared with every tenant's messages:
+it is handed one batch at a time, each of about INLINE_BATCH_S of loop time at its measured cost per sample, so a
+sample that arrives waits for at most one short batch before the loop reads it and the queue starts it.
 
 Several tenants (training jobs sharing the server) queue side by side (`fair_queue.FairQueue`): a saturated
 pipeline gives them slots by weight, each tenant's samples earliest step deadline first. A sample whose deadline
@@ -29,7 +32,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
@@ -67,14 +70,21 @@ class BatcherConfig:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
 
 
+# An inline batch (a source working on the event loop itself) holds the loop about this long at most: its size is
+# this over the measured loop time per sample, at least 1 and at most max_batch_size.
+INLINE_BATCH_S = 0.001
+
+
 class StartLimits(NamedTuple):
     """What a pipeline's sources can have started at once (None: no limit): `samples` per-sample slots (the least
     of its per-sample sources'), `batches` batch slots (the least of its per-batch sources'); `paced`: a source
-    spaces its starts out (samples are then handed over one at a time, when its start delay allows)."""
+    spaces its starts out (samples are then handed over one at a time, when its start delay allows); `inline`:
+    the sources work on the event loop itself (one batch at a time, each bounded in loop time)."""
 
     samples: int | None = None
     batches: int | None = None
     paced: bool = False
+    inline: bool = False
 
 
 NO_LIMITS = StartLimits()
@@ -208,6 +218,9 @@ class DynamicBatcher:
         # How long scoring takes (moving average; a batch's, or one sample's where samples are answered apart):
         # a sample with less time left before its step deadline is hopeless.
         self.service_s = 0.0
+        # Loop time one sample of an inline batch takes, from its start to its result handed back (moving
+        # average): what bounds an inline batch's size (inline_bound).
+        self.inline_cost_s = 0.0
         self._expiry_timer: asyncio.TimerHandle | None = None  # when the next queued sample expires or is hopeless
         self._deadlines: list[tuple[float, int, Ticket]] = []  # queued samples' deadlines (heap; stale entries skipped)
         self._dues: list[tuple[float, int, Ticket]] = []  # queued samples' step deadlines (heap; likewise)
@@ -243,9 +256,43 @@ class DynamicBatcher:
         """Samples handed to the source whose results are not in yet (what holds its slots)."""
         return self._held
 
+    def inline_bound(self) -> int:
+        """Samples the next inline batch may hold: about INLINE_BATCH_S of loop time at the measured cost per
+        sample (one sample until one was measured), at least 1, at most max_batch_size."""
+        cost = self.inline_cost_s
+        size = int(INLINE_BATCH_S / cost) if cost > 0 else 1
+        return max(1, min(self.config.max_batch_size, size))
+
+    def effective_config(self, lim: StartLimits | None = None) -> BatcherConfig:
+        """The batching really run under `lim` (the sources' capacity; now, by default): the knobs clamped to what
+        can start. Per-sample sources start and answer each sample apart: batches of 1 (as each result says), as
+        many in flight as their slots allow, no queue delay. Sources on the event loop: one batch at a time, of
+        the current bound. Batched sources: at most their batches in flight (and, beside per-sample ones, batches
+        of at most their slots)."""
+        cfg = self.config
+        lim = self._limits() if lim is None else lim
+        if lim.inline:
+            return replace(cfg, max_batch_size=self.inline_bound(), max_concurrent_batches=1)
+        size = cfg.max_batch_size if lim.samples is None else max(1, min(cfg.max_batch_size, lim.samples))
+        if lim.paced:
+            size = 1
+        delay = 0.0 if lim.samples is not None else cfg.max_queue_delay_ms
+        if lim.batches is not None:
+            batches = max(1, min(cfg.max_concurrent_batches, lim.batches))
+            return replace(cfg, max_batch_size=size, max_queue_delay_ms=delay, max_concurrent_batches=batches)
+        if lim.samples is not None:
+            in_flight = max(1, min(cfg.max_concurrent_batches * cfg.max_batch_size, lim.samples))
+            return replace(cfg, max_batch_size=1, max_queue_delay_ms=0.0, max_concurrent_batches=in_flight)
+        return replace(cfg, max_batch_size=size)
+
     def describe_limits(self) -> str:
         """What bounds the work handed over now, in words (for logs)."""
         cfg, lim = self.config, self._limits()
+        if lim.inline:
+            return (
+                f"one batch at a time on the event loop, each of at most {cfg.max_batch_size} samples and about "
+                f"{INLINE_BATCH_S * 1e3:g} ms of loop time at the measured cost per sample"
+            )
         batches = cfg.max_concurrent_batches if lim.batches is None else min(cfg.max_concurrent_batches, lim.batches)
         samples = cfg.max_concurrent_batches * cfg.max_batch_size
         if lim.samples is not None:
@@ -522,6 +569,8 @@ class DynamicBatcher:
         max_batch_size (what the knobs allowed before samples could be answered apart from their batch)."""
         lim = self._limits()
         cfg = self.config
+        if lim.inline:  # the event loop is the capacity: one batch at a time, bounded in loop time
+            return 0 if self._batches else self.inline_bound()
         batches = cfg.max_concurrent_batches if lim.batches is None else min(cfg.max_concurrent_batches, lim.batches)
         if self._batches >= batches:
             return 0
@@ -577,14 +626,15 @@ class DynamicBatcher:
     def _take(self, room: int) -> list[Ticket]:
         """Up to `room` samples that can still make it: the next in fair order (the oldest, with one tenant and no
         step deadlines) plus, within the limits, the samples nearest to it in length among the next few batches'
-        worth in fair order (per-sample sources: simply the next `room` in fair order, nothing to pad). A sample
+        worth in fair order (per-sample and inline sources: simply the next `room` in fair order, nothing to
+        pad). A sample
         whose deadline passed, or that cannot make its step deadline, is answered DEADLINE_EXCEEDED here instead
         of taking a worker."""
         cfg = self.config
         queue = self._queue
         if queue.depth <= room and not cfg.max_batch_tokens:
             taken = queue.take_all()
-        elif self._limits().samples is not None and not cfg.max_batch_tokens:
+        elif not cfg.max_batch_tokens and ((lim := self._limits()).samples is not None or lim.inline):
             taken = [item for _, item in queue.fair_order(room)]
         else:
             taken = self._take_grouped(room)
@@ -704,6 +754,9 @@ class DynamicBatcher:
             size = len(live)
             for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
+            if self._limits().inline:  # the loop time this batch held, its results handed back included
+                held = (time.monotonic() - start) / size
+                self.inline_cost_s = held if not self.inline_cost_s else 0.8 * self.inline_cost_s + 0.2 * held
         finally:
             for it in batch:
                 it.tenant.in_flight -= 1

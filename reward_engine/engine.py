@@ -16,7 +16,8 @@ from rewardmesh.reward_engine.types import RewardSource
 log = logging.getLogger(__name__)
 
 # Batcher defaults per source kind. Whatever they say, work is handed over only when the sources can start it
-# (each source's capacity: reward_engine.types.Capacity). Rules inline take everything queued at once. Functions,
+# (each source's capacity: reward_engine.types.Capacity). Rules inline run one batch at a time on the event loop,
+# each of at most max_batch_size samples and about a millisecond of loop time (batcher.INLINE_BATCH_S). Functions,
 # isolated rules, code and judges take work per sample: a batch is at most their free slots (worker processes,
 # sandbox slots, requests in flight), each sample answered when its own work is done; max_concurrent_batches x
 # max_batch_size still caps the samples in flight (here far above any source's capacity). A model waits a moment

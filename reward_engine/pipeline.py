@@ -69,22 +69,31 @@ class RewardPipeline:
         for ws in sources:
             ws.source.on_capacity(self.batcher.wake)
 
-    def limits(self) -> StartLimits:
+    def limits(self, *, lent: bool = True) -> StartLimits:
         """What the sources can have started at once: the least per-sample capacity of its per-sample sources
-        (each sample goes to every source), the least batch capacity of its per-batch ones."""
+        (each sample goes to every source; with ``lent``, less what is held outside the pipeline now), the least
+        batch capacity of its per-batch ones; inline when every source works on the event loop itself."""
         samples: int | None = None
         batches: int | None = None
         paced = False
+        inline = True
         for ws in self.sources:
             cap = ws.source.capacity
             paced = paced or cap.paced
-            if not cap.slots:
+            if cap.inline:
                 continue
+            inline = False
+            free = cap.free_for_pipeline if lent else cap.slots
             if cap.per == "sample":
-                samples = cap.slots if samples is None else min(samples, cap.slots)
+                samples = free if samples is None else min(samples, free)
             else:
-                batches = cap.slots if batches is None else min(batches, cap.slots)
-        return StartLimits(samples, batches, paced)
+                batches = free if batches is None else min(batches, free)
+        return StartLimits(samples, batches, paced, inline)
+
+    def effective_batching(self) -> BatcherConfig:
+        """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards
+        reports; see DynamicBatcher.effective_config)."""
+        return self.batcher.effective_config(self.limits(lent=False))
 
     def start_delay(self) -> float:
         """Seconds before every source may start another sample (a paced source's rate limit)."""
@@ -144,7 +153,9 @@ class RewardPipeline:
             per_source.append(started if started is not None else [])
             if started is None:
                 whole.append(k)
-        if whole:
+        if len(whole) == 1:  # awaited in place, no task: an inline source's batch runs in one turn of the loop
+            per_source[whole[0]] = await self.sources[whole[0]].source.score_batch(batch)
+        elif whole:
             scored = await asyncio.gather(*(self.sources[k].source.score_batch(batch) for k in whole))
             for k, results in zip(whole, scored, strict=True):
                 per_source[k] = results

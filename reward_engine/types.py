@@ -126,26 +126,42 @@ class Capacity:
 
     ``per="sample"``: each sample handed over holds one of ``slots`` until its result is in (worker processes,
     sandbox slots, judge requests in flight). ``per="batch"``: each batch holds one (a reward model's batches in
-    flight). ``slots=0``: no limit, what is handed over starts at once (a rule inline on the event loop).
-    ``paced``: the source also spaces its starts out in time (a rate limit): samples are handed over one at a
-    time, when its ``start_delay()`` says the next may start.
+    flight). ``slots=0``: the source works on the event loop itself (a rule inline): its capacity is the loop,
+    which every tenant's messages also need, so the batcher hands it one batch at a time, each bounded in loop
+    time. ``held_elsewhere``: slots taken by work the batcher did not hand over (the server's own calls on the
+    same sandbox), not free for the pipeline until they end. ``paced``: the source also spaces its starts out in
+    time (a rate limit): samples are handed over one at a time, when its ``start_delay()`` says the next may start.
     """
 
     slots: int = 0
     unit: str = "inline on the event loop"
     per: Literal["sample", "batch"] = "batch"
     paced: bool = False
+    held_elsewhere: int = 0
 
     def __post_init__(self) -> None:
         if self.slots < 0:
-            raise ValueError(f"capacity: slots must be >= 0 (0: no limit), got {self.slots}")
+            raise ValueError(f"capacity: slots must be >= 0 (0: inline on the event loop), got {self.slots}")
         if self.per not in ("sample", "batch"):
             raise ValueError(f"capacity: per must be 'sample' or 'batch', got {self.per!r}")
+        if self.held_elsewhere < 0:
+            raise ValueError(f"capacity: held_elsewhere must be >= 0, got {self.held_elsewhere}")
+
+    @property
+    def inline(self) -> bool:
+        """The source's work runs on the event loop itself."""
+        return not self.slots
+
+    @property
+    def free_for_pipeline(self) -> int:
+        """Slots the pipeline's own work may hold now (its slots less those held elsewhere)."""
+        return max(0, self.slots - self.held_elsewhere)
 
     def describe(self) -> str:
         if not self.slots:
-            return f"no limit ({self.unit})"
-        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "")
+            return f"the event loop ({self.unit}): one batch at a time, each bounded in loop time"
+        elsewhere = f" ({self.held_elsewhere} held outside the pipeline now)" if self.held_elsewhere else ""
+        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + elsewhere
 
 
 class RewardSource(ABC):

@@ -12,6 +12,12 @@ dies, hangs or prints garbage fails its job's remaining tests as sandbox errors,
 runs as root, each pool slot runs its sandboxes as an unprivileged uid of its own (``uid_base + slot``, set with
 util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another slot even
 outside the namespaces.
+
+Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
+batcher claims its samples' slots as it hands them over (``claim``), within the slots free for it; any other job
+(the server's ``/run_code``) is counted in ``held_outside`` from when it asks until it ends, and the pipeline
+hands over that much less (``on_capacity`` wakes it when such a job ends), so a pipeline's sample never waits
+here: it waits in the pipeline's fair queue.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import os
 import shutil
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +201,16 @@ def result_of(job: Job, reply: Reply, exit_status: int | None, stderr: bytes, wa
     return result
 
 
+class Claim:
+    """A slot claimed in arrival order: ``slot`` gives its number once one is free for it."""
+
+    __slots__ = ("settled", "slot")
+
+    def __init__(self, slot: asyncio.Future[int]) -> None:
+        self.slot = slot
+        self.settled = False  # its job took the slot, or the claim was dropped
+
+
 class Sandbox:
     """Runs jobs in warm sandboxes, at most ``workers`` at once (one per slot), each sandbox serving up to
     ``samples_per_sandbox`` jobs (1: a sandbox is started for every job, and nothing ahead).
@@ -201,7 +218,8 @@ class Sandbox:
     ``isolation`` is the level the operator asks for ("bwrap" or "unshare"). ``start()`` proves it works by
     running a program; if it does not, a lower level is used only with ``allow_weaker_isolation=True``, and
     otherwise every job fails with SandboxUnavailable. There is no level without namespaces. ``prestart()``
-    also starts a sandbox for every slot. ``stats`` counts sandboxes started, jobs run, and why sandboxes retired.
+    also starts a sandbox for every slot. ``stats`` counts sandboxes started, jobs run, jobs from outside the
+    pipeline, jobs that waited for a slot, and why sandboxes retired.
     """
 
     def __init__(
@@ -241,9 +259,11 @@ class Sandbox:
         # sandbox, one for the start probe. They live as long as the pool: a sandbox dies with the thread that
         # started it (bubblewrap's --die-with-parent).
         self._threads = ThreadPoolExecutor(2 * self.workers + 1, thread_name_prefix="sandbox")
-        self._slots: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(self.workers):
-            self._slots.put_nowait(slot)
+        self._free = list(range(self.workers))[::-1]  # slots no job holds (taken from the end)
+        self._claims: deque[asyncio.Future[int]] = deque()  # claims waiting for a slot, in arrival order
+        # Jobs not claimed by the pipeline's batcher (the server's /run_code), asking for a slot or holding one.
+        self.held_outside = 0
+        self._capacity_listeners: list[Callable[[], None]] = []
         self._lock = threading.Lock()  # guards the dicts below and the counters
         self._idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
@@ -342,25 +362,89 @@ class Sandbox:
             return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
         return None
 
-    async def run(self, job: Job) -> JobResult:
-        """Run a job in the sandbox of a free slot (waiting for one when all are busy)."""
-        level = await self.start()
-        slot = await self._slots.get()
+    def on_capacity(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on the event loop) whenever a job from outside the pipeline ends: the slots free
+        for the pipeline grew."""
+        self._capacity_listeners.append(callback)
+
+    def claim(self, *, outside: bool = False) -> Claim:
+        """A slot, claimed now: at once when one is free and no claim waits before it, else when one frees, in
+        arrival order. A claim not used by ``run`` must be dropped (``drop``)."""
+        slot: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if self._free and not self._claims:
+            slot.set_result(self._free.pop())
+        else:
+            self._claims.append(slot)
+            self.stats["outside jobs that waited for a slot" if outside else "jobs that waited for a slot"] += 1
+        return Claim(slot)
+
+    def drop(self, claim: Claim) -> None:
+        """Give back a claim whose job will not run (nothing, once its job took the slot)."""
+        if claim.settled:
+            return
+        claim.settled = True
+        if claim.slot.done() and not claim.slot.cancelled():
+            self._give(claim.slot.result())
+        else:
+            claim.slot.cancel()  # skipped when a slot frees
+
+    def _give(self, slot: int) -> None:
+        """A freed slot goes to the oldest claim still waiting, else back to the free ones."""
+        while self._claims:
+            waiting = self._claims.popleft()
+            if not waiting.done():
+                waiting.set_result(slot)
+                return
+        self._free.append(slot)
+
+    async def run(self, job: Job, claim: Claim | None = None) -> JobResult:
+        """Run a job in the sandbox of a slot: ``claim``'s, claimed by the pipeline's batcher as it handed the job
+        over; without one, a job from outside the pipeline: it claims a slot now (waiting for one when all are
+        busy) and is counted in ``held_outside`` until it ends."""
+        outside = claim is None
+        if claim is None:
+            self.held_outside += 1
+            claim = self.claim(outside=True)
+        try:
+            level = await self.start()
+            slot = await claim.slot
+        except BaseException:
+            self.drop(claim)
+            if outside:
+                self._outside_ended()
+            raise
+        claim.settled = True
         with self._lock:
             self._busy += 1
         loop = asyncio.get_running_loop()
+        if outside:
+            self.stats["outside jobs"] += 1
         # A caller that goes away does not free the slot early: its sandbox runs on (within its budget).
-        future = loop.run_in_executor(self._threads, self._serve, level, job, slot)
-        future.add_done_callback(lambda _: self._release(slot))
+        try:
+            future = loop.run_in_executor(self._threads, self._serve, level, job, slot)
+        except BaseException:  # the pool was closed
+            self._release(slot, outside)
+            raise
+        future.add_done_callback(lambda _: self._release(slot, outside))
         return await asyncio.shield(future)
 
-    def _release(self, slot: int) -> None:
-        self._slots.put_nowait(slot)
+    def _release(self, slot: int, outside: bool) -> None:
+        self._give(slot)
         with self._lock:
             self._busy -= 1
             last = self._closed and self._busy == 0
         if last:
             self._threads.shutdown(wait=False, cancel_futures=True)
+        if outside:
+            self._outside_ended()
+
+    def _outside_ended(self) -> None:
+        self.held_outside -= 1
+        for callback in self._capacity_listeners:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not cost the pool its slots
+                log.exception("code sandbox: a capacity listener failed")
 
     def close(self) -> None:
         """No new sandboxes; the warm ones end now, those running a job end within their budgets."""

@@ -1,8 +1,9 @@
 """Code-execution rewards: the response's program run against the sample's tests in a sandbox.
 
 A sample holds one sandbox of the pool for all its tests, each test still a fresh process under its own limits;
-samples run at once up to the pool's size (``sandbox.workers``, the source's capacity: a sample leaves the fair
-queue only when a sandbox is free), so a step's code samples are scored as they stream in. The pool's sandboxes are
+samples run at once up to the pool's size (``sandbox.workers``, the source's capacity, less the slots the server's
+``/run_code`` holds: a sample leaves the fair queue only when a sandbox is free for it, and claims its slot as it
+is handed over), so a step's code samples are scored as they stream in. The pool's sandboxes are
 started ahead and serve many samples, reset between them. The score follows
 ``data_source`` as verl's default_compute_score does: the pass fraction for the sources verl scores continuously
 (codecontests, apps, codeforces, taco), all tests passed (1/0) for the others. Extras: ``acc`` (all passed),
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable
-from rewardmesh.reward_engine.sandbox.executor import Limits, Sandbox, TestRun
+from rewardmesh.reward_engine.sandbox.executor import Claim, Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
@@ -138,7 +140,11 @@ class CodeSource(RewardSource):
 
     @property
     def capacity(self) -> Capacity:
-        return Capacity(self.sandbox.workers, "sandbox slots", "sample")
+        """The pool's slots, less those held by jobs from outside the pipeline (the server's /run_code)."""
+        return Capacity(self.sandbox.workers, "sandbox slots", "sample", held_elsewhere=self.sandbox.held_outside)
+
+    def on_capacity(self, wake: Callable[[], None]) -> None:
+        self.sandbox.on_capacity(wake)
 
     async def warmup(self) -> None:
         """Prove the sandbox and start the pool now (prestart), or at least say which isolation tools it will try."""
@@ -147,22 +153,28 @@ class CodeSource(RewardSource):
         else:
             log.info("code source %r: %s; proven on first use", self.name, self.sandbox.outlook())
 
-    async def _runs(self, p: Plan, stop_on_error: bool) -> list[TestRun]:
+    async def _runs(self, p: Plan, stop_on_error: bool, claim: Claim | None) -> list[TestRun]:
         job = job_of(p, self.sandbox.python)
         job.stop_on_error = stop_on_error
-        result = await self.sandbox.run(job)
+        result = await self.sandbox.run(job, claim)
         if all(r.status == "sandbox_error" for r in result.runs):
             notes = "; ".join(result.notes)
             raise SourceFailed(f"code sandbox failed before running any test: {notes or 'no output'}")
         return result.runs
 
     async def grade(
-        self, response: str, ground_truth: str, data_source: str = "", extra_info: dict[str, Any] | None = None
+        self,
+        response: str,
+        ground_truth: str,
+        data_source: str = "",
+        extra_info: dict[str, Any] | None = None,
+        claim: Claim | None = None,
     ) -> Grade:
-        """Score one response; InvalidInput for malformed tests, SourceFailed/Unavailable if the sandbox is."""
+        """Score one response; InvalidInput for malformed tests, SourceFailed/Unavailable if the sandbox is.
+        ``claim``: the slot the pipeline claimed for it (without one, it counts as a job from outside)."""
         p = plan(response, ground_truth, extra_info)
         kind = score_kind(data_source, self.score)
-        runs = await self._runs(p, stop_on_error=kind == "all_passed")
+        runs = await self._runs(p, kind == "all_passed", claim)
         tests = []
         for i, run in enumerate(runs):
             what, reason = outcome(p, i, run)
@@ -174,9 +186,11 @@ class CodeSource(RewardSource):
             value = 1.0 if passed == len(tests) else 0.0
         return Grade(value, tests)
 
-    async def _one(self, sample: RewardInput) -> RewardOutput | BaseException:
+    async def _one(self, sample: RewardInput, claim: Claim) -> RewardOutput | BaseException:
         try:
-            g = await self.grade(sample.response_text, sample.ground_truth, sample.data_source, sample.extra_info)
+            g = await self.grade(
+                sample.response_text, sample.ground_truth, sample.data_source, sample.extra_info, claim
+            )
         except (InvalidInput, SourceFailed, Unavailable):
             raise
         except RewardError:
@@ -185,9 +199,9 @@ class CodeSource(RewardSource):
             return SourceFailed(f"code source {self.name!r} raised {describe_exception(exc)}")
         return RewardOutput(g.score, g.extras())
 
-    async def _guarded(self, sample: RewardInput) -> RewardOutput | BaseException:
+    async def _guarded(self, sample: RewardInput, claim: Claim) -> RewardOutput | BaseException:
         try:
-            return await self._one(sample)
+            return await self._one(sample, claim)
         except RewardError as exc:
             return exc
 
@@ -195,8 +209,16 @@ class CodeSource(RewardSource):
         return list(await asyncio.gather(*self.start_each(batch)))
 
     def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]]:
-        """Each sample's run started now (answered when its own tests are done)."""
-        return [asyncio.ensure_future(self._guarded(s)) for s in batch]
+        """Each sample's run started now, its slot claimed now, as the batcher hands it over (answered when its
+        own tests are done)."""
+        started: list[asyncio.Future[Outcome]] = []
+        for s in batch:
+            claim = self.sandbox.claim()
+            task = asyncio.ensure_future(self._guarded(s, claim))
+            # Its slot back if the sample ends before its job took it (a bad test spec, a cancel): else nothing.
+            task.add_done_callback(lambda _, claim=claim: self.sandbox.drop(claim))  # type: ignore[misc]
+            started.append(task)
+        return started
 
     async def close(self) -> None:
         """Warm sandboxes end now; those running a sample end within their budgets (and die with the server)."""

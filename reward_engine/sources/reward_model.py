@@ -18,8 +18,10 @@ start of the prompt is what gets dropped.
 
 Serving: a batch is grouped by length into at most ``length_buckets`` forward passes when that cuts
 the padded tokens by a fifth or more; each pass is staged (padded, and on CUDA pinned and copied
-non-blocking on a copy stream) before the model lock is taken, so with the pipeline's two batches in flight
-(the ``model`` kind's default) the next batch is assembled while this one computes. ``torch_compile: true``
+non-blocking on a copy stream) before the model lock is taken, so with two batches in flight (the source's
+capacity on an accelerator) the next batch is assembled while this one computes. On the CPU there is nothing to
+overlap (staging and the forward pass share the cores): one batch is in flight, and an arriving sample waits for
+that one only. ``torch_compile: true``
 wraps the forward in ``torch.compile(dynamic=True, backend=compile_backend)``; off by default (the first
 batch of each shape class compiles, seconds to minutes).
 
@@ -49,16 +51,18 @@ from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, R
 logger = logging.getLogger(__name__)
 
 _RETOKENIZE = ("auto", "always", "never")
-# Batches in flight on the model: one computing, the next staged (built, padded, copied) meanwhile. A third would
-# only wait for the model's lock, holding its samples out of the fair queue.
+# Batches in flight on an accelerator: one computing, the next staged (built, padded, copied) meanwhile, while the
+# host is otherwise idle. A third would only wait for the model's lock, holding its samples out of the fair queue.
 BATCHES_IN_FLIGHT = 2
+# On the CPU, staging and the forward pass share the same cores: nothing overlaps, and a staged batch would only
+# make an arriving sample wait for two batches instead of one (measured: bench.shared_fleet, docs/shared-fleet.md).
+CPU_BATCHES_IN_FLIGHT = 1
 
 
 class ModelSource(RewardSource):
     """Scores samples with a local sequence-classification reward model."""
 
     kind = "model"
-    capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
 
     def __init__(
         self,
@@ -84,6 +88,10 @@ class ModelSource(RewardSource):
             raise ValueError(f"reward model {name!r}: length_buckets must be >= 1, not {length_buckets}")
         self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
+        if self.device.type == "cpu":
+            self._capacity = Capacity(CPU_BATCHES_IN_FLIGHT, "model batch in flight (on the CPU)", "batch")
+        else:
+            self._capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
 
         self.tokenizer: PreTrainedTokenizerBase = _load_tokenizer(path, f"reward model {name!r}")
@@ -156,6 +164,11 @@ class ModelSource(RewardSource):
                 name,
                 compile_backend,
             )
+
+    @property
+    def capacity(self) -> Capacity:
+        """Batches in flight: two on an accelerator (the next staged while one computes), one on the CPU."""
+        return self._capacity
 
     # ------------------------------------------------------------------------------------------ scoring
 

@@ -6,7 +6,9 @@ Request fields as SandboxFusion's RunCodeRequest: ``code``, ``language``, ``stdi
 RunCodeResponse: ``status`` (Success | Failed | SandboxError), ``message``, ``compile_result`` and
 ``run_result`` (each ``status`` Finished | TimeLimitExceeded | Error, ``execution_time``, ``return_code``,
 ``stdout``, ``stderr``), ``executor_pod_name``, ``files``. The sandbox is the built-in ``code`` pipeline's when
-the server has one (one pool for both doors), else one of its own.
+the server has one (one pool for both doors), else one of its own. A call holds one of the pool's slots from when
+it asks until its program ends, counted apart (``Sandbox.held_outside``): the pipeline hands over that many fewer
+samples meanwhile, so its samples wait in its fair queue, never behind a call in the pool.
 """
 
 from __future__ import annotations

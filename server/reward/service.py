@@ -96,7 +96,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         response = reward_pb2.ListRewardsResponse()
         for name in sorted(self.engine.pipelines):
             p = self.engine.pipelines[name]
-            cfg = p.batcher.config
+            cfg = p.effective_batching()  # what the pipeline really runs, not the knobs as configured
             response.pipelines.add(
                 name=name,
                 description=p.description,

@@ -1,6 +1,6 @@
 """Work leaves the fair queue only when its source can start it, on every kind of real source: a function on real
-worker processes, code in the real sandbox, a judge over HTTP against a slow local OpenAI-compatible server, and the
-tiny reward model, each with its kind's default batching and with a user's.
+worker processes, code in the real sandbox, a judge over HTTP against a slow local OpenAI-compatible server, the
+tiny reward model and a rule inline on the event loop, each with its kind's default batching and with a user's.
 
 In each, tenant A floods the pipeline while its source is held (its work cannot finish), two of A's samples wait with
 deadlines they cannot make, then tenant B sends a small step and the source is let go. What decides B's latency is
@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -31,8 +32,10 @@ from rewardmesh.reward_engine.batcher import Scored, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
+from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
+from tests.support.servers import http_gateway, reward_server
 from tests.support.waiting import eventually
 
 FNS = "tests/support/reward_fns.py"
@@ -64,6 +67,8 @@ class Starts:
             self.over.append(f"{batcher.in_flight_samples} samples started, {self.workers()} workers")
         if limits.batches is not None and batcher.in_flight_batches > limits.batches:
             self.over.append(f"{batcher.in_flight_batches} batches started, capacity {limits.batches}")
+        if limits.inline and batcher.in_flight_batches > 1:
+            self.over.append(f"{batcher.in_flight_batches} inline batches started at once")
 
     @property
     def order(self) -> list[tuple[str, str]]:
@@ -220,6 +225,46 @@ async def test_a_code_pipeline_starts_a_small_step_next_in_its_sandbox_slots(bat
     assert not set(hopeless) & starts.ids()
 
 
+@needs_bwrap
+@pytest.mark.slow
+async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
+    """/run_code takes slots of the code pipeline's own sandbox pool (one pool for both doors): while its calls hold
+    them, the pipeline's samples wait in the fair queue, not in the pool, and start as those calls end; a call that
+    comes while the pipeline holds every slot waits for the next one to free, and the pipeline starts no more
+    until it has it. Checked where the slots are: no sample of the pipeline ever waited for a slot in the pool."""
+    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+    held = "import time\ntime.sleep(1.5)\nprint(input())\n"  # holds its slot 1.5 s or more
+    pipelines = {"code": {"sources": [{"type": "code", "workers": 2, "timeout_s": 10}]}}
+    async with reward_server(pipelines) as server, http_gateway(server) as gw, aiohttp.ClientSession() as http:
+        pipeline = server.engine.pipelines["code"]
+        sandbox = pipeline.sources[0].source.sandbox
+        assert sandbox is not None
+        starts = Starts(pipeline, workers=lambda: sandbox.workers - sandbox.held_outside)
+        batcher, b = pipeline.batcher, Tenant("b")
+
+        async def run_code() -> dict[str, Any]:
+            async with http.post(f"{gw.url}/run_code", json={"code": held, "stdin": "1\n"}) as resp:
+                return dict(await resp.json())
+
+        # /run_code holds both slots: a step of the pipeline's waits in its fair queue.
+        calls = [asyncio.ensure_future(run_code()) for _ in range(2)]
+        await eventually(lambda: sandbox.held_outside == 2, "/run_code holds both slots")
+        step = [batcher.enqueue(sample(f"b{i}", "```python\nprint(input())\n```", tests), tenant=b) for i in range(4)]
+        queued_while_held = (sandbox.held_outside, batcher.queue_depth)
+        assert [r["status"] for r in await asyncio.gather(*calls)] == ["Success", "Success"]
+        assert all(r.output.score == 1.0 for r in await asyncio.gather(*step))
+        # The pipeline holds both slots: a /run_code call waits in the pool for one, and gets the first to free.
+        slow = [batcher.enqueue(sample(f"a{i}", f"```python\n{held}```", tests), tenant=b) for i in range(2)]
+        await eventually(lambda: batcher.in_flight_samples == 2, "the pipeline holds both slots")
+        late_call = asyncio.ensure_future(run_code())
+        assert (await late_call)["status"] == "Success"
+        assert all(r.output.score == 1.0 for r in await asyncio.gather(*slow))
+    assert queued_while_held == (2, 4)
+    assert starts.over == [], starts.over
+    assert sandbox.stats["jobs that waited for a slot"] == 0, sandbox.stats
+    assert sandbox.stats["outside jobs"] == 3 and sandbox.stats["outside jobs that waited for a slot"] == 1
+
+
 # ------------------------------------------------------------------------------------- a judge over HTTP
 
 
@@ -283,11 +328,81 @@ async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
 ) -> None:
     source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
     async with pipeline_of(source, batching) as pipeline:
+        assert pipeline.limits().batches == 1  # on the CPU: nothing to overlap, no batch staged behind the one held
         with model_held(pipeline) as release:
             starts, mark, hopeless = await flood_then_step(pipeline, lambda t, i: sample(f"{t}{i}"), 400, release)
-    # Two batches in flight (one computing, one staged): B's whole step goes in the first batch handed over after
-    # it arrived; before it, only the batch already staged, which was handed over before B arrived.
+    # On the CPU one batch in flight (on an accelerator two: one computing, one staged): B's whole step goes in the
+    # first batch handed over after it arrived; before it, only what was handed over before B arrived.
     first = next(k for k, batch in enumerate(starts.batches) if any(tenant == "b" for tenant, _ in batch))
     assert sum(len(batch) for batch in starts.batches[:first]) == mark
     assert sorted(sid for tenant, sid in starts.batches[first] if tenant == "b") == sorted(f"b{i}" for i in range(8))
     assert not set(hopeless) & starts.ids()
+
+
+# ------------------------------------------------------------------------------- a rule inline on the event loop
+
+
+@BATCHINGS
+async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_next(
+    batching: dict[str, Any] | None,
+) -> None:
+    """The event loop is an inline rule's capacity: A's flood runs one batch at a time, each within the bound the
+    measured cost per sample gives, so B's step, arriving while one of A's batches is started, waits for that one
+    batch only."""
+    async with pipeline_of({"type": "rule", "rule": "gsm8k"}, batching) as pipeline:
+        batcher = pipeline.batcher
+        assert pipeline.limits().inline
+        starts = Starts(pipeline)
+        bounds: list[int] = []  # the bound each batch was taken under
+        arrival: list[tuple[int, int]] = []  # (batches started, batches in flight) when B's step arrived
+        a, b = Tenant("a"), Tenant("b")
+        step: list[asyncio.Future[Scored]] = []
+
+        def b_arrives() -> None:
+            arrival.append((len(starts.batches), batcher.in_flight_batches))
+            step.extend(batcher.enqueue(sample(f"b{i}", "#### 4", "4"), tenant=b) for i in range(STEP))
+
+        def on_start(batch: list[Ticket]) -> None:
+            bounds.append(batcher.inline_bound())
+            starts(batch)
+            if len(starts.batches) == 6:  # A's flood is running, its batch just handed over and not yet run
+                asyncio.get_running_loop().call_soon(b_arrives)
+
+        batcher.on_start = on_start
+        flooding = [batcher.enqueue(sample(f"a{i}", "#### 4", "4"), tenant=a) for i in range(3000)]
+        await eventually(lambda: len(step) == STEP, "B's step arrives during A's flood")
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 60)
+        assert all(r.output.score == 1.0 for r in results)
+        await asyncio.gather(*flooding)
+    assert starts.over == [], starts.over
+    ((started, in_flight),) = arrival
+    assert in_flight == 1  # the batch B arrived beside: the only one started
+    first_b = next(k for k, batch in enumerate(starts.batches) if any(t == "b" for t, _ in batch))
+    assert first_b == started  # none of A's batches started after B arrived and before B's first
+    assert {sid for t, sid in starts.batches[first_b] if t == "b"} == {f"b{i}" for i in range(STEP)}
+    max_batch = (batching or {}).get("max_batch_size", 256)
+    sizes = [len(batch) for batch in starts.batches]
+    assert all(size <= bound <= max_batch for size, bound in zip(sizes, bounds, strict=True)), (sizes, bounds)
+
+
+async def test_an_inline_batch_is_bounded_by_its_measured_loop_time() -> None:
+    """An inline rule that costs 0.25 ms of loop time per sample: at most 1 ms / 0.25 ms = 4 samples a batch
+    (the measured cost per sample is never below what the rule burns, however loaded the machine)."""
+
+    @register_rule("test_capacity_burn", isolate=False)
+    def burn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None) -> float:
+        until = time.perf_counter() + 0.00025
+        while time.perf_counter() < until:
+            pass
+        return 1.0
+
+    try:
+        async with pipeline_of({"type": "rule", "rule": "test_capacity_burn"}, None) as pipeline:
+            assert pipeline.limits().inline
+            starts = Starts(pipeline)
+            results = await asyncio.gather(*(pipeline.batcher.enqueue(sample(f"a{i}")) for i in range(200)))
+    finally:
+        RULES.pop("test_capacity_burn", None)
+    assert all(r.output.score == 1.0 for r in results)
+    assert starts.over == [] and len(starts.order) == 200
+    assert max(len(batch) for batch in starts.batches) <= 4, [len(batch) for batch in starts.batches]

@@ -170,7 +170,11 @@ async def test_list_rewards_health_and_reflection(tiny_models: TinyModelPaths) -
                 {"type": "model", "name": "rm", "path": str(tiny_models.reward_model), "weight": 0.5},
             ],
             "batching": {"max_batch_size": 16},
-        }
+        },
+        "threads": {  # a per-sample source: 3 threads, whatever the batching asks
+            "sources": [{"type": "function", "function": f"{FNS}:exact_match", "executor": "thread", "max_workers": 3}],
+            "batching": {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_concurrent_batches": 4},
+        },
     }
     async with reward_server(pipelines) as server, reward_stub(server.address) as stub:
         listing = await stub.ListRewards(reward_pb2.ListRewardsRequest())
@@ -192,6 +196,14 @@ async def test_list_rewards_health_and_reflection(tiny_models: TinyModelPaths) -
         ("rm", reward_pb2.REWARD_SOURCE_KIND_MODEL, 0.5),
     ]
     assert mixed.batching.max_batch_size == 16 and mixed.description == "rule plus model"
+    # The batching each pipeline really runs, not its knobs: the model's 2 batches clamped to its one in flight on
+    # the CPU; each sample of a per-sample source started and answered apart, as many at once as its threads;
+    # an inline rule's batches one at a time, each within its bound.
+    assert mixed.batching.max_concurrent_batches == 1
+    threads = next(p for p in listing.pipelines if p.name == "threads").batching
+    assert (threads.max_batch_size, threads.max_concurrent_batches, threads.max_queue_delay_ms) == (1, 3, 0.0)
+    gsm8k = next(p for p in listing.pipelines if p.name == "gsm8k").batching
+    assert gsm8k.max_concurrent_batches == 1 and 1 <= gsm8k.max_batch_size <= 256
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert {"rewardmesh.v1.RewardService", "grpc.health.v1.Health"} <= set(services)
 
