@@ -67,6 +67,7 @@ USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size"
 STEP = 8  # B's step: small, sent at once
 TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
 TARGET_RATIO = 1.2
+FLOOD_NICE = 10  # A's client process: a trainer on a host of its own (see _flood_main)
 
 _BURN = '''"""A reward function that burns extra_info['burn_ms'] of CPU (4 ms unless told), as a checker does."""
 import time
@@ -206,7 +207,10 @@ def _flood_main(address: str, pipeline: str, make: Callable[[str], common_pb2.Sa
                 conn: Connection) -> None:  # fmt: skip
     """Tenant A, in a process of its own (a job of its own): floods on "start", counts from "mark", reports what
     it got scored on "stop" (samples, seconds, and its results' median compute time and batch size), ends on
-    "exit"."""
+    "exit". It runs at a lower CPU priority, as if on a host of its own (a trainer's): it still saturates the
+    server (the table's A scored/s), but on a 2-core machine it does not take B's client's turns on the cores, which
+    would measure the host's scheduler, not the fleet."""
+    os.nice(FLOOD_NICE)
     quiet_logs()
 
     async def run() -> None:

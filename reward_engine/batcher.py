@@ -47,6 +47,9 @@ ComputeFn = Callable[[list[RewardInput]], Awaitable[ApartResult]]
 StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | None"]
 
 
+FAIR_SHARES = ("time", "samples")
+
+
 @dataclass
 class BatcherConfig:
     """Triton-style dynamic batcher settings."""
@@ -56,8 +59,13 @@ class BatcherConfig:
     max_queue_delay_ms: float = 2.0
     max_queue_size: int = 4096
     max_concurrent_batches: int = 1
+    # What tenants' shares of a saturated pipeline count: "time", the sources' time each sample took (a tenant of
+    # heavy samples does not get more of the workers than one of light samples), or "samples", one each.
+    fair_share: str = "time"
 
     def __post_init__(self) -> None:
+        if self.fair_share not in FAIR_SHARES:
+            raise ValueError(f"fair_share must be one of {', '.join(FAIR_SHARES)}, got {self.fair_share!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_batch_tokens < 0:
@@ -218,6 +226,9 @@ class DynamicBatcher:
         # How long scoring takes (moving average; a batch's, or one sample's where samples are answered apart):
         # a sample with less time left before its step deadline is hopeless.
         self.service_s = 0.0
+        # One sample's service time (moving average over every tenant's; a batch's shared by its samples): the
+        # unit a tenant's fair share is charged in (`_charge`).
+        self.sample_cost_s = 0.0
         # Loop time one sample of an inline batch takes, from its start to its result handed back (moving
         # average): what bounds an inline batch's size (inline_bound).
         self.inline_cost_s = 0.0
@@ -754,6 +765,7 @@ class DynamicBatcher:
             size = len(live)
             for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
+                self._charge(it, compute_s / size)
             if self._limits().inline:  # the loop time this batch held, its results handed back included
                 held = (time.monotonic() - start) / size
                 self.inline_cost_s = held if not self.inline_cost_s else 0.8 * self.inline_cost_s + 0.2 * held
@@ -765,6 +777,16 @@ class DynamicBatcher:
 
     def _learn(self, compute_s: float) -> None:
         self.service_s = compute_s if not self.service_s else 0.8 * self.service_s + 0.2 * compute_s
+
+    def _charge(self, it: Ticket, cost_s: float) -> None:
+        """Charge the sample's tenant what it really took of the sources' time, in units of the mean sample's (it
+        was charged 1 as it started): tenants share time, whatever their samples cost each."""
+        if self.config.fair_share != "time":
+            return
+        mean = self.sample_cost_s
+        self.sample_cost_s = cost_s if not mean else 0.95 * mean + 0.05 * cost_s
+        if mean > 0:
+            self._queue.charge(it.tenant, cost_s / mean - 1.0)
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
         """A source may leave a sample's result as a future (each sample answered when its own work is done, and
@@ -785,6 +807,7 @@ class DynamicBatcher:
                 outcome = fut.exception() or fut.result()
             end = time.monotonic()
             self._learn(end - start)
+            self._charge(it, end - start)
             if self._on_batch is not None:
                 with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result
                     self._on_batch(BatchInfo(size=1, padded_tokens=it.tokens, real_tokens=it.tokens,

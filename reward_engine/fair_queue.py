@@ -2,7 +2,10 @@
 
 Across tenants: weighted fair queuing (start-time fair queuing on a virtual clock). Every sample taken advances its
 tenant's virtual time by 1/weight and the next sample comes from the backlogged tenant whose virtual time is least,
-so while tenants stay backlogged they get slots in proportion to their weights. A tenant that comes back after
+so while tenants stay backlogged they get slots in proportion to their weights. A share is a share of the sources'
+time, not a count of samples: once a sample's service time is known, its tenant is charged what it really took
+(`charge`, in units of the pipeline's mean sample), so a tenant whose samples run 30 ms does not get three times the
+workers of one whose samples run 10 ms. A tenant that comes back after
 sending less than its share keeps credit for what it left unused, up to BURST samples: its virtual time starts at
 most BURST/weight behind the clock, so a small step sent at once is served ahead of a flooder's backlog, not
 interleaved with it, and a tenant that keeps using more than its share has no credit left and alternates. When the
@@ -158,6 +161,13 @@ class FairQueue(Generic[Q]):
         lane.count += 1
         self.depth += 1
         lane.vtime -= 1.0 / lane.tenant.weight
+
+    def charge(self, tenant: Tenant, units: float) -> None:
+        """Correct a started sample's charge (1 as it was taken) by `units` more (negative: less), once its real
+        cost is known."""
+        lane = self.lanes.get(tenant)
+        if lane is not None:
+            lane.vtime += units / tenant.weight
 
     def fair_order(self, n: int) -> Iterator[tuple[Lane[Q], Q]]:
         """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them)."""

@@ -204,6 +204,27 @@ async def test_a_function_pipeline_starts_a_small_step_next_on_its_worker_proces
     assert not set(hopeless) & set(in_workers) and processes == [2]
 
 
+@pytest.mark.parametrize("share", ["time", "samples"])
+async def test_tenants_share_worker_time_not_sample_counts(share: str) -> None:
+    """A's samples hold a worker 0.2 s, B's almost nothing; both keep a backlog on 2 real worker processes. Shares
+    of time (the default): by the time A has 8 scored, B has had the workers as long, so several times as many
+    samples. Shares counted in samples (`fair_share: samples`): one each, in turn."""
+    source = {"type": "function", "function": f"{FNS}:sleepy", "max_workers": 2, "timeout_s": 60}
+    a, b = Tenant("a"), Tenant("b")
+    async with pipeline_of(source, {"fair_share": share}) as pipeline:
+        batcher = pipeline.batcher
+        heavy = [batcher.enqueue(sample(f"a{i}", sleep_s=0.2), tenant=a) for i in range(40)]
+        light = [batcher.enqueue(sample(f"b{i}", sleep_s=0.002), tenant=b) for i in range(400)]
+        await eventually(lambda: sum(f.done() for f in heavy) >= 8, "8 of A's scored", timeout_s=120)
+        a_done, b_done = sum(f.done() for f in heavy), sum(f.done() for f in light)
+        await batcher.close(drain=False)
+        await asyncio.gather(*heavy, *light, return_exceptions=True)
+    if share == "time":
+        assert b_done >= 3 * a_done, (a_done, b_done)
+    else:
+        assert b_done <= a_done + 4, (a_done, b_done)
+
+
 # ------------------------------------------------------------------------------------ code in the sandbox
 
 

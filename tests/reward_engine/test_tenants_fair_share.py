@@ -1,5 +1,7 @@
 """The batcher's fair share between tenants and its step deadlines, with a recording compute function held open
-by a gate (no gRPC, no timing): what goes into each batch is decided by the queue alone."""
+by a gate (no gRPC, no timing: shares are counted in samples, `fair_share: samples`, so what each sample took
+cannot move the order): what goes into each batch is decided by the queue alone. Shares counted in the sources'
+time are tested here on the queue itself and, with real worker processes, in test_capacity."""
 
 from __future__ import annotations
 
@@ -11,18 +13,18 @@ import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
-from rewardmesh.reward_engine.fair_queue import BURST, Tenant
+from rewardmesh.reward_engine.fair_queue import BURST, FairQueue, Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
 
 from .test_batcher import Recorder, inp
 
 
-async def held_batcher(rec: Recorder, **config: float) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:
+async def held_batcher(rec: Recorder, **config: float | str) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:
     """A batcher whose first batch (one 'blocker' sample) holds the model until rec.gate is set: whatever is
     queued meanwhile is ordered by the queue alone."""
     rec.gate = asyncio.Event()
-    b = DynamicBatcher(rec, BatcherConfig(**{"max_queue_delay_ms": 0, **config}))  # type: ignore[arg-type]
+    b = DynamicBatcher(rec, BatcherConfig(**{"max_queue_delay_ms": 0, "fair_share": "samples", **config}))  # type: ignore[arg-type]
     blocker = asyncio.create_task(b.submit(inp("blocker")))
     await eventually(lambda: rec.batches, "the blocker computes")
     return b, blocker
@@ -65,7 +67,7 @@ class Turnstile(Recorder):
 
 async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch() -> None:
     turnstile = Turnstile()
-    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, fair_share="samples"))
     flood, late = Tenant("flood"), Tenant("late")
     futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(400)]
     for _ in range(10):  # the flood has been served a while: ten batches done, the eleventh computing
@@ -84,7 +86,7 @@ async def test_a_tenant_back_from_idle_goes_ahead_of_a_backlog_up_to_its_credit_
     """A small step sent at once (less than its share on average) is served ahead of a flooder's backlog, not
     interleaved with it; beyond BURST samples of credit the two alternate by weight."""
     turnstile = Turnstile()
-    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+    b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, fair_share="samples"))
     flood, small = Tenant("flood"), Tenant("small")
     futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(600)]
     for _ in range(10):
@@ -160,7 +162,7 @@ async def test_queue_share_and_in_flight_limits_refuse_only_their_tenant() -> No
 
 async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_never_computed() -> None:
     rec = Recorder(delay=0.5)
-    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, fair_share="samples"))
     await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.5 s
     assert b.service_s >= 0.5
     with pytest.raises(DeadlineExceeded, match=r"step deadline cannot be met: .* takes about"):
@@ -200,7 +202,7 @@ async def test_a_sample_answered_apart_from_its_batch_stays_in_its_tenants_count
     async def compute(batch: list[RewardInput]) -> BatchResult:
         return [slow if x.sample_id == "slow" else RewardOutput(1.0) for x in batch]  # type: ignore[misc]
 
-    b = DynamicBatcher(compute, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50))
+    b = DynamicBatcher(compute, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50, fair_share="samples"))
     t = Tenant("t")
     fast, late = b.enqueue(inp("fast"), tenant=t), b.enqueue(inp("slow"), tenant=t)
     await fast
@@ -221,3 +223,28 @@ async def test_samples_of_one_step_deadline_keep_their_arrival_order() -> None:
     await asyncio.gather(blocker, *futures)
     assert rec.batches[1:] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]
     await b.close()
+
+
+class Item:
+    """A queued sample as the queue sees it."""
+
+    def __init__(self, tenant: Tenant, n: int) -> None:
+        self.tenant, self.due, self.enqueued, self.tokens, self.n = tenant, None, float(n), 1, n
+        self.finished = False
+
+
+def test_a_tenant_charged_for_heavier_samples_gets_fewer_of_them() -> None:
+    """Shares of time: each of A's samples turns out to cost four times the mean (charged 3 more once it is
+    known), so while both are backlogged B gets four slots for each of A's."""
+    queue: FairQueue[Item] = FairQueue()
+    a, b = Tenant("a"), Tenant("b")
+    for n in range(100):
+        queue.push(Item(a, n))
+        queue.push(Item(b, n))
+    order: list[str] = []
+    for _ in range(50):
+        ((_, item),) = list(queue.fair_order(1))
+        order.append(item.tenant.name)
+        if item.tenant is a:
+            queue.charge(a, 3.0)
+    assert abs(order.count("b") - 4 * order.count("a")) <= 4, order
