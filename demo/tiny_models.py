@@ -135,6 +135,11 @@ def build_tokenizer(vocab_size: int = 512, *, number_tokens: bool = True) -> Pre
     tok.train_from_iterator(_corpus(), trainer=trainer)
     if number_tokens:
         tok = _with_number_merges(tok)
+    return _chatml_tokenizer(tok)
+
+
+def _chatml_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` as a transformers tokenizer with the ChatML specials and chat template."""
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -167,17 +172,7 @@ def grown_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
             next_id += 1
     if next_id < vocab_size:  # pragma: no cover - the fillers never run out
         raise ValueError(f"could not grow the tokenizer to {vocab_size} ids")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        unk_token=None,
-        bos_token=None,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_max_length=4096,
-        padding_side="right",
-    )
+    return _chatml_tokenizer(Tokenizer.from_str(json.dumps(spec)))
 
 
 def _with_number_merges(tok: Tokenizer) -> Tokenizer:
