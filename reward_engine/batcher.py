@@ -229,8 +229,8 @@ class DynamicBatcher:
         # One sample's service time (moving average over every tenant's; a batch's shared by its samples): the
         # unit a tenant's fair share is charged in (`_charge`).
         self.sample_cost_s = 0.0
-        # Loop time one sample of an inline batch takes, from its start to its result handed back (moving
-        # average): what bounds an inline batch's size (inline_bound).
+        # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back
+        # (moving average): what bounds an inline batch's size (inline_bound).
         self.inline_cost_s = 0.0
         self._expiry_timer: asyncio.TimerHandle | None = None  # when the next queued sample expires or is hopeless
         self._deadlines: list[tuple[float, int, Ticket]] = []  # queued samples' deadlines (heap; stale entries skipped)
@@ -716,6 +716,7 @@ class DynamicBatcher:
                 return
             start = time.monotonic()
             start_ns = time.time_ns()
+            start_cpu = time.thread_time()
             try:
                 results: ApartResult = await self._compute([it.inp for it in live])
                 if len(results) != len(live):
@@ -766,8 +767,9 @@ class DynamicBatcher:
             for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
                 self._charge(it, compute_s / size)
-            if self._limits().inline:  # the loop time this batch held, its results handed back included
-                held = (time.monotonic() - start) / size
+            if self._limits().inline:  # the loop's CPU this batch held, its results handed back included (thread
+                # time: the waits a loaded host adds are not the batch's, and would shrink the bound for nothing)
+                held = (time.thread_time() - start_cpu) / size
                 self.inline_cost_s = held if not self.inline_cost_s else 0.8 * self.inline_cost_s + 0.2 * held
         finally:
             for it in batch:

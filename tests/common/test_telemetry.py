@@ -572,6 +572,15 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
     parents = {sid: (new_trace_id(), new_span_id()) for sid in ("m0", "m1", "m2", "m3")}
     SPANS.clear()
     async with reward_server(pipelines) as rs, RewardClient([rs.address]) as client:
+        # An inline batch is bounded by its measured cost per sample (one sample until that is known, and the first
+        # pays the rule's imports): samples first until four fit a batch, so the four go as one.
+        batcher = rs.engine.pipelines["some_fail"].batcher
+        for k in range(100):
+            if batcher.inline_bound() >= 4:
+                break
+            assert not (await client.submit(sample(f"warm{k}"), "some_fail")).HasField("error")
+        assert batcher.inline_bound() >= 4
+        SPANS.clear()
         samples = [sample(sid) for sid in ("m0", "m1", "m2", "m3")]
         samples[0].data_source = "no_such_source"
         results = await asyncio.gather(*(client.submit(s, "some_fail") for s in samples))

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 SECRET = f"secret-{uuid.uuid4().hex}"
 OWN_TMP_FILE = f"/tmp/rewardmesh-sandbox-{uuid.uuid4().hex}"  # written inside: must land in the private tmpfs
-LIMITS = {"timeout_s": 3.0, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 20, "workers": 2}
+# timeout_s: the budget of an ordinary program too (the sample after each hostile one, a memory bomb reaching its
+# limit), so it leaves room for an interpreter's start on a loaded machine.
+LIMITS = {"timeout_s": 6.0, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 20, "workers": 2}
 LEVELS = [name for name in ("bwrap", "unshare") if Level.find(name) is not None]
 MODES = {"warm": 100, "cold": 1}  # samples_per_sandbox
 RUNNER_MARK = b"The program that runs inside a sandbox as its PID 1"
