@@ -50,6 +50,11 @@ StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | Non
 FAIR_SHARES = ("time", "samples")
 
 
+def _moving_average(average: float, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average with `value` weighing `weight`; the first value (average 0) as it is."""
+    return value if not average else (1.0 - weight) * average + weight * value
+
+
 @dataclass
 class BatcherConfig:
     """Triton-style dynamic batcher settings."""
@@ -770,7 +775,7 @@ class DynamicBatcher:
             if self._limits().inline:  # the loop's CPU this batch held, its results handed back included (thread
                 # time: the waits a loaded host adds are not the batch's, and would shrink the bound for nothing)
                 held = (time.thread_time() - start_cpu) / size
-                self.inline_cost_s = held if not self.inline_cost_s else 0.8 * self.inline_cost_s + 0.2 * held
+                self.inline_cost_s = _moving_average(self.inline_cost_s, held)
         finally:
             for it in batch:
                 it.tenant.in_flight -= 1
@@ -778,7 +783,7 @@ class DynamicBatcher:
             self._release(len(batch) - late)
 
     def _learn(self, compute_s: float) -> None:
-        self.service_s = compute_s if not self.service_s else 0.8 * self.service_s + 0.2 * compute_s
+        self.service_s = _moving_average(self.service_s, compute_s)
 
     def _charge(self, it: Ticket, cost_s: float) -> None:
         """Charge the sample's tenant what it really took of the sources' time, in units of the mean sample's (it
@@ -786,7 +791,7 @@ class DynamicBatcher:
         if self.config.fair_share != "time":
             return
         mean = self.sample_cost_s
-        self.sample_cost_s = cost_s if not mean else 0.95 * mean + 0.05 * cost_s
+        self.sample_cost_s = _moving_average(mean, cost_s, 0.05)
         if mean > 0:
             self._queue.charge(it.tenant, cost_s / mean - 1.0)
 

@@ -570,7 +570,6 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
     rule = {"type": "rule", "rule": "auto", "isolation": "inline"}
     pipelines = {"some_fail": {"sources": [rule], "batching": {"max_batch_size": 4, "max_queue_delay_ms": 200}}}
     parents = {sid: (new_trace_id(), new_span_id()) for sid in ("m0", "m1", "m2", "m3")}
-    SPANS.clear()
     async with reward_server(pipelines) as rs, RewardClient([rs.address]) as client:
         # An inline batch is bounded by its measured cost per sample (one sample until that is known, and the first
         # pays the rule's imports): samples first until four fit a batch, so the four go as one.
