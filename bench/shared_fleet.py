@@ -123,7 +123,7 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
         "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
-        "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 8,
+        "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
                                  "prompt_template": "{response}"}], 1000, _sample, _sample),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample),
     }  # fmt: skip

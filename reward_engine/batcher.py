@@ -30,6 +30,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -92,12 +93,14 @@ class StartLimits(NamedTuple):
     """What a pipeline's sources can have started at once (None: no limit): `samples` per-sample slots (the least
     of its per-sample sources'), `batches` batch slots (the least of its per-batch sources'); `paced`: a source
     spaces its starts out (samples are then handed over one at a time, when its start delay allows); `inline`:
-    the sources work on the event loop itself (one batch at a time, each bounded in loop time)."""
+    the sources work on the event loop itself (one batch at a time, each bounded in loop time); `preemptible`: a
+    started sample's work may be stopped and started again later (see Capacity.preemptible)."""
 
     samples: int | None = None
     batches: int | None = None
     paced: bool = False
     inline: bool = False
+    preemptible: bool = False
 
 
 NO_LIMITS = StartLimits()
@@ -140,8 +143,8 @@ class Ticket:
     """One queued sample (slots: thousands are created per second). Its outcome goes to a future (`enqueue`)
     or to a sink (`put`); `cancel()` drops it if it has not been answered yet."""
 
-    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "sink", "started", "tenant",
-                 "token", "tokens")  # fmt: skip
+    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "preempted", "sink", "started",
+                 "tenant", "token", "tokens")  # fmt: skip
 
     def __init__(
         self,
@@ -167,6 +170,7 @@ class Ticket:
         self.context = context
         self.tokens = inp.num_tokens  # (a WireInput counts its ids without making arrays)
         self.started = False  # handed to the source (set by the batcher, which also resets it in `queue`)
+        self.preempted = False  # its work was stopped once for another tenant's (never twice)
 
     @property
     def finished(self) -> bool:
@@ -247,6 +251,10 @@ class DynamicBatcher:
         self.started = 0  # samples handed over since the start
         self._running: set[asyncio.Task[None]] = set()
         self._late: set[asyncio.Future[Any]] = set()  # results a batch left to come apart (see _answer_late)
+        # Samples answered apart whose work runs now: each one's future (cancelling it stops the work) and start.
+        self._apart: dict[Ticket, tuple[asyncio.Future[Any], float]] = {}
+        self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
+        self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -604,6 +612,8 @@ class DynamicBatcher:
         while True:
             room = self._room() if self._queue.depth else 0
             if not room:
+                if self._queue.depth and (lim := self._limits()).preemptible:
+                    self._preempt(lim)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -697,6 +707,64 @@ class DynamicBatcher:
         picked = set(chosen)
         queue.put_back([c for k, c in enumerate(candidates) if k not in picked])
         return sorted((candidates[k][1] for k in chosen), key=_arrival)
+
+    def _preempt(self, lim: StartLimits) -> None:
+        """Every slot is taken and samples wait. If the tenant whose sample is next in fair order holds fewer than its
+        weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
+        started samples of tenants over their own share (each sample at most once, none near its step deadline)
+        until it would hold its share: its samples start now, not when that work ends. A stopped sample goes back to
+        the head of its tenant's lane, its charge refunded."""
+        head = self._queue.next_lane()
+        if lim.samples is None or head is None or not self._apart or self._closed:
+            return
+        held: dict[Tenant, int] = {}
+        for it in self._apart:
+            if it not in self._preempting:
+                held[it.tenant] = held.get(it.tenant, 0) + 1
+        weights = {lane.tenant: lane.tenant.weight for lane in self._queue.lanes.values() if lane.count}
+        weights.update((tenant, tenant.weight) for tenant in held)
+        per_weight = lim.samples / sum(weights.values())
+        tenant = head.tenant
+        want = min(head.count, math.ceil(tenant.weight * per_weight - 1e-9) - held.get(tenant, 0))
+        want -= len(self._preempting)
+        if want <= 0:
+            return
+        # Each victim's tenant stays over its share of the slots, and ahead of `tenant` in virtual time by at least
+        # a share of the slots' worth of samples once its refunds are counted: the freed slot goes to `tenant`,
+        # nobody is stopped for a tenant that has had more, and tenants that both stay backlogged (a sample or two
+        # apart) never stop each other's.
+        lead = per_weight
+        vtimes = {lane.tenant: lane.vtime for lane in self._queue.lanes.values()}
+        for it in self._preempting:
+            vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
+        soon = time.monotonic() + 2 * self.service_s
+        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes and not it.preempted
+                      and it not in self._preempting and (it.due is None or it.due > soon)]  # fmt: skip
+        for it in sorted(candidates, key=lambda it: self._apart[it][1], reverse=True):  # the youngest first
+            other = it.tenant
+            refund = 1.0 / other.weight
+            if want <= 0:
+                break
+            if held[other] <= other.weight * per_weight or vtimes[other] - refund < head.vtime + lead:
+                continue
+            if self._apart[it][0].cancel():  # its done callback puts it back in the queue (_answer_late)
+                self._preempting.add(it)
+                held[other] -= 1
+                vtimes[other] -= refund
+                want -= 1
+
+    def _requeue(self, it: Ticket) -> None:
+        """A preempted sample back at the head of its tenant's lane (it started in time once: its start deadline is
+        met; its step deadline still orders and bounds it)."""
+        it.started = False
+        it.preempted = True
+        it.deadline = None
+        self._queue.requeue(it)
+        it.tenant.in_flight += 1
+        if it.due is not None:
+            heapq.heappush(self._dues, (it.due, next(self._seq), it))
+            self._expire_at(it.due - self.service_s)
+        self.preemptions += 1
 
     def _release(self, samples: int, *, dispatch: bool = True) -> None:
         """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
@@ -802,11 +870,19 @@ class DynamicBatcher:
         if not isinstance(res, asyncio.Future):
             return False
         self._late.add(res)
+        self._apart[it] = (res, start)
         it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
             self._late.discard(fut)
+            self._apart.pop(it, None)
             it.tenant.in_flight -= 1
+            if it in self._preempting:
+                self._preempting.discard(it)
+                if fut.cancelled() and self._loop_task is not None and not self._loop_task.done():
+                    self._requeue(it)  # before its slot frees: the next in fair order takes it
+                    self._release(1)
+                    return
             self._release(1)  # its slot was held until now
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")

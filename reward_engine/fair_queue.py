@@ -162,12 +162,32 @@ class FairQueue(Generic[Q]):
         self.depth += 1
         lane.vtime -= 1.0 / lane.tenant.weight
 
+    def requeue(self, item: Q) -> None:
+        """Put a started sample whose work was stopped (preempted) back at the head of its lane, its start's charge
+        refunded: it is the next of its tenant's to start, and its tenant has not had that time."""
+        lane = self.lane(item.tenant)
+        if item.due is None:
+            lane.fifo.appendleft(item)
+        else:  # first among its tenant's samples of the same step deadline
+            heapq.heappush(lane.edf, (_due_key(item.due), -next(self._seq), item))
+        lane.count += 1
+        self.depth += 1
+        lane.vtime -= 1.0 / lane.tenant.weight
+
     def charge(self, tenant: Tenant, units: float) -> None:
         """Correct a started sample's charge (1 as it was taken) by `units` more (negative: less), once its real
         cost is known."""
         lane = self.lanes.get(tenant)
         if lane is not None:
             lane.vtime += units / tenant.weight
+
+    def next_lane(self) -> Lane[Q] | None:
+        """The lane `fair_order` takes from next (least virtual time; ties: the earlier lane), if any is queued."""
+        best = None
+        for lane in self.lanes.values():
+            if lane.count and (best is None or lane.vtime < best.vtime):
+                best = lane
+        return best
 
     def fair_order(self, n: int) -> Iterator[tuple[Lane[Q], Q]]:
         """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them)."""

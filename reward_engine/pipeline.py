@@ -88,7 +88,11 @@ class RewardPipeline:
                 samples = free if samples is None else min(samples, free)
             else:
                 batches = free if batches is None else min(batches, free)
-        return StartLimits(samples, batches, paced, inline)
+        # Started work may be stopped for another tenant's only where one source does it all, per sample, and says
+        # it can be (the batcher then holds each sample's own future: cancelling it stops the work).
+        only = self.sources[0].source.capacity if len(self.sources) == 1 and self.sources[0].weight == 1.0 else None
+        preemptible = only is not None and only.preemptible and only.per == "sample" and not only.paced
+        return StartLimits(samples, batches, paced, inline, preemptible)
 
     def effective_batching(self) -> BatcherConfig:
         """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards

@@ -131,6 +131,10 @@ class Capacity:
     time. ``held_elsewhere``: slots taken by work the batcher did not hand over (the server's own calls on the
     same sandbox), not free for the pipeline until they end. ``paced``: the source also spaces its starts out in
     time (a rate limit): samples are handed over one at a time, when its ``start_delay()`` says the next may start.
+    ``preemptible``: a started sample's work may be cancelled and started again later with nothing lost but the
+    time it ran (an idempotent request to a server that drops what its client hangs up on): a tenant under its
+    share of the slots then takes slots from a tenant over its own at once, instead of waiting for that tenant's
+    started work to end.
     """
 
     slots: int = 0
@@ -138,6 +142,7 @@ class Capacity:
     per: Literal["sample", "batch"] = "batch"
     paced: bool = False
     held_elsewhere: int = 0
+    preemptible: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 0:
@@ -161,7 +166,8 @@ class Capacity:
         if not self.slots:
             return f"the event loop ({self.unit}): one batch at a time, each bounded in loop time"
         elsewhere = f" ({self.held_elsewhere} held outside the pipeline now)" if self.held_elsewhere else ""
-        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + elsewhere
+        preempt = ", preemptible" if self.preemptible else ""
+        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + preempt + elsewhere
 
 
 class RewardSource(ABC):

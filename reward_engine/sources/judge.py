@@ -371,7 +371,10 @@ class JudgeSource(RewardSource):
 
     @property
     def capacity(self) -> Capacity:
-        return Capacity(self.max_concurrency, "requests in flight", "sample", paced=self._limiter.interval > 0)
+        # A judge's request is idempotent, and a judge server drops a request its client hangs up on: preemptible,
+        # unless a rate limit makes every start count.
+        paced = self._limiter.interval > 0
+        return Capacity(self.max_concurrency, "requests in flight", "sample", paced=paced, preemptible=not paced)
 
     def start_delay(self) -> float:
         return self._limiter.delay()

@@ -17,6 +17,7 @@ import asyncio
 import json
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -319,7 +320,80 @@ async def test_a_judge_pipeline_sends_a_small_step_next_to_its_server(batching: 
     # requests sent beside it (one per other request in flight).
     assert not set(hopeless) & set(requested) and not set(hopeless) & starts.ids()
     assert a_before_each_b([sid[0] for sid in requested[arrived[0] :]])[0] <= connections - 1
-    assert server.peak_in_flight <= connections
+    # B, under its share, took half of the slots from A's held requests at once: the server saw those requests
+    # hung up on, beside the ones that replaced them, before it noticed.
+    assert server.peak_in_flight <= connections + starts.pipeline.batcher.preemptions
+
+
+@asynccontextmanager
+async def judge_of(reply: Callable[[dict[str, Any]], Any], connections: int) -> Any:
+    """A judge pipeline (default batching) against a local OpenAI-compatible server answering with `reply`."""
+    async with FakeOpenAI(reply=reply) as server:
+        source = {"type": "judge", "url": server.url, "model": "m", "prompt_template": "{response}",
+                  "max_concurrency": connections}  # fmt: skip
+        async with pipeline_of(source, None) as pipeline:
+            yield server, pipeline
+
+
+def requests_per_sample(server: FakeOpenAI, tenant: str) -> Counter[str]:
+    return Counter(r.user_message for r in server.requests if r.user_message.startswith(tenant))
+
+
+async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once() -> None:
+    """A has flooded the judge for a while; now its requests hold every slot and would never end by themselves. B's
+    step still runs, on its weighted half of the slots, taken from A's youngest requests: hung up on (the judge
+    server drops them), queued again at the head of A's lane and sent again later. Every sample of both is answered
+    exactly once."""
+    gate = asyncio.Event()
+    connections, flood, scored_first = 8, 100, 48
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        message = body["messages"][-1]["content"]
+        if message.startswith("a") and int(message[1:]) >= scored_first:
+            await gate.wait()  # A's later requests end only when the test lets go
+        return Reply("Score: 5", delay_s=0.01)
+
+    async with judge_of(reply, connections) as (server, pipeline):
+        batcher = pipeline.batcher
+        a, b = Tenant("a"), Tenant("b")
+        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(flood)]
+        await eventually(
+            lambda: len(server.requests) == scored_first + connections and batcher.in_flight_samples == connections,
+            "A's first samples scored, and its next hold every slot",
+        )
+        step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 60)
+        assert not gate.is_set() and len(results) == STEP  # scored while every request of A's still hangs
+        assert batcher.preemptions == connections // 2  # B's half of the slots, no more
+        await eventually(lambda: server.dropped == connections // 2, "the judge server dropped the stopped requests")
+        gate.set()
+        scored: list[Scored] = await asyncio.wait_for(asyncio.gather(*flooding), 60)
+    assert {r.output.score for r in results + scored} == {results[0].output.score}
+    sent = requests_per_sample(server, "a")
+    assert len(sent) == flood and sorted(sent.values()) == [1] * (flood - 4) + [2] * 4, sent  # stopped once each
+    assert requests_per_sample(server, "b") == Counter({f"b{i}": 1 for i in range(STEP)})
+
+
+async def test_tenants_that_both_flood_a_judge_do_not_stop_each_others_requests() -> None:
+    """Two backlogged tenants alternate on the slots: B takes its half once, as it arrives, and from then on no
+    request of either is stopped for the other's (a stopped request is work thrown away)."""
+    connections, flood = 8, 60
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        return Reply("Score: 5", delay_s=0.02)
+
+    async with judge_of(reply, connections) as (server, pipeline):
+        batcher = pipeline.batcher
+        a, b = Tenant("a"), Tenant("b")
+        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(flood)]
+        await eventually(lambda: len(server.requests) == connections and batcher.queue_depth, "A holds every slot")
+        flooding += [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(flood)]
+        scored: list[Scored] = await asyncio.wait_for(asyncio.gather(*flooding), 120)
+    assert len(scored) == 2 * flood
+    # B's half as it arrived, and no more than once again: a sample far costlier than the mean on a loaded machine
+    # may shift a tenant's virtual time by a few samples, rarely by the share of the slots that stopping needs.
+    assert connections // 2 <= batcher.preemptions <= connections, batcher.preemptions
+    assert max((requests_per_sample(server, "a") + requests_per_sample(server, "b")).values()) <= 2
 
 
 # ------------------------------------------------------------------------------------------ a reward model

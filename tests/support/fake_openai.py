@@ -49,6 +49,7 @@ class FakeOpenAI:
     requests: list[Recorded] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
+    dropped: int = 0  # requests whose client hung up before the reply: the server stopped working on them
     port: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +95,9 @@ class FakeOpenAI:
                 ],
             }
             return web.Response(status=reply.status, text=json.dumps(payload), content_type="application/json")
+        except asyncio.CancelledError:
+            self.dropped += 1
+            raise
         finally:
             self.in_flight -= 1
 
