@@ -238,9 +238,12 @@ class DynamicBatcher:
         # One sample's service time (moving average over every tenant's; a batch's shared by its samples): the
         # unit a tenant's fair share is charged in (`_charge`).
         self.sample_cost_s = 0.0
-        # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back
-        # (moving average): what bounds an inline batch's size (inline_bound).
+        # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back, and
+        # while the pipeline stays backlogged also what the loop did since the batch before (reading the next
+        # samples' messages, writing the last results: what a flood costs the loop per sample, not only the rule's
+        # own work) (moving average): what bounds an inline batch's size (inline_bound).
         self.inline_cost_s = 0.0
+        self._inline_mark: float | None = None  # the loop's CPU time when a backlogged inline batch ended
         self._expiry_timer: asyncio.TimerHandle | None = None  # when the next queued sample expires or is hopeless
         self._deadlines: list[tuple[float, int, Ticket]] = []  # queued samples' deadlines (heap; stale entries skipped)
         self._dues: list[tuple[float, int, Ticket]] = []  # queued samples' step deadlines (heap; likewise)
@@ -840,10 +843,13 @@ class DynamicBatcher:
             for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
                 self._charge(it, compute_s / size)
-            if self._limits().inline:  # the loop's CPU this batch held, its results handed back included (thread
-                # time: the waits a loaded host adds are not the batch's, and would shrink the bound for nothing)
-                held = (time.thread_time() - start_cpu) / size
-                self.inline_cost_s = _moving_average(self.inline_cost_s, held)
+            if self._limits().inline:  # the loop's CPU this batch held, its results handed back included, and the
+                # loop's since the batch before if the queue was backlogged then (thread time: the waits a loaded host
+                # adds are not the batch's, and would shrink the bound for nothing)
+                cpu = time.thread_time()
+                since = start_cpu if self._inline_mark is None else min(start_cpu, self._inline_mark)
+                self.inline_cost_s = _moving_average(self.inline_cost_s, (cpu - since) / size)
+                self._inline_mark = cpu if self._queue.depth else None
         finally:
             for it in batch:
                 it.tenant.in_flight -= 1

@@ -28,6 +28,9 @@ from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2
 
 DEFAULT_MAX_STREAM_UNANSWERED = 2048
+# Samples of one message queued per turn of the event loop: the loop reads every tenant's messages, and a flooder's
+# message of hundreds of samples must not hold it while a small step's message waits to be read.
+ITEMS_PER_TURN = 32
 
 _RESULT = reward_pb2.RewardResult
 _END = object()  # the client half-closed the stream
@@ -333,6 +336,8 @@ class Scoring:
                         # once per message: each item's trace context is read only if one may carry it
                         traced = telemetry.tracing and not req.items_untraced
                         for k, item in enumerate(items):
+                            if k and not k % ITEMS_PER_TURN:  # a big message is not one long turn of the loop
+                                await asyncio.sleep(0)
                             begin(
                                 item.sample,
                                 item.reward,

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from rewardmesh.common.gc_tuning import freeze_startup_heap
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.server.registration import with_deserializers
 from rewardmesh.server.reward.sample_split import parse_score_batch_request, parse_score_request
@@ -144,6 +145,7 @@ async def serve_reward(
     await server.start(ready=False)
     if server.gateway is not None:
         await server.gateway.start()
+    freeze_startup_heap()  # models loaded, sources warm: what the server holds from here on is never scanned
     await server.grpc.set_ready()
     await server.serve_until_signalled()
     svc = server.servicer

@@ -11,6 +11,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.gc_tuning import freeze_startup_heap
 from rewardmesh.common.planes.grpc_chunks import parse_update_request
 from rewardmesh.server.registration import with_deserializers
 from rewardmesh.server.rollout.backends.base import Backend
@@ -166,5 +167,6 @@ async def serve_rollout(cfg: RolloutServerConfig) -> None:
         await server.stop(0)
         await serving
         raise
+    freeze_startup_heap()  # the engine is up: what the server holds from here on is never scanned
     await serving
     log.info("rollout server stopped")

@@ -501,3 +501,25 @@ async def test_an_inline_batch_is_bounded_by_its_measured_loop_time() -> None:
     assert all(r.output.score == 1.0 for r in results)
     assert starts.over == [] and len(starts.order) == 200
     assert max(len(batch) for batch in starts.batches) <= 4, [len(batch) for batch in starts.batches]
+
+
+async def test_an_inline_batch_counts_the_loop_time_its_results_cost_while_backlogged() -> None:
+    """A cheap inline rule, but each result costs the loop 0.1 ms where it is handed on (as writing a flooder's
+    results and reading its next samples does): while the pipeline stays backlogged that time is the batch's too,
+    and bounds it to about 1 ms / 0.1 ms = 10 samples, where the rule's own cost would allow its whole 256."""
+
+    def spend(_: object) -> None:
+        until = time.thread_time() + 0.0001
+        while time.thread_time() < until:
+            pass
+
+    async with pipeline_of({"type": "rule", "rule": "gsm8k"}, None) as pipeline:
+        starts = Starts(pipeline)
+        futures = [pipeline.batcher.enqueue(sample(f"a{i}", "#### 4", "4")) for i in range(400)]
+        for fut in futures:
+            fut.add_done_callback(spend)
+        results = await asyncio.gather(*futures)
+    assert all(r.output.score == 1.0 for r in results)
+    assert starts.over == [] and len(starts.order) == 400
+    sizes = [len(batch) for batch in starts.batches]
+    assert max(sizes[10:]) <= 10, sizes  # once the moving average has learned what a result costs

@@ -308,3 +308,37 @@ async def test_a_sample_too_deep_to_parse_fails_alone_on_the_stream_and_in_a_bat
     assert CODE[reply.results[1].error.code] == grpc.StatusCode.INVALID_ARGUMENT
     assert "samples[1] does not parse" in reply.results[1].error.message
     assert reply.results[0].score == 1.0 and reply.results[2].score == 1.0
+
+
+async def test_a_big_message_is_queued_a_few_samples_per_turn_of_the_event_loop() -> None:
+    """The event loop reads every stream: a message of hundreds of samples is queued a few at a time, so another
+    tenant's small step is read between them, not after the whole message."""
+    from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT
+    from rewardmesh.server.reward.scoring import ITEMS_PER_TURN
+
+    async with reward_server() as server:
+        scoring = server.servicer.scoring
+        queued: list[str] = []
+        begin = scoring.begin
+
+        def counting(s: common_pb2.Sample, *args: Any) -> None:
+            queued.append(s.sample_id)
+            begin(s, *args)
+
+        scoring.begin = counting  # type: ignore[method-assign,assignment]
+        big = reward_pb2.ScoreRequest(items=[req(sample(f"a{i}"), "noop") for i in range(256)])
+
+        async def requests() -> Any:
+            yield big
+            await asyncio.Event().wait()  # the stream stays open
+
+        stream = scoring.stream(requests(), DEFAULT_TENANT)
+        writer: asyncio.Task[Any] = asyncio.create_task(anext(stream))  # type: ignore[arg-type]
+        seen = [0]  # how many of the message's samples were queued at each turn of the loop
+        while len(queued) < 256:
+            await asyncio.sleep(0)
+            seen.append(len(queued))
+        await writer
+        await stream.aclose()  # type: ignore[attr-defined]
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    assert max(steps) <= ITEMS_PER_TURN, steps
