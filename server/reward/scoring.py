@@ -28,9 +28,10 @@ from rewardmesh.server.status import SAMPLE_ERRORS, status_proto
 from rewardmesh.v1 import common_pb2, reward_pb2
 
 DEFAULT_MAX_STREAM_UNANSWERED = 2048
-# Samples of one message queued per turn of the event loop: the loop reads every tenant's messages, and a flooder's
-# message of hundreds of samples must not hold it while a small step's message waits to be read.
-ITEMS_PER_TURN = 32
+# The loop time one message's samples are queued in before the reader lets the loop turn: the loop reads every
+# tenant's messages, and a flooder's message of hundreds of samples must not hold it while a small step's message
+# waits to be read.
+READ_TURN_S = 0.00025
 
 _RESULT = reward_pb2.RewardResult
 _END = object()  # the client half-closed the stream
@@ -335,9 +336,11 @@ class Scoring:
                         self.held += n
                         # once per message: each item's trace context is read only if one may carry it
                         traced = telemetry.tracing and not req.items_untraced
+                        turn = arrived[0] + READ_TURN_S
                         for k, item in enumerate(items):
-                            if k and not k % ITEMS_PER_TURN:  # a big message is not one long turn of the loop
+                            if k and time.monotonic() > turn:  # a big message is not one long turn of the loop
                                 await asyncio.sleep(0)
+                                turn = time.monotonic() + READ_TURN_S
                             begin(
                                 item.sample,
                                 item.reward,

@@ -37,7 +37,7 @@ from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.support.servers import http_gateway, reward_server
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, holds_for
 
 FNS = "tests/support/reward_fns.py"
 # A user's batching, as a user wrote it for a function pipeline.
@@ -372,6 +372,31 @@ async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once
     sent = requests_per_sample(server, "a")
     assert len(sent) == flood and sorted(sent.values()) == [1] * (flood - 4) + [2] * 4, sent  # stopped once each
     assert requests_per_sample(server, "b") == Counter({f"b{i}": 1 for i in range(STEP)})
+
+
+async def test_a_started_sample_near_its_step_deadline_is_not_stopped_for_another_tenant() -> None:
+    """A's requests hold every slot, each with a step deadline less than two service times away: sent again, it
+    could not make it, so none is stopped for B, which waits for them."""
+    gate = asyncio.Event()
+    connections = 8
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        message = body["messages"][-1]["content"]
+        if message.startswith("a") and int(message[1:]) >= connections:
+            await gate.wait()
+        return Reply("Score: 5", delay_s=0.2 if message.startswith("a") else 0.01)
+
+    async with judge_of(reply, connections) as (server, pipeline):
+        batcher = pipeline.batcher
+        a, b = Tenant("a"), Tenant("b")
+        await asyncio.gather(*(batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(connections)))
+        due = time.monotonic() + 1.5 * batcher.service_s  # makeable now, not after a restart
+        held = [batcher.enqueue(sample(f"a{connections + i}"), tenant=a, due=due) for i in range(connections)]
+        await eventually(lambda: len(server.requests) == 2 * connections, "A's requests hold every slot")
+        step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+        await holds_for(lambda: batcher.preemptions == 0 and not server.dropped, "none of A's requests is stopped")
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*held, *step), 60)
 
 
 async def test_tenants_that_both_flood_a_judge_do_not_stop_each_others_requests() -> None:

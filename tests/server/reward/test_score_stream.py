@@ -4,6 +4,7 @@ message, backpressure."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import grpc
@@ -310,11 +311,10 @@ async def test_a_sample_too_deep_to_parse_fails_alone_on_the_stream_and_in_a_bat
     assert reply.results[0].score == 1.0 and reply.results[2].score == 1.0
 
 
-async def test_a_big_message_is_queued_a_few_samples_per_turn_of_the_event_loop() -> None:
-    """The event loop reads every stream: a message of hundreds of samples is queued a few at a time, so another
-    tenant's small step is read between them, not after the whole message."""
+async def test_a_big_message_is_queued_over_several_turns_of_the_event_loop() -> None:
+    """The event loop reads every stream: a message of hundreds of samples is queued a fraction of a millisecond at
+    a time, so another tenant's small step is read between its parts, not after the whole message."""
     from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT
-    from rewardmesh.server.reward.scoring import ITEMS_PER_TURN
 
     async with reward_server() as server:
         scoring = server.servicer.scoring
@@ -340,5 +340,6 @@ async def test_a_big_message_is_queued_a_few_samples_per_turn_of_the_event_loop(
             seen.append(len(queued))
         await writer
         await stream.aclose()  # type: ignore[attr-defined]
-    steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
-    assert max(steps) <= ITEMS_PER_TURN, steps
+    # Queuing 256 samples takes milliseconds in Python, far more than one turn's share: several turns.
+    turns = [b - a for a, b in itertools.pairwise(seen) if b > a]
+    assert len(turns) > 3 and max(turns) < 256, seen
