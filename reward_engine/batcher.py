@@ -771,12 +771,13 @@ class DynamicBatcher:
 
     def _release(self, samples: int, *, dispatch: bool = True) -> None:
         """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
-        once (a loaded event loop would otherwise add its scheduler's turn to every hand-over); else, or beyond
-        that, the scheduler looks again."""
+        once, and where they work on the event loop, the next inline batch (a loaded event loop would otherwise add
+        its scheduler's turn to every hand-over, and to a small step's wait); else, or beyond that, the scheduler
+        looks again."""
         self._held -= samples
         if dispatch and samples and not self._closed and self._queue.depth and self._loop_task is not None:
             lim = self._limits()
-            if lim.samples is not None and not lim.paced:
+            if (lim.samples is not None or lim.inline) and not lim.paced:
                 room = self._room()
                 if room:
                     batch = self._take(room)
