@@ -253,8 +253,8 @@ class DynamicBatcher:
         self._held = 0  # samples handed over whose results are not in yet
         self.started = 0  # samples handed over since the start
         self._running: set[asyncio.Task[None]] = set()
-        self._late: set[asyncio.Future[Any]] = set()  # results a batch left to come apart (see _answer_late)
-        # Samples answered apart whose work runs now: each one's future (cancelling it stops the work) and start.
+        # Samples a batch left to be answered apart whose work runs now (see _answer_late): each one's future
+        # (cancelling it stops the work) and start.
         self._apart: dict[Ticket, tuple[asyncio.Future[Any], float]] = {}
         self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
         self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
@@ -523,7 +523,7 @@ class DynamicBatcher:
             self._expiry_timer.cancel()
             self._expiry_timer = None
         if drain:
-            while self._queue.depth or self._running or self._late:
+            while self._queue.depth or self._running or self._apart:
                 self._wake.set()
                 await asyncio.sleep(0.005)
         if self._loop_task is not None:
@@ -535,7 +535,7 @@ class DynamicBatcher:
             item.resolve(Unavailable(f"reward pipeline '{self.name}' shut down"))
         for task in list(self._running):
             task.cancel()
-        for fut in list(self._late):
+        for fut, _ in list(self._apart.values()):
             fut.cancel()  # its sample is answered UNAVAILABLE (see _answer_late)
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -744,10 +744,10 @@ class DynamicBatcher:
         candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes and not it.preempted
                       and it not in self._preempting and (it.due is None or it.due > soon)]  # fmt: skip
         for it in sorted(candidates, key=lambda it: self._apart[it][1], reverse=True):  # the youngest first
-            other = it.tenant
-            refund = 1.0 / other.weight
             if want <= 0:
                 break
+            other = it.tenant
+            refund = 1.0 / other.weight
             if held[other] <= other.weight * per_weight or vtimes[other] - refund < head.vtime + lead:
                 continue
             if self._apart[it][0].cancel():  # its done callback puts it back in the queue (_answer_late)
@@ -876,12 +876,10 @@ class DynamicBatcher:
         batch of one, when it is done, and holds its sample slot until then. True if so."""
         if not isinstance(res, asyncio.Future):
             return False
-        self._late.add(res)
         self._apart[it] = (res, start)
         it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
-            self._late.discard(fut)
             self._apart.pop(it, None)
             it.tenant.in_flight -= 1
             if it in self._preempting:

@@ -153,23 +153,22 @@ class FairQueue(Generic[Q]):
 
     def _unpop(self, lane: Lane[Q], item: Q) -> None:
         """Put back a sample taken but not used, where it was (its lane's charge refunded)."""
-        entry = self._popped.pop(id(item), None)
-        if entry is None:
-            lane.fifo.appendleft(item)
-        else:
-            heapq.heappush(lane.edf, entry)
-        lane.count += 1
-        self.depth += 1
-        lane.vtime -= 1.0 / lane.tenant.weight
+        self._put_front(lane, item, self._popped.pop(id(item), None))
 
     def requeue(self, item: Q) -> None:
         """Put a started sample whose work was stopped (preempted) back at the head of its lane, its start's charge
         refunded: it is the next of its tenant's to start, and its tenant has not had that time."""
-        lane = self.lane(item.tenant)
-        if item.due is None:
+        # first among its tenant's samples of the same step deadline
+        entry = None if item.due is None else (_due_key(item.due), -next(self._seq), item)
+        self._put_front(self.lane(item.tenant), item, entry)
+
+    def _put_front(self, lane: Lane[Q], item: Q, entry: tuple[int, int, Q] | None) -> None:
+        """`item` back in `lane` (its heap entry, if it has a step deadline; else at the fifo's head), its lane's
+        start charge refunded."""
+        if entry is None:
             lane.fifo.appendleft(item)
-        else:  # first among its tenant's samples of the same step deadline
-            heapq.heappush(lane.edf, (_due_key(item.due), -next(self._seq), item))
+        else:
+            heapq.heappush(lane.edf, entry)
         lane.count += 1
         self.depth += 1
         lane.vtime -= 1.0 / lane.tenant.weight
