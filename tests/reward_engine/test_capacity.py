@@ -290,6 +290,18 @@ async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
 # ------------------------------------------------------------------------------------- a judge over HTTP
 
 
+@asynccontextmanager
+async def judge_of(
+    reply: Callable[[dict[str, Any]], Any], connections: int, batching: dict[str, Any] | None = None
+) -> Any:
+    """A judge pipeline against a local OpenAI-compatible server answering with `reply`."""
+    async with FakeOpenAI(reply=reply) as server:
+        source = {"type": "judge", "url": server.url, "model": "m", "prompt_template": "{response}",
+                  "max_concurrency": connections}  # fmt: skip
+        async with pipeline_of(source, batching) as pipeline:
+            yield server, pipeline
+
+
 @BATCHINGS
 async def test_a_judge_pipeline_sends_a_small_step_next_to_its_server(batching: dict[str, Any] | None) -> None:
     gate = asyncio.Event()
@@ -299,22 +311,19 @@ async def test_a_judge_pipeline_sends_a_small_step_next_to_its_server(batching: 
             await gate.wait()  # the judge holds A's requests until the test lets go
         return Reply("Score: 5", delay_s=0.05)  # a slow judge
 
-    async with FakeOpenAI(reply=reply) as server:
-        connections = 8
-        source = {"type": "judge", "url": server.url, "model": "m", "prompt_template": "{response}",
-                  "max_concurrency": connections}  # fmt: skip
-        arrived: list[int] = []
-        async with pipeline_of(source, batching) as pipeline:
-            starts, mark, hopeless = await flood_then_step(
-                pipeline,
-                lambda t, i: sample(f"{t}{i}"),
-                100,
-                gate.set,
-                settled=lambda held: len(server.requests) == held,
-                on_arrival=lambda: arrived.append(len(server.requests)),
-                workers=lambda: connections,
-            )
-        requested = [r.user_message for r in server.requests]
+    connections = 8
+    arrived: list[int] = []
+    async with judge_of(reply, connections, batching) as (server, pipeline):
+        starts, mark, hopeless = await flood_then_step(
+            pipeline,
+            lambda t, i: sample(f"{t}{i}"),
+            100,
+            gate.set,
+            settled=lambda held: len(server.requests) == held,
+            on_arrival=lambda: arrived.append(len(server.requests)),
+            workers=lambda: connections,
+        )
+    requested = [r.user_message for r in server.requests]
     assert_b_goes_first_then_shares([tenant for tenant, _ in starts.order[mark:]])
     # Where the work ran: the judge server's own log. After B arrived, before B's first request, at most the A's
     # requests sent beside it (one per other request in flight).
@@ -323,16 +332,6 @@ async def test_a_judge_pipeline_sends_a_small_step_next_to_its_server(batching: 
     # B, under its share, took half of the slots from A's held requests at once: the server saw those requests
     # hung up on, beside the ones that replaced them, before it noticed.
     assert server.peak_in_flight <= connections + starts.pipeline.batcher.preemptions
-
-
-@asynccontextmanager
-async def judge_of(reply: Callable[[dict[str, Any]], Any], connections: int) -> Any:
-    """A judge pipeline (default batching) against a local OpenAI-compatible server answering with `reply`."""
-    async with FakeOpenAI(reply=reply) as server:
-        source = {"type": "judge", "url": server.url, "model": "m", "prompt_template": "{response}",
-                  "max_concurrency": connections}  # fmt: skip
-        async with pipeline_of(source, None) as pipeline:
-            yield server, pipeline
 
 
 def requests_per_sample(server: FakeOpenAI, tenant: str) -> Counter[str]:
