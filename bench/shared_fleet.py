@@ -1,6 +1,6 @@
 """One reward fleet shared by training jobs: does a job's latency hold while another floods the fleet?
 
-    python -m bench.shared_fleet [--kinds function,code,judge,model,rule --steps 40] [--sizing]
+    python -m bench.shared_fleet [--kinds function,code,hostile,judge,model,rule --steps 40] [--sizing]
 
 Isolation (the default): a real `rewardmesh serve reward` process with two tenants of weight 1 (job-a, job-b, each
 its own token) and, per source kind, two pipelines of real sources: the kind's default batching, and a user's
@@ -11,6 +11,7 @@ kind and batching: B's per-sample latency p50 and p99 alone, then while A floods
 
   function  a function burning 4 ms of CPU per sample on 2 worker processes; A keeps 3,000 in flight
   code      programs in the bubblewrap sandbox, 2 sandbox workers: A's burn 30 ms, B's echo; A keeps 200 in flight
+  hostile   the same sandbox, A's programs hang until their 1 s budget ends them (B's echo); A keeps 200 in flight
   judge     a judge (max_concurrency 16: B's step fits its weighted half) against a local OpenAI-compatible server
             answering in 50 ms; A keeps 1,000
   model     the tiny reward model on the CPU; A keeps 3,000 in flight
@@ -64,7 +65,7 @@ from rewardmesh.v1 import common_pb2, reward_pb2
 
 # ---------------------------------------------------------------------------------------------------- isolation
 
-KINDS = ("function", "code", "judge", "model", "rule")
+KINDS = ("function", "code", "hostile", "judge", "model", "rule")
 USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size": 4096}
 STEP = 8  # B's step: small, sent at once
 TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
@@ -88,6 +89,7 @@ _A_PROGRAM = (
     "print(input())\n```"
 )
 _B_PROGRAM = "```python\nprint(input())\n```"
+_HANGING_PROGRAM = "```python\nimport time\ntime.sleep(60)\n```"  # held until its 1 s budget kills it
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,20 @@ def _b_program(sid: str) -> common_pb2.Sample:
     return _sample(sid, _B_PROGRAM, _TESTS)
 
 
+def _hanging_program(sid: str) -> common_pb2.Sample:
+    return _sample(sid, _HANGING_PROGRAM, _TESTS)
+
+
 def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str, Kind]:
     burn = workdir / "fleet_burn.py"
     burn.write_text(_BURN)
     kinds = {
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
-        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40,
+                     preemptible=True),
+        "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
+                        _b_program, 40, preemptible=True),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
                                  "prompt_template": "{response}"}], 1000, _sample, _sample, preemptible=True),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),

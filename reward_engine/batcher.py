@@ -94,13 +94,14 @@ class StartLimits(NamedTuple):
     of its per-sample sources'), `batches` batch slots (the least of its per-batch sources'); `paced`: a source
     spaces its starts out (samples are then handed over one at a time, when its start delay allows); `inline`:
     the sources work on the event loop itself (one batch at a time, each bounded in loop time); `preemptible`: a
-    started sample's work may be stopped and started again later (see Capacity.preemptible)."""
+    started sample's work may be stopped and started again later, at `stop_cost_s` (see Capacity.preemptible)."""
 
     samples: int | None = None
     batches: int | None = None
     paced: bool = False
     inline: bool = False
     preemptible: bool = False
+    stop_cost_s: float = 0.0
 
 
 NO_LIMITS = StartLimits()
@@ -170,7 +171,7 @@ class Ticket:
         self.context = context
         self.tokens = inp.num_tokens  # (a WireInput counts its ids without making arrays)
         self.started = False  # handed to the source (set by the batcher, which also resets it in `queue`)
-        self.preempted = False  # its work was stopped once for another tenant's (never twice)
+        self.preempted = False  # its work was stopped for another tenant's (again only while an older one runs)
 
     @property
     def finished(self) -> bool:
@@ -257,6 +258,7 @@ class DynamicBatcher:
         # (cancelling it stops the work) and start.
         self._apart: dict[Ticket, tuple[asyncio.Future[Any], float]] = {}
         self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
+        self._preempt_timer: asyncio.TimerHandle | None = None  # when a started sample becomes worth stopping
         self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -519,9 +521,10 @@ class DynamicBatcher:
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-            self._expiry_timer = None
+        for timer in (self._expiry_timer, self._preempt_timer):
+            if timer is not None:
+                timer.cancel()
+        self._expiry_timer = self._preempt_timer = None
         if drain:
             while self._queue.depth or self._running or self._apart:
                 self._wake.set()
@@ -714,9 +717,10 @@ class DynamicBatcher:
     def _preempt(self, lim: StartLimits) -> None:
         """Every slot is taken and samples wait. If the tenant whose sample is next in fair order holds fewer than its
         weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
-        started samples of tenants over their own share (each sample at most once, none near its step deadline)
-        until it would hold its share: its samples start now, not when that work ends. A stopped sample goes back to
-        the head of its tenant's lane, its charge refunded."""
+        started samples of tenants over their own share (none near its step deadline, none expected to end sooner than
+        stopping it costs, none twice while it is its tenant's oldest) until it would hold its share: its samples start
+        now, not when that work ends. A stopped sample goes back to the head of its tenant's lane, its charge
+        refunded."""
         head = self._queue.next_lane()
         if lim.samples is None or head is None or not self._apart or self._closed:
             return
@@ -740,9 +744,17 @@ class DynamicBatcher:
         vtimes = {lane.tenant: lane.vtime for lane in self._queue.lanes.values()}
         for it in self._preempting:
             vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
-        soon = time.monotonic() + 2 * self.service_s
-        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes and not it.preempted
+        now = time.monotonic()
+        soon = now + 2 * self.service_s
+        # A sample stopped before is stopped again only while an older one of its tenant runs: each tenant's oldest
+        # started sample ends, so every sample does in turn (a stopped one starts again ahead of its tenant's others).
+        oldest: dict[Tenant, float] = {}
+        for it, (_, started) in self._apart.items():
+            oldest[it.tenant] = min(started, oldest.get(it.tenant, started))
+        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes
+                      and (not it.preempted or self._apart[it][1] > oldest[it.tenant])
                       and it not in self._preempting and (it.due is None or it.due > soon)]  # fmt: skip
+        later = math.inf  # when a sample not worth stopping yet becomes one (a straggler)
         for it in sorted(candidates, key=lambda it: self._apart[it][1], reverse=True):  # the youngest first
             if want <= 0:
                 break
@@ -750,11 +762,25 @@ class DynamicBatcher:
             refund = 1.0 / other.weight
             if held[other] <= other.weight * per_weight or vtimes[other] - refund < head.vtime + lead:
                 continue
+            started = self._apart[it][1]
+            if self._runs_on(now - started) <= lim.stop_cost_s:
+                later = min(later, started + max(self.service_s, lim.stop_cost_s))
+                continue
             if self._apart[it][0].cancel():  # its done callback puts it back in the queue (_answer_late)
                 self._preempting.add(it)
                 held[other] -= 1
                 vtimes[other] -= refund
                 want -= 1
+        if want > 0 and later < math.inf:  # look again then (nothing else may wake the scheduler before)
+            if self._preempt_timer is not None:
+                self._preempt_timer.cancel()
+            self._preempt_timer = asyncio.get_running_loop().call_at(later + 1e-3, self._wake.set)
+
+    def _runs_on(self, ran_s: float) -> float:
+        """How much longer a started sample that has run `ran_s` can be expected to run: the rest of the usual time,
+        or, once past it (a straggler), about as long again as it has run."""
+        usual = self.service_s
+        return usual - ran_s if ran_s < usual else ran_s
 
     def _requeue(self, it: Ticket) -> None:
         """A preempted sample back at the head of its tenant's lane (it started in time once: its start deadline is

@@ -92,7 +92,7 @@ class RewardPipeline:
         # it can be (the batcher then holds each sample's own future: cancelling it stops the work).
         only = self.sources[0].source.capacity if len(self.sources) == 1 and self.sources[0].weight == 1.0 else None
         preemptible = only is not None and only.preemptible and only.per == "sample" and not only.paced
-        return StartLimits(samples, batches, paced, inline, preemptible)
+        return StartLimits(samples, batches, paced, inline, preemptible, only.stop_cost_s if only else 0.0)
 
     def effective_batching(self) -> BatcherConfig:
         """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards

@@ -134,7 +134,8 @@ class Capacity:
     ``preemptible``: a started sample's work may be cancelled and started again later with nothing lost but the
     time it ran (an idempotent request to a server that drops what its client hangs up on): a tenant under its
     share of the slots then takes slots from a tenant over its own at once, instead of waiting for that tenant's
-    started work to end.
+    started work to end. ``stop_cost_s``: what stopping a started sample costs besides the time it ran (a sandbox
+    to start in its place): one is stopped only when it can be expected to run longer than that still.
     """
 
     slots: int = 0
@@ -143,6 +144,7 @@ class Capacity:
     paced: bool = False
     held_elsewhere: int = 0
     preemptible: bool = False
+    stop_cost_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slots < 0:

@@ -5,13 +5,19 @@ A sandbox serves up to ``samples_per_sandbox`` jobs. Between two jobs its runner
 (every process but the runner killed, /tmp wiped, IPC objects and keys removed, limits fresh per test) and checks
 that nothing is left; the pool retires it at once on any anomaly: something left after the reset, a runner that
 misbehaves (garbage, silence past the budget, an exit), or a test that hit a limit. A retired or used-up sandbox
-is replaced in the background, so the next job of its slot finds one warm.
+is replaced in the background, so the next job of its slot finds one warm; a job that comes before its slot's
+replacement is up takes the pool's one spare warm sandbox instead, and the replacement becomes the spare.
+
+A pipeline's job whose caller is cancelled (the batcher stops it for another tenant's sample, or shuts down) is
+killed at once: its sandbox is retired and its slot freed, and the slot's next job starts in the spare. A job from
+outside the pipeline runs on within its budget when its caller goes away.
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
 runs as root, each pool slot runs its sandboxes as an unprivileged uid of its own (``uid_base + slot``, set with
 util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another slot even
-outside the namespaces.
+outside the namespaces. A uid belongs to a sandbox, not to a slot: when a slot takes the spare, the two swap
+uids, so no two live sandboxes ever share one.
 
 Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
 batcher claims its samples' slots as it hands them over (``claim``), within the slots free for it; any other job
@@ -45,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # Starting a sandbox (namespaces, mounts, the runner's interpreter) may take this long before its first test.
 STARTUP_S = 10.0
+# What starting a sandbox is taken to cost until one has been timed.
+STARTUP_GUESS_S = 0.05
 # The runner's reset after a job (kill, wipe, check) may take this long.
 RESET_S = 2.0
 # A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
@@ -256,9 +264,9 @@ class Sandbox:
         self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
         # Threads block on the sandboxes' pipes: one per slot serving a job, one per slot starting its next
-        # sandbox, one for the start probe. They live as long as the pool: a sandbox dies with the thread that
-        # started it (bubblewrap's --die-with-parent).
-        self._threads = ThreadPoolExecutor(2 * self.workers + 1, thread_name_prefix="sandbox")
+        # sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox dies
+        # with the thread that started it (bubblewrap's --die-with-parent).
+        self._threads = ThreadPoolExecutor(2 * self.workers + 2, thread_name_prefix="sandbox")
         self._free = list(range(self.workers))[::-1]  # slots no job holds (taken from the end)
         self._claims: deque[asyncio.Future[int]] = deque()  # claims waiting for a slot, in arrival order
         # Jobs not claimed by the pipeline's batcher (the server's /run_code), asking for a slot or holding one.
@@ -267,6 +275,13 @@ class Sandbox:
         self._lock = threading.Lock()  # guards the dicts below and the counters
         self._idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
+        self._spare: SandboxProcess | None = None  # warm, for a slot whose next sandbox is not up yet
+        self._spare_starting: Future[SandboxProcess | None] | None = None
+        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid.
+        self._uid_of = list(range(self.workers))
+        self._spare_uid = self.workers
+        self._running: dict[int, tuple[threading.Event, SandboxProcess]] = {}  # a slot's job: its stop, its sandbox
+        self.start_s = STARTUP_GUESS_S  # how long starting a sandbox takes (moving average of those started ahead)
         self._busy = 0
         self._closed = False
 
@@ -275,7 +290,7 @@ class Sandbox:
         if self.level is None:
             return f"unavailable ({self._failure})" if self._failure else "not started"
         reuse = self.samples_per_sandbox
-        kept = f"each serving up to {reuse} samples" if reuse > 1 else "a fresh one per sample"
+        kept = f"each serving up to {reuse} samples, one spare" if reuse > 1 else "a fresh one per sample"
         filtered = "system-call filter on" if self.filter == "seccomp" else f"system-call filter: {self.filter}"
         return f"{self.level.name} ({self.level.tool}), {filtered}, {self.workers} workers, {kept}"
 
@@ -332,9 +347,9 @@ class Sandbox:
         """Prove the level, then start a sandbox for every slot that has none, and wait until they are ready."""
         level = await self.start()
         if self.samples_per_sandbox > 1:
-            starting = [self._start_ahead(level, slot) for slot in range(self.workers)]
+            starting = [self._start_ahead(level, slot) for slot in range(self.workers)] + [self._start_spare(level)]
             await asyncio.gather(*(asyncio.wrap_future(f) for f in starting if f is not None))
-            log.info("code sandbox: %d sandboxes started ahead", len(self._idle) + len(self._starting))
+            log.info("code sandbox: %d sandboxes started ahead (one spare)", len(self._idle) + len(self._starting))
         return level
 
     async def _probe(self, level: Level) -> str | None:
@@ -419,14 +434,29 @@ class Sandbox:
         loop = asyncio.get_running_loop()
         if outside:
             self.stats["outside jobs"] += 1
-        # A caller that goes away does not free the slot early: its sandbox runs on (within its budget).
+        stop = threading.Event()
         try:
-            future = loop.run_in_executor(self._threads, self._serve, level, job, slot)
+            future = loop.run_in_executor(self._threads, self._serve, level, job, slot, stop)
         except BaseException:  # the pool was closed
             self._release(slot, outside)
             raise
         future.add_done_callback(lambda _: self._release(slot, outside))
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The pipeline takes its sample back (for another tenant's, or shutting down): its program ends now and
+            # the slot frees as soon as its sandbox is gone. A caller from outside going away leaves its job running
+            # within its budget.
+            if not outside:
+                self._stop(slot, stop)
+            raise
+
+    def _stop(self, slot: int, stop: threading.Event) -> None:
+        stop.set()
+        with self._lock:
+            running = self._running.get(slot)
+        if running is not None and running[0] is stop:
+            running[1].interrupt()
 
     def _release(self, slot: int, outside: bool) -> None:
         self._give(slot)
@@ -457,17 +487,22 @@ class Sandbox:
             box.kill()
         for future in starting:
             future.add_done_callback(_kill_result)
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.kill()
+        if self._spare_starting is not None:
+            self._spare_starting.add_done_callback(_kill_result)
         if quiet:
             self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ blocking, in the pool's threads
 
-    def _spawn(self, level: Level, slot: int, tmp_mb: int) -> SandboxProcess:
+    def _spawn(self, level: Level, uid_of: int, tmp_mb: int) -> SandboxProcess:
         argv = level.command(self.python, tmp_mb << 20)
         if os.geteuid() == 0 and self._setpriv:
             # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a
             # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
-            uid = str(self.uid_base + slot)
+            uid = str(self.uid_base + uid_of)
             argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
         with self._lock:
             self.stats["started"] += 1
@@ -478,13 +513,22 @@ class Sandbox:
         with self._lock:
             if self._closed or slot in self._idle or slot in self._starting:
                 return None
-            future = self._threads.submit(self._start_ready, level, slot)
+            future = self._threads.submit(self._start_ready, level, self._uid_of[slot])
             self._starting[slot] = future
             return future
 
-    def _start_ready(self, level: Level, slot: int) -> SandboxProcess | None:
+    def _start_spare(self, level: Level) -> Future[SandboxProcess | None] | None:
+        """Start the pool's spare in the background (None: it has one, or the pool is closed)."""
+        with self._lock:
+            if self._closed or self._spare is not None or self._spare_starting is not None:
+                return None
+            self._spare_starting = self._threads.submit(self._start_ready, level, self._spare_uid)
+            return self._spare_starting
+
+    def _start_ready(self, level: Level, uid_of: int) -> SandboxProcess | None:
+        began = time.monotonic()
         try:
-            box = self._spawn(level, slot, self.limits.tmp_mb)
+            box = self._spawn(level, uid_of, self.limits.tmp_mb)
         except OSError as exc:
             log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
             return None
@@ -495,13 +539,20 @@ class Sandbox:
                 log.warning("code sandbox: a sandbox started ahead did not come up: %s", why)
             box.kill()
             return None
+        self.start_s += 0.2 * (time.monotonic() - began - self.start_s)
         return box
 
     def _take(self, slot: int) -> SandboxProcess | None:
-        """The slot's warm sandbox (waiting for the one starting), or None when it has none that lives."""
+        """The slot's warm sandbox; while the slot has none up (its last retired), the spare if it is warm, the slot's
+        next becoming the spare; else the one starting, waited for; None when there is none that lives."""
         with self._lock:
             box = self._idle.pop(slot, None)
             starting = self._starting.pop(slot, None)
+            if box is None and (starting is None or not starting.done()) and (spare := self._warm_spare()):
+                box, self._spare, self._spare_starting = spare, None, starting
+                self._uid_of[slot], self._spare_uid = self._spare_uid, self._uid_of[slot]
+                starting = None
+                self.stats["jobs in the spare sandbox"] += 1
         if box is None and starting is not None:
             try:
                 box = starting.result()
@@ -512,9 +563,20 @@ class Sandbox:
             return None
         return box
 
+    def _warm_spare(self) -> SandboxProcess | None:
+        """The spare, if it is up and alive (under the lock)."""
+        starting = self._spare_starting
+        if self._spare is None and starting is not None and starting.done():
+            self._spare_starting = None
+            self._spare = None if starting.cancelled() or starting.exception() else starting.result()
+        if self._spare is not None and not self._spare.alive():
+            self._spare.kill()
+            self._spare = None
+        return self._spare
+
     def _run_once(self, level: Level, job: Job, slot: int) -> tuple[JobResult, dict[str, Any]]:
         """A job in a sandbox started for it alone (the start probe), with the runner's ready record."""
-        box = self._spawn(level, slot, (job.limits or self.limits).tmp_mb)
+        box = self._spawn(level, self._uid_of[slot], (job.limits or self.limits).tmp_mb)
         try:
             result, reply = self._exchange(box, job, fresh=True)
         finally:
@@ -545,27 +607,31 @@ class Sandbox:
         result.sandbox, result.nth = box.serial, box.served
         return result, reply
 
-    def _serve(self, level: Level, job: Job, slot: int) -> JobResult:
-        """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it."""
+    def _serve(self, level: Level, job: Job, slot: int, stop: threading.Event) -> JobResult:
+        """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``stop``
+        set: its caller took the job back, and its program is killed (``_stop``) or never starts."""
         lim = job.limits or self.limits
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
         box = self._take(slot) if reuse else None
         fresh = box is None
         if box is None:
-            box = self._spawn(level, slot, lim.tmp_mb)
+            box = self._spawn(level, self._uid_of[slot], lim.tmp_mb)
         try:
-            result, reply = self._exchange(box, job, fresh)
-            if not fresh and reply.final is None and not reply.records and not reply.timed_out:
+            result, reply = self._exchange_in(slot, stop, box, job, fresh)
+            if not fresh and reply.final is None and not reply.records and not reply.timed_out and not stop.is_set():
                 # A warm sandbox that died while it waited (killed from outside) ran nothing: start one for the job.
                 box.kill()
                 with self._lock:
                     self.stats["retired: died while warm"] += 1
-                box, fresh = self._spawn(level, slot, lim.tmp_mb), True
-                result, reply = self._exchange(box, job, fresh)
+                box, fresh = self._spawn(level, self._uid_of[slot], lim.tmp_mb), True
+                result, reply = self._exchange_in(slot, stop, box, job, fresh)
         except BaseException:
             box.kill()
             raise
-        why = self._retire_reason(box, result, reply) if reuse else "single use"
+        if stop.is_set() and reply.final is None:
+            why: str | None = "stopped for another sample"
+        else:
+            why = self._retire_reason(box, result, reply) if reuse else "single use"
         with self._lock:
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
@@ -578,7 +644,27 @@ class Sandbox:
             box.kill()
             if reuse:
                 self._start_ahead(level, slot)
+        if reuse:
+            self._start_spare(level)
         return result
+
+    def _exchange_in(
+        self, slot: int, stop: threading.Event, box: SandboxProcess, job: Job, fresh: bool
+    ) -> tuple[JobResult, Reply]:
+        """The job's exchange in the slot's sandbox, which ``_stop`` kills meanwhile if the job is taken back; a
+        job taken back before it started runs nothing (a warm sandbox stays warm)."""
+        with self._lock:
+            stopped = stop.is_set()
+            if not stopped:
+                self._running[slot] = (stop, box)
+        if stopped:
+            gone = JobResult([TestRun("sandbox_error", stderr="taken back before it started")])
+            return gone, Reply(final=None if fresh else {"clean": True})
+        try:
+            return self._exchange(box, job, fresh)
+        finally:
+            with self._lock:
+                self._running.pop(slot, None)
 
     def _retire_reason(self, box: SandboxProcess, result: JobResult, reply: Reply) -> str | None:
         if reply.final is None:

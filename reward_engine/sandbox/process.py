@@ -151,6 +151,13 @@ class SandboxProcess:
         except subprocess.TimeoutExpired:
             return None
 
+    def interrupt(self) -> None:
+        """Kill the sandbox's processes from a thread other than the one exchanging with it: the exchange ends as if
+        the runner had exited, and that thread retires it (``kill``)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
     def kill(self) -> None:
         """End the sandbox (its PID 1 dies with bubblewrap or unshare, and every process of it with its PID 1)."""
         if not self._killed:

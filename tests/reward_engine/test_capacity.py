@@ -248,6 +248,63 @@ async def test_a_code_pipeline_starts_a_small_step_next_in_its_sandbox_slots(bat
 
 
 @needs_bwrap
+async def test_a_tenant_under_its_share_takes_a_sandbox_slot_from_a_flooder_at_once() -> None:
+    """A's programs hold both sandbox slots far longer than the test waits (as a program running out a long budget
+    would). B's step still runs, on its weighted half of the slots: A's youngest program is killed, its slot's next
+    job starts in the pool's spare sandbox (warm: no start to wait for), and the stopped sample goes back to the
+    head of A's lane and starts again once. Every sample of both is answered exactly once."""
+    source = {"type": "code", "workers": 2, "timeout_s": 300}
+    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+    hang = "```python\nimport time\ntime.sleep(200)\nprint(input())\n```"
+    echo = "```python\nprint(input())\n```"
+    async with pipeline_of(source, None) as pipeline:
+        sandbox = pipeline.sources[0].source.sandbox
+        starts = Starts(pipeline, workers=lambda: sandbox.workers)
+        batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
+        # A has flooded a while (ten programs scored) before its programs hang.
+        flooding = [batcher.enqueue(sample(f"a{i}", echo if i < 10 else hang, tests), tenant=a) for i in range(16)]
+        await eventually(lambda: sum(f.done() for f in flooding) == 10 and len(sandbox._running) == 2,
+                         "A's first programs scored, and its next run in both slots")  # fmt: skip
+        step = [batcher.enqueue(sample(f"b{i}", echo, tests), tenant=b) for i in range(STEP)]
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
+        assert [r.output.score for r in results] == [1.0] * STEP
+        assert not any(f.done() for f in flooding[10:])  # scored while A's programs still run
+        assert batcher.preemptions == 1  # B's half of the two slots, no more
+        assert sandbox.stats["retired: stopped for another sample"] == 1
+        assert sandbox.stats["jobs in the spare sandbox"] >= 1
+        assert sorted([*sandbox._uid_of, sandbox._spare_uid]) == [0, 1, 2]  # uids moved with their sandboxes
+        a_starts = lambda: Counter(sid for tenant, sid in starts.order if tenant == "a")  # noqa: E731
+        await eventually(lambda: sorted(a_starts().values()) == [1] * 11 + [2], "the stopped sample started again once")
+        await batcher.close(drain=False)
+        await asyncio.gather(*flooding, return_exceptions=True)
+    assert Counter(sid for tenant, sid in starts.order if tenant == "b") == Counter(f"b{i}" for i in range(STEP))
+    assert starts.over == [], starts.over
+
+
+@needs_bwrap
+async def test_a_sandbox_program_expected_to_end_soon_is_not_stopped_for_another_tenant() -> None:
+    """Stopping a program costs a sandbox started in its place. When that costs more than A's started programs can
+    be expected still to run (their usual time less what they ran, or what they ran once past it), none is stopped:
+    B's step waits for them to end."""
+    source = {"type": "code", "workers": 2, "timeout_s": 60}
+    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
+    slow = "```python\nimport time\ntime.sleep(0.3)\nprint(input())\n```"
+    echo = "```python\nprint(input())\n```"
+    async with pipeline_of(source, None) as pipeline:
+        sandbox = pipeline.sources[0].source.sandbox
+        batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
+        flooding = [batcher.enqueue(sample(f"a{i}", slow, tests), tenant=a) for i in range(12)]
+        await eventually(lambda: sum(f.done() for f in flooding) >= 4 and len(sandbox._running) == 2,
+                         "A's usual time is known, and its programs run in both slots")  # fmt: skip
+        sandbox.start_s = 600.0  # a sandbox that takes this long to start: no program of A's is worth stopping
+        step = [batcher.enqueue(sample(f"b{i}", echo, tests), tenant=b) for i in range(STEP)]
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
+        assert [r.output.score for r in results] == [1.0] * STEP
+        assert batcher.preemptions == 0 and sandbox.stats["retired: stopped for another sample"] == 0
+        await asyncio.wait_for(asyncio.gather(*flooding), 120)
+
+
+@needs_bwrap
 @pytest.mark.slow
 async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
     """/run_code takes slots of the code pipeline's own sandbox pool (one pool for both doors): while its calls hold
