@@ -320,9 +320,9 @@ def _unit(compute: float, batch_size: float, rate: float) -> float:
 
 async def isolation(args: argparse.Namespace) -> list[list[object]]:
     kinds = list(args.kinds)
-    if "code" in kinds and shutil.which("bwrap") is None:
-        progress("bubblewrap is not installed (make install): skipping the code kind")
-        kinds.remove("code")
+    if shutil.which("bwrap") is None and (sandboxed := [k for k in ("code", "hostile") if k in kinds]):
+        progress(f"bubblewrap is not installed (make install): skipping {', '.join(sandboxed)}")
+        kinds = [k for k in kinds if k not in sandboxed]
     rows: list[list[object]] = []
     with tempfile.TemporaryDirectory(prefix="rewardmesh-fleet-") as tmp:
         workdir = Path(tmp)
@@ -523,8 +523,9 @@ async def main_async(args: argparse.Namespace) -> None:
     if rows:
         print(
             f"\nB: closed loop of steps of {STEP} samples at once ({args.rounds} rounds of {args.steps} steps alone "
-            f"and {args.steps} while A floods, in turn; code: 40%, model and rule: 400%); A floods (samples kept in "
-            "flight: function 3000, code 200, judge 1000, model 3000, rule 3000); two tenants of weight 1 on one real "
+            f"and {args.steps} while A floods, in turn; code and hostile: 40%, model and rule: 400%); A floods "
+            "(samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rule 3000); two "
+            "tenants of weight 1 on one real "
             f"reward server over gRPC; user batching: {USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
@@ -551,7 +552,10 @@ def main(argv: list[str] | None = None) -> None:
         help=f"source kinds to measure isolation on (comma-separated; empty: none), of {KINDS}",
     )
     parser.add_argument(
-        "--steps", type=int, default=25, help="B's steps per phase and round (isolation; code runs 40%% of them)"
+        "--steps",
+        type=int,
+        default=25,
+        help="B's steps per phase and round (isolation; code and hostile run 40%% of them)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")
     parser.add_argument("--job-steps", type=int, default=5, help="each simulated job's steps (sizing)")
