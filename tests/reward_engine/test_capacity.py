@@ -46,6 +46,13 @@ BATCHINGS = pytest.mark.parametrize("batching", [None, USER_BATCHING], ids=["def
 STEP = 8  # B's step: small, all at once
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
+ONE_TEST = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})  # a code sample's tests
+ECHO = "```python\nprint(input())\n```"  # a program that passes them at once
+
+
+def sleeping(seconds: float) -> str:
+    """A program that passes ONE_TEST after holding its sandbox slot `seconds`."""
+    return f"```python\nimport time\ntime.sleep({seconds})\nprint(input())\n```"
 
 
 class Starts:
@@ -233,12 +240,9 @@ async def test_tenants_share_worker_time_not_sample_counts(share: str) -> None:
 @BATCHINGS
 async def test_a_code_pipeline_starts_a_small_step_next_in_its_sandbox_slots(batching: dict[str, Any] | None) -> None:
     source = {"type": "code", "workers": 2, "timeout_s": 10}
-    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
-    slow = "```python\nimport time\ntime.sleep(0.3)\nprint(input())\n```"  # A's: each holds its slot 0.3 s or more
-    echo = "```python\nprint(input())\n```"
 
-    def make(tenant: str, i: int) -> RewardInput:
-        return sample(f"{tenant}{i}", response=slow if tenant == "a" else echo, ground_truth=tests)
+    def make(tenant: str, i: int) -> RewardInput:  # A's each hold a slot 0.3 s or more
+        return sample(f"{tenant}{i}", response=sleeping(0.3) if tenant == "a" else ECHO, ground_truth=ONE_TEST)
 
     async with pipeline_of(source, batching) as pipeline:
         # Held by its own programs: none of A's ends before 0.3 s, so the two late ones cannot reach a slot in time.
@@ -254,18 +258,16 @@ async def test_a_tenant_under_its_share_takes_a_sandbox_slot_from_a_flooder_at_o
     job starts in the pool's spare sandbox (warm: no start to wait for), and the stopped sample goes back to the
     head of A's lane and starts again once. Every sample of both is answered exactly once."""
     source = {"type": "code", "workers": 2, "timeout_s": 300}
-    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
-    hang = "```python\nimport time\ntime.sleep(200)\nprint(input())\n```"
-    echo = "```python\nprint(input())\n```"
     async with pipeline_of(source, None) as pipeline:
         sandbox = pipeline.sources[0].source.sandbox
         starts = Starts(pipeline, workers=lambda: sandbox.workers)
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
         # A has flooded a while (ten programs scored) before its programs hang.
-        flooding = [batcher.enqueue(sample(f"a{i}", echo if i < 10 else hang, tests), tenant=a) for i in range(16)]
+        flooding = [batcher.enqueue(sample(f"a{i}", ECHO if i < 10 else sleeping(200), ONE_TEST), tenant=a)
+                    for i in range(16)]  # fmt: skip
         await eventually(lambda: sum(f.done() for f in flooding) == 10 and len(sandbox._running) == 2,
                          "A's first programs scored, and its next run in both slots")  # fmt: skip
-        step = [batcher.enqueue(sample(f"b{i}", echo, tests), tenant=b) for i in range(STEP)]
+        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
         assert not any(f.done() for f in flooding[10:])  # scored while A's programs still run
@@ -287,17 +289,14 @@ async def test_a_sandbox_program_expected_to_end_soon_is_not_stopped_for_another
     be expected still to run (their usual time less what they ran, or what they ran once past it), none is stopped:
     B's step waits for them to end."""
     source = {"type": "code", "workers": 2, "timeout_s": 60}
-    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
-    slow = "```python\nimport time\ntime.sleep(0.3)\nprint(input())\n```"
-    echo = "```python\nprint(input())\n```"
     async with pipeline_of(source, None) as pipeline:
         sandbox = pipeline.sources[0].source.sandbox
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
-        flooding = [batcher.enqueue(sample(f"a{i}", slow, tests), tenant=a) for i in range(12)]
+        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(0.3), ONE_TEST), tenant=a) for i in range(12)]
         await eventually(lambda: sum(f.done() for f in flooding) >= 4 and len(sandbox._running) == 2,
                          "A's usual time is known, and its programs run in both slots")  # fmt: skip
         sandbox.start_s = 600.0  # a sandbox that takes this long to start: no program of A's is worth stopping
-        step = [batcher.enqueue(sample(f"b{i}", echo, tests), tenant=b) for i in range(STEP)]
+        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
         assert batcher.preemptions == 0 and sandbox.stats["retired: stopped for another sample"] == 0
@@ -311,7 +310,6 @@ async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
     them, the pipeline's samples wait in the fair queue, not in the pool, and start as those calls end; a call that
     comes while the pipeline holds every slot waits for the next one to free, and the pipeline starts no more
     until it has it. Checked where the slots are: no sample of the pipeline ever waited for a slot in the pool."""
-    tests = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})
     held = "import time\ntime.sleep(1.5)\nprint(input())\n"  # holds its slot 1.5 s or more
     pipelines = {"code": {"sources": [{"type": "code", "workers": 2, "timeout_s": 10}]}}
     async with reward_server(pipelines) as server, http_gateway(server) as gw, aiohttp.ClientSession() as http:
@@ -328,12 +326,12 @@ async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
         # /run_code holds both slots: a step of the pipeline's waits in its fair queue.
         calls = [asyncio.ensure_future(run_code()) for _ in range(2)]
         await eventually(lambda: sandbox.held_outside == 2, "/run_code holds both slots")
-        step = [batcher.enqueue(sample(f"b{i}", "```python\nprint(input())\n```", tests), tenant=b) for i in range(4)]
+        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(4)]
         queued_while_held = (sandbox.held_outside, batcher.queue_depth)
         assert [r["status"] for r in await asyncio.gather(*calls)] == ["Success", "Success"]
         assert all(r.output.score == 1.0 for r in await asyncio.gather(*step))
         # The pipeline holds both slots: a /run_code call waits in the pool for one, and gets the first to free.
-        slow = [batcher.enqueue(sample(f"a{i}", f"```python\n{held}```", tests), tenant=b) for i in range(2)]
+        slow = [batcher.enqueue(sample(f"a{i}", f"```python\n{held}```", ONE_TEST), tenant=b) for i in range(2)]
         await eventually(lambda: batcher.in_flight_samples == 2, "the pipeline holds both slots")
         late_call = asyncio.ensure_future(run_code())
         assert (await late_call)["status"] == "Success"
