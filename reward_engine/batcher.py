@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
@@ -549,6 +549,18 @@ class DynamicBatcher:
 
     def _start(self, batch: list[Ticket]) -> None:
         """Hand `batch` to the source: its samples hold their slots from now on."""
+        self._hold(batch)
+        if self._start_each is not None and self._started_each(batch):
+            return
+        self._spawn(self._run(batch))
+
+    def _spawn(self, run: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(run)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _hold(self, batch: list[Ticket]) -> None:
+        """`batch`'s samples hold their slots (and the batch its batch slot) from now on."""
         for it in batch:
             it.started = True
         self._batches += 1
@@ -561,11 +573,22 @@ class DynamicBatcher:
                 log.exception("pipeline %s: start listener failed", self.name)
         if self._deadlines or self._dues:
             self._skip_stale()
-        if self._start_each is not None and self._started_each(batch):
+
+    def _start_inline(self) -> None:
+        """The next inline batch, taken from the queue when its turn of the loop comes, not now: a small step that
+        arrives meanwhile is in it, instead of waiting for a batch taken before it came. The loop is held for it
+        from now (no other inline batch starts)."""
+        self._batches += 1
+        self._spawn(self._run_inline())
+
+    async def _run_inline(self) -> None:
+        self._batches -= 1
+        batch = self._take(self._room()) if self._queue.depth and not self._closed else []
+        if not batch:
+            self._wake.set()
             return
-        task = asyncio.get_running_loop().create_task(self._run(batch))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._hold(batch)
+        await self._run(batch)
 
     def _started_each(self, batch: list[Ticket]) -> bool:
         """Start each sample's work now, where the pipeline can (no task, no turn of the event loop: a slot that
@@ -667,7 +690,9 @@ class DynamicBatcher:
         if queue.depth <= room and not cfg.max_batch_tokens:
             taken = queue.take_all()
         elif not cfg.max_batch_tokens and ((lim := self._limits()).samples is not None or lim.inline):
-            taken = [item for _, item in queue.fair_order(room)]
+            # An inline batch ends with its first tenant's queued samples: a small step's results are handed back
+            # when its own samples are done, not after a flooder's that would fill the batch behind them.
+            taken = [item for _, item in queue.fair_order(room, end_with_first=lim.inline)]
         else:
             taken = self._take_grouped(room)
         now = time.monotonic()
@@ -803,7 +828,9 @@ class DynamicBatcher:
         self._held -= samples
         if dispatch and samples and not self._closed and self._queue.depth and self._loop_task is not None:
             lim = self._limits()
-            if (lim.samples is not None or lim.inline) and not lim.paced:
+            if lim.inline and not self._batches:
+                self._start_inline()
+            elif lim.samples is not None and not lim.paced:
                 room = self._room()
                 if room:
                     batch = self._take(room)

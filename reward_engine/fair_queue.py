@@ -188,13 +188,15 @@ class FairQueue(Generic[Q]):
                 best = lane
         return best
 
-    def fair_order(self, n: int) -> Iterator[tuple[Lane[Q], Q]]:
-        """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them)."""
+    def fair_order(self, n: int, *, end_with_first: bool = False) -> Iterator[tuple[Lane[Q], Q]]:
+        """Pop up to n live samples in fair order (dropped ones are yielded too: the caller skips them);
+        `end_with_first`: none after the first one's lane has given all it holds."""
         backlog = [(lane.vtime, i, lane) for i, lane in enumerate(self.lanes.values()) if lane.count]
         heapq.heapify(backlog)
         self._popped = {}
         self._window_clock = self._vclock
         taken = 0
+        first = backlog[0][2] if backlog else None
         while backlog and taken < n:
             vtime, i, lane = backlog[0]
             item, entry = lane.pop()
@@ -210,6 +212,8 @@ class FairQueue(Generic[Q]):
             else:
                 heapq.heappop(backlog)
             yield lane, item
+            if end_with_first and lane is first and not lane.count:
+                return
 
     def take_all(self) -> list[Q]:
         """Every queued sample in arrival order (the whole queue fits one batch), each lane charged for what it
