@@ -14,9 +14,9 @@ outside the pipeline runs on within its budget when its caller goes away.
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
-runs as root, each pool slot runs its sandboxes as an unprivileged uid of its own (``uid_base + slot``, set with
-util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another slot even
-outside the namespaces. A uid belongs to a sandbox, not to a slot: when a slot takes the spare, the two swap
+runs as root, each sandbox runs as an unprivileged uid of its own (``uid_base + n``, n below ``workers + 1``, set
+with util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another sandbox's
+even outside the namespaces. A uid belongs to a sandbox, not to a slot: when a slot takes the spare, the two swap
 uids, so no two live sandboxes ever share one.
 
 Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
