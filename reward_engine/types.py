@@ -153,6 +153,8 @@ class Capacity:
             raise ValueError(f"capacity: per must be 'sample' or 'batch', got {self.per!r}")
         if self.held_elsewhere < 0:
             raise ValueError(f"capacity: held_elsewhere must be >= 0, got {self.held_elsewhere}")
+        if not self.stop_cost_s >= 0:
+            raise ValueError(f"capacity: stop_cost_s must be >= 0 seconds, got {self.stop_cost_s}")
 
     @property
     def inline(self) -> bool:

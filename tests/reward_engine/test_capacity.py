@@ -34,7 +34,7 @@ from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
-from rewardmesh.reward_engine.types import RewardInput
+from rewardmesh.reward_engine.types import Capacity, RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.support.servers import http_gateway, reward_server
 from tests.support.waiting import eventually, holds_for
@@ -173,6 +173,16 @@ async def flood_then_step(
     await asyncio.gather(*flooding, return_exceptions=True)
     assert starts.over == [], starts.over
     return starts, mark, [make("a", flood).sample_id, make("a", flood + 1).sample_id]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"slots": -1}, "slots"), ({"per": "token"}, "per"), ({"held_elsewhere": -1}, "held_elsewhere"),
+     ({"stop_cost_s": -0.1}, "stop_cost_s"), ({"stop_cost_s": float("nan")}, "stop_cost_s")],
+)  # fmt: skip
+def test_a_source_capacity_that_cannot_be_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=f"capacity: {named}"):
+        Capacity(**fields)
 
 
 # ------------------------------------------------------------------------------ functions on worker processes
