@@ -193,9 +193,9 @@ class Flood:
 
 
 async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], common_pb2.Sample], steps: int,
-                 tag: str) -> list[float]:  # fmt: skip
-    """B's closed loop: `steps` steps of STEP samples sent at once, each step waiting for all; each sample's
-    latency (sent to answered), in seconds."""
+                 tag: str, pause_s: float = 0.0) -> list[float]:  # fmt: skip
+    """B's closed loop: `steps` steps of STEP samples sent at once, each step waiting for all, then `pause_s` (a
+    trainer's training between steps); each sample's latency (sent to answered), in seconds."""
     latencies: list[float] = []
     for step in range(steps):
         sent = time.monotonic()
@@ -208,6 +208,8 @@ async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], comm
         if errors:
             raise RuntimeError(f"{pipeline}: B's sample failed: {errors[0]}")
         latencies += [t - sent for t in done]
+        if pause_s:
+            await asyncio.sleep(pause_s)
     return latencies
 
 
@@ -262,7 +264,7 @@ def _judge_main(conn: Connection) -> None:
 
 
 async def _isolation_row(
-    address: str, kind: Kind, batching: str, steps: int, rounds: int, settle_s: float
+    address: str, kind: Kind, batching: str, steps: int, rounds: int, settle_s: float, pause_s: float
 ) -> list[object]:
     """B alone, then B while A floods (from a process of its own), `rounds` times in turn (so both see the same
     machine, however loaded it is), `steps` steps each time: one row of the table."""
@@ -283,12 +285,12 @@ async def _isolation_row(
             freeze_startup_heap()  # B's client measures the server: its own collector's full scans must not stall it
             for r in range(rounds):
                 progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
-                alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}")
+                alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
                 conn.send("start")
                 await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
                 conn.send("mark")
-                shared += await _steps(cb, pipeline, kind.b, steps, f"shared{r}")
+                shared += await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
                 conn.send("stop")
                 scored, seconds, compute, size = await loop.run_in_executor(None, conn.recv)
                 a_scored, a_time = a_scored + scored, a_time + seconds
@@ -358,7 +360,7 @@ async def isolation(args: argparse.Namespace) -> list[list[object]]:
                     steps = max(1, args.steps * catalog[name].step_share // 100)
                     for batching in ("default", "user"):
                         rows.append(await _isolation_row(server.address, catalog[name], batching, steps,
-                                                         args.rounds, args.settle_s))  # fmt: skip
+                                                         args.rounds, args.settle_s, args.pause_ms / 1000))  # fmt: skip
             finally:
                 server.stop()
         finally:
@@ -522,7 +524,8 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"\nmachine: {info['cpu']}, {info['usable_cpus']} usable cores, {info['device']}; python {info['python']}")
     if rows:
         print(
-            f"\nB: closed loop of steps of {STEP} samples at once ({args.rounds} rounds of {args.steps} steps alone "
+            f"\nB: closed loop of steps of {STEP} samples at once, {args.pause_ms:g} ms apart ({args.rounds} rounds of "
+            f"{args.steps} steps alone "
             f"and {args.steps} while A floods, in turn; code and hostile: 40%, model and rule: 400%); A floods "
             "(samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rule 3000); two "
             "tenants of weight 1 on one real "
@@ -558,6 +561,13 @@ def main(argv: list[str] | None = None) -> None:
         help="B's steps per phase and round (isolation; code and hostile run 40%% of them)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")
+    parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0.0,
+        help="B's pause after each step, as a trainer's while it trains (0: steps back to back, so that B alone keeps "
+        "a pool of 2 workers busy, and under contention gets its fair half once its credit is spent)",
+    )
     parser.add_argument("--job-steps", type=int, default=5, help="each simulated job's steps (sizing)")
     parser.add_argument("--settle-s", type=float, default=2.0, help="seconds A floods before B's steps are timed")
     parser.add_argument("--sizing", action="store_true", help="also measure fleet sizing and step deadlines")
