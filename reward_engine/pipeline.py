@@ -77,8 +77,8 @@ class RewardPipeline:
         batches: int | None = None
         paced = False
         inline = True
-        for ws in self.sources:
-            cap = ws.source.capacity
+        caps = [ws.source.capacity for ws in self.sources]
+        for cap in caps:
             paced = paced or cap.paced
             if cap.inline:
                 continue
@@ -90,7 +90,7 @@ class RewardPipeline:
                 batches = free if batches is None else min(batches, free)
         # Started work may be stopped for another tenant's only where one source does it all, per sample, and says
         # it can be (the batcher then holds each sample's own future: cancelling it stops the work).
-        only = self.sources[0].source.capacity if len(self.sources) == 1 and self.sources[0].weight == 1.0 else None
+        only = caps[0] if len(caps) == 1 and self.sources[0].weight == 1.0 else None
         preemptible = only is not None and only.preemptible and only.per == "sample" and not only.paced
         return StartLimits(samples, batches, paced, inline, preemptible, only.stop_cost_s if only else 0.0)
 
