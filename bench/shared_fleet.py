@@ -525,11 +525,10 @@ async def main_async(args: argparse.Namespace) -> None:
     if rows:
         print(
             f"\nB: closed loop of steps of {STEP} samples at once, {args.pause_ms:g} ms apart ({args.rounds} rounds of "
-            f"{args.steps} steps alone "
-            f"and {args.steps} while A floods, in turn; code and hostile: 40%, model and rule: 400%); A floods "
-            "(samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rule 3000); two "
-            "tenants of weight 1 on one real "
-            f"reward server over gRPC; user batching: {USER_BATCHING}\n"
+            f"{args.steps} steps alone and {args.steps} while A floods, in turn; code and hostile: 40%, model and "
+            "rule: 400%); A floods (samples kept in flight: function 3000, code and hostile 200, judge 1000, model "
+            f"3000, rule 3000); two tenants of weight 1 on one real reward server over gRPC; user batching: "
+            f"{USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
                   "p50 ratio", "A's unit ms", "floor", "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x",

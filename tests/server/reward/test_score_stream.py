@@ -11,6 +11,7 @@ import grpc
 from grpc import aio
 
 from rewardmesh.common.tensors import ids_tensor
+from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT
 from rewardmesh.v1 import common_pb2, reward_pb2
 from tests.support.servers import EOF, fn_pipeline, reward_server, reward_stub, sample
 from tests.support.waiting import eventually, holds_for
@@ -314,8 +315,6 @@ async def test_a_sample_too_deep_to_parse_fails_alone_on_the_stream_and_in_a_bat
 async def test_a_big_message_is_queued_over_several_turns_of_the_event_loop() -> None:
     """The event loop reads every stream: a message of hundreds of samples is queued a fraction of a millisecond at
     a time, so another tenant's small step is read between its parts, not after the whole message."""
-    from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT
-
     async with reward_server() as server:
         scoring = server.servicer.scoring
         queued: list[str] = []
