@@ -239,6 +239,14 @@ class DynamicBatcher:
         # One sample's service time (moving average over every tenant's; a batch's shared by its samples): the
         # unit a tenant's fair share is charged in (`_charge`).
         self.sample_cost_s = 0.0
+        # One sample's service time per tenant, where samples are answered apart (moving average): how much longer a
+        # started sample can be expected to run (`_runs_on`) is read from its own tenant's samples, not from a mix
+        # in which another tenant's short ones would make a long program look like a straggler near its end.
+        self._usual: dict[Tenant, float] = {}
+        # Units charged to a started sample (answered apart) for the time it has run beyond the start's charge of 1,
+        # before it ends (`_accrue`): a tenant's share counts the slots its running programs hold, not only those
+        # that have ended, so a tenant whose programs hang does not look behind its share while they hang.
+        self._accrued: dict[Ticket, float] = {}
         # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back, and
         # while the pipeline stays backlogged also what the loop did since the batch before (reading the next
         # samples' messages, writing the last results: what a flood costs the loop per sample, not only the rule's
@@ -682,11 +690,13 @@ class DynamicBatcher:
         """Up to `room` samples that can still make it: the next in fair order (the oldest, with one tenant and no
         step deadlines) plus, within the limits, the samples nearest to it in length among the next few batches'
         worth in fair order (per-sample and inline sources: simply the next `room` in fair order, nothing to
-        pad). A sample
-        whose deadline passed, or that cannot make its step deadline, is answered DEADLINE_EXCEEDED here instead
-        of taking a worker."""
+        pad). A sample whose deadline passed, or that cannot make its step deadline, is answered DEADLINE_EXCEEDED
+        here instead of taking a worker. Tenants are ordered by what they have had, what their running samples
+        have run so far included."""
         cfg = self.config
         queue = self._queue
+        if self._apart:
+            self._accrue(time.monotonic())
         if queue.depth <= room and not cfg.max_batch_tokens:
             taken = queue.take_all()
         elif not cfg.max_batch_tokens and ((lim := self._limits()).samples is not None or lim.inline):
@@ -744,10 +754,14 @@ class DynamicBatcher:
         weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
         started samples of tenants over their own share (none near its step deadline, none expected to end sooner than
         stopping it costs, none twice while it is its tenant's oldest) until it would hold its share: its samples start
-        now, not when that work ends. A stopped sample goes back to the head of its tenant's lane, its charge
-        refunded."""
+        now, not when that work ends. A stopped sample goes back to the head of its tenant's lane, its start's charge
+        refunded (the time it ran stays charged: its tenant held the slot)."""
+        if lim.samples is None or not self._apart or self._closed:
+            return
+        now = time.monotonic()
+        self._accrue(now)
         head = self._queue.next_lane()
-        if lim.samples is None or head is None or not self._apart or self._closed:
+        if head is None:
             return
         held: dict[Tenant, int] = {}
         for it in self._apart:
@@ -769,7 +783,6 @@ class DynamicBatcher:
         vtimes = {lane.tenant: lane.vtime for lane in self._queue.lanes.values()}
         for it in self._preempting:
             vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
-        now = time.monotonic()
         soon = now + 2 * self.service_s
         # A sample stopped before is stopped again only while an older one of its tenant runs: each tenant's oldest
         # started sample ends, so every sample does in turn (a stopped one starts again ahead of its tenant's others).
@@ -788,8 +801,9 @@ class DynamicBatcher:
             if held[other] <= other.weight * per_weight or vtimes[other] - refund < head.vtime + lead:
                 continue
             started = self._apart[it][1]
-            if self._runs_on(now - started) <= lim.stop_cost_s:
-                later = min(later, started + max(self.service_s, lim.stop_cost_s))
+            usual = self._usual.get(other, self.service_s)
+            if self._runs_on(usual, now - started) <= lim.stop_cost_s:
+                later = min(later, started + usual + lim.stop_cost_s)  # as a straggler, it is worth it then
                 continue
             if self._apart[it][0].cancel():  # its done callback puts it back in the queue (_answer_late)
                 self._preempting.add(it)
@@ -801,11 +815,11 @@ class DynamicBatcher:
                 self._preempt_timer.cancel()
             self._preempt_timer = asyncio.get_running_loop().call_at(later + 1e-3, self._wake.set)
 
-    def _runs_on(self, ran_s: float) -> float:
-        """How much longer a started sample that has run `ran_s` can be expected to run: the rest of the usual time,
-        or, once past it (a straggler), about as long again as it has run."""
-        usual = self.service_s
-        return usual - ran_s if ran_s < usual else ran_s
+    @staticmethod
+    def _runs_on(usual_s: float, ran_s: float) -> float:
+        """How much longer a started sample whose tenant's samples usually take `usual_s` and that has run `ran_s` can
+        be expected to run: the rest of its usual time, or, once past it (a straggler), as long again as it overran."""
+        return abs(usual_s - ran_s)
 
     def _requeue(self, it: Ticket) -> None:
         """A preempted sample back at the head of its tenant's lane (it started in time once: its start deadline is
@@ -813,6 +827,7 @@ class DynamicBatcher:
         it.started = False
         it.preempted = True
         it.deadline = None
+        self._accrued.pop(it, None)  # the time it ran stays charged: its tenant held the slot
         self._queue.requeue(it)
         it.tenant.in_flight += 1
         if it.due is not None:
@@ -915,13 +930,31 @@ class DynamicBatcher:
 
     def _charge(self, it: Ticket, cost_s: float) -> None:
         """Charge the sample's tenant what it really took of the sources' time, in units of the mean sample's (it
-        was charged 1 as it started): tenants share time, whatever their samples cost each."""
+        was charged 1 as it started, and what `_accrue` charged while it ran): tenants share time, whatever their
+        samples cost each."""
+        accrued = self._accrued.pop(it, 0.0)
         if self.config.fair_share != "time":
             return
         mean = self.sample_cost_s
         self.sample_cost_s = _moving_average(mean, cost_s, 0.05)
         if mean > 0:
-            self._queue.charge(it.tenant, cost_s / mean - 1.0)
+            extra = cost_s / mean - 1.0 - accrued
+            # What it accrued while it ran stays charged, though the mean may have grown since: a refund here would
+            # put a tenant whose long programs just ended behind one it was ahead of a moment ago.
+            self._queue.charge(it.tenant, max(extra, 0.0) if accrued > 0 else extra)
+
+    def _accrue(self, now: float) -> None:
+        """Charge each running sample's tenant for the time it has run so far beyond the mean sample's, before the
+        fair queue or a stop decides by tenants' virtual times (only where several tenants have queued here)."""
+        mean = self.sample_cost_s
+        if mean <= 0 or self.config.fair_share != "time" or len(self._queue.lanes) < 2:
+            return
+        accrued = self._accrued
+        for it, (_, started) in self._apart.items():
+            units = (now - started) / mean - 1.0
+            if units > accrued.get(it, 0.0):
+                self._queue.charge(it.tenant, units - accrued.get(it, 0.0))
+                accrued[it] = units
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
         """A source may leave a sample's result as a future (each sample answered when its own work is done, and
@@ -948,6 +981,7 @@ class DynamicBatcher:
                 outcome = fut.exception() or fut.result()
             end = time.monotonic()
             self._learn(end - start)
+            self._usual[it.tenant] = _moving_average(self._usual.get(it.tenant, end - start), end - start)
             self._charge(it, end - start)
             if self._on_batch is not None:
                 with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result

@@ -314,6 +314,66 @@ async def test_a_sandbox_program_expected_to_end_soon_is_not_stopped_for_another
 
 
 @needs_bwrap
+async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_programs() -> None:
+    """A's programs take 1 s; B's many echoes make the pipeline's mean sample short. A stop costs 0.5 s here. A's
+    programs 0.6 s into their usual second are left to end (a pipeline-wide mean would call them stragglers and
+    stop them 0.4 s short of their end); A's programs just started are worth stopping, and one is, for B's half."""
+    source = {"type": "code", "workers": 2, "timeout_s": 60}
+    async with pipeline_of(source, None) as pipeline:
+        sandbox = pipeline.sources[0].source.sandbox
+        batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
+
+        def a_running(ran_s: Callable[[float], bool]) -> bool:
+            now = time.monotonic()
+            runs = [now - started for it, (_, started) in batcher._apart.items() if it.tenant is a]
+            return len(runs) == 2 and all(ran_s(r) for r in runs)
+
+        async def b_step(tag: str) -> None:
+            step = [batcher.enqueue(sample(f"{tag}{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+            results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
+            assert [r.output.score for r in results] == [1.0] * STEP
+
+        await asyncio.wait_for(asyncio.gather(*[batcher.enqueue(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a)
+                                                for i in range(2)]), 120)  # fmt: skip
+        for k in range(4):  # the pipeline's mean sample: B's echoes
+            await b_step(f"warm{k}-")
+        assert batcher.service_s < 0.5
+        sandbox.start_s = 0.5
+        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a) for i in range(2, 12)]
+        await eventually(lambda: a_running(lambda r: r >= 0.6), "A's programs 0.6 s into their usual second")
+        await b_step("late-")
+        assert batcher.preemptions == 0
+        await eventually(lambda: a_running(lambda r: r < 0.2), "A's next programs just started")
+        await b_step("early-")
+        assert batcher.preemptions == 1  # killed in its sandbox, or taken back before its program began
+        await batcher.close(drain=False)
+        await asyncio.gather(*flooding, return_exceptions=True)
+
+
+@needs_bwrap
+async def test_a_running_program_is_charged_to_its_tenant_while_it_runs() -> None:
+    """A's program hangs in one slot while B's echoes pass through the other: A's share is charged for the time its
+    program holds the slot as it runs (its virtual time grows with it, as B's does with B's echoes), not only once it
+    ends."""
+    source = {"type": "code", "workers": 2, "timeout_s": 300}
+    async with pipeline_of(source, None) as pipeline:
+        batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
+        hanging = batcher.enqueue(sample("a0", sleeping(200), ONE_TEST), tenant=a)
+        await eventually(lambda: len(batcher._apart) == 1, "A's program runs")
+        queue = batcher._queue
+        started_at = queue.lane(a).vtime  # its start's charge: 1
+        for k in range(6):
+            step = [batcher.enqueue(sample(f"b{k}-{i}", ECHO, ONE_TEST), tenant=b) for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*step), 120)
+        # B's 24 echoes ran in the other slot meanwhile, charged about 1 each: A's slot held as long is more than 5
+        a_charged, b_charged = queue.lane(a).vtime - started_at, queue.lane(b).vtime
+        assert a_charged > 5 and a_charged > b_charged / 4, (a_charged, b_charged)
+        assert not hanging.done()
+        await batcher.close(drain=False)
+        await asyncio.gather(hanging, return_exceptions=True)
+
+
+@needs_bwrap
 @pytest.mark.slow
 async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
     """/run_code takes slots of the code pipeline's own sandbox pool (one pool for both doors): while its calls hold
