@@ -132,8 +132,9 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
     kinds = {
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
-        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40,
-                     preemptible=True),
+        # A's programs (45 ms) are not worth a stop, which costs a sandbox start (40-50 ms on two busy cores): B
+        # waits for the one running when it arrives, as with a source that cannot stop its work (its floor).
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
         "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
                         _b_program, 40, preemptible=True),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
@@ -538,8 +539,8 @@ async def main_async(args: argparse.Namespace) -> None:
             "\nA's unit: how long one unit of A's started work holds the capacity (a per-sample source: the median "
             "compute time of A's results; a batched one: one batch, A's median batch size / A's rate). floor: (B "
             "alone p99 + A's unit) / B alone p99, the least p99 ratio a queue that does not preempt started work "
-            "can give: B's sample cannot start before the unit that was running when it arrived ends (-: the source "
-            "is preemptible, B under its share takes slots from A's started work at once)."
+            "can give: B's sample cannot start before the unit that was running when it arrived ends (-: A's units "
+            "are stopped for B, under its share, at once: a judge's requests, hanging programs)."
         )
     if args.sizing:
         await sizing(args)
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        default=25,
+        default=75,
         help="B's steps per phase and round (isolation; code and hostile run 40%% of them)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")

@@ -3,7 +3,7 @@
 Across tenants: weighted fair queuing (start-time fair queuing on a virtual clock). Every sample taken advances its
 tenant's virtual time by 1/weight and the next sample comes from the backlogged tenant whose virtual time is least,
 so while tenants stay backlogged they get slots in proportion to their weights. A share is a share of the sources'
-time, not a count of samples: once a sample's service time is known, its tenant is charged what it really took
+time, not a count of samples: as a sample runs and once it ends, its tenant is charged what it really took
 (`charge`, in units of the pipeline's mean sample), so a tenant whose samples run 30 ms does not get three times the
 workers of one whose samples run 10 ms. A tenant that comes back after
 sending less than its share keeps credit for what it left unused, up to BURST samples: its virtual time starts at
