@@ -10,6 +10,9 @@ which fails the rollout: the default. Opt-in, `args.rewardmesh_error_score` or R
 sample scores that value and is masked (`sample.remove_sample = True`: slime zeroes its loss mask; its reward
 still takes part in its group's normalization). A server that is down, refuses the token or lacks the
 pipeline raises either way.
+
+slime scores on one long-lived event loop. A caller that scores on a loop it then ends (`asyncio.run` per call)
+awaits `close()` first: grpc.aio work left on a closed loop breaks the calls of the next one.
 """
 
 from __future__ import annotations
@@ -98,3 +101,9 @@ async def custom_rm(args: Any, samples: Any, **_: Any) -> Any:
         s.remove_sample = True  # slime zeroes its loss mask
         rewards.append({"score": error_score, "rewardmesh_error": 1.0} if keyed else error_score)
     return rewards if isinstance(samples, list) else rewards[0]
+
+
+async def close() -> None:
+    """Close the running loop's reward clients, before the loop ends."""
+    for scorer in _scorers.values():
+        await scorer.close()

@@ -19,6 +19,7 @@ rm_hub = pytest.importorskip("slime.rollout.rm_hub")
 
 from slime.utils.types import Sample  # noqa: E402
 
+from rewardmesh.client.integrations import slime as mesh_slime  # noqa: E402
 from rewardmesh.client.integrations.scoring import RewardMeshError  # noqa: E402
 from tests.integrations.support import closed_port, server_thread  # noqa: E402
 from tests.support.servers import FNS, fn_pipeline  # noqa: E402
@@ -35,12 +36,13 @@ def slime_args(**kw: Any) -> Any:
 
 def bounded(call: Awaitable[T]) -> T:
     """Run slime's coroutine on a fresh loop, failing the test past 30 s (slime's shared HTTP session is bound to
-    the loop it was made on: forget it between runs)."""
+    the loop it was made on: forget it between runs; the adapter's reward clients are closed with the loop)."""
 
     async def run() -> T:
         try:
             return await asyncio.wait_for(call, 30)
         finally:
+            await mesh_slime.close()
             if rm_hub._shared_session is not None:
                 await rm_hub._shared_session.close()
             rm_hub._shared_session = None
