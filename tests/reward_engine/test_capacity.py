@@ -315,9 +315,9 @@ async def test_a_sandbox_program_expected_to_end_soon_is_not_stopped_for_another
 
 @needs_bwrap
 async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_programs() -> None:
-    """A's programs take 1 s; B's many echoes make the pipeline's mean sample short. A stop costs 0.5 s here. A's
-    programs 0.6 s into their usual second are left to end (a pipeline-wide mean would call them stragglers and
-    stop them 0.4 s short of their end); A's programs just started are worth stopping, and one is, for B's half."""
+    """A's programs take 1 s; B's many echoes make the pipeline's mean sample short. A stop costs 0.6 s here. A's
+    programs 0.75 s into their usual second are left to end (a pipeline-wide mean would call them stragglers and
+    stop them 0.25 s short of their end); A's programs just started are worth stopping, and one is, for B's half."""
     source = {"type": "code", "workers": 2, "timeout_s": 60}
     async with pipeline_of(source, None) as pipeline:
         sandbox = pipeline.sources[0].source.sandbox
@@ -338,9 +338,9 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
         for k in range(4):  # the pipeline's mean sample: B's echoes
             await b_step(f"warm{k}-")
         assert batcher.service_s < 0.5
-        sandbox.start_s = 0.5
+        sandbox.start_s = 0.6
         flooding = [batcher.enqueue(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a) for i in range(2, 12)]
-        await eventually(lambda: a_running(lambda r: r >= 0.6), "A's programs 0.6 s into their usual second")
+        await eventually(lambda: a_running(lambda r: r >= 0.75), "A's programs 0.75 s into their usual second")
         await b_step("late-")
         assert batcher.preemptions == 0
         await eventually(lambda: a_running(lambda r: r < 0.2), "A's next programs just started")
