@@ -952,8 +952,9 @@ class DynamicBatcher:
         accrued = self._accrued
         for it, (_, started) in self._apart.items():
             units = (now - started) / mean - 1.0
-            if units > accrued.get(it, 0.0):
-                self._queue.charge(it.tenant, units - accrued.get(it, 0.0))
+            charged = accrued.get(it, 0.0)
+            if units > charged:
+                self._queue.charge(it.tenant, units - charged)
                 accrued[it] = units
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
