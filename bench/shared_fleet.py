@@ -132,9 +132,9 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
     kinds = {
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
-        # A's programs (45 ms) are not worth a stop, which costs a sandbox start (40-50 ms on two busy cores): B
-        # waits for the one running when it arrives, as with a source that cannot stop its work (its floor).
-        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40),
+        # A's programs (45 ms) are stopped for B's step: a stop costs its sandbox's reset, not a start.
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40,
+                     preemptible=True),
         "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
                         _b_program, 40, preemptible=True),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,

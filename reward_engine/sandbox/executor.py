@@ -9,7 +9,9 @@ is replaced in the background, so the next job of its slot finds one warm; a job
 replacement is up takes the pool's one spare warm sandbox instead, and the replacement becomes the spare.
 
 A pipeline's job whose caller is cancelled (the batcher stops it for another tenant's sample, or shuts down) is
-killed at once: its sandbox is retired and its slot freed, and the slot's next job starts in the spare. A job from
+stopped at once: the runner kills its program and resets the sandbox as after any job, and the slot, with its
+sandbox, serves the next job. A stop thus costs a reset (``stop_s``, timed), not a sandbox start; a sandbox whose
+runner does not reset in time (``process.STOP_S``), or is not clean after it, is retired as usual. A job from
 outside the pipeline runs on within its budget when its caller goes away.
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
@@ -55,6 +57,8 @@ STARTUP_S = 10.0
 STARTUP_GUESS_S = 0.05
 # The runner's reset after a job (kill, wipe, check) may take this long.
 RESET_S = 2.0
+# What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
+STOP_GUESS_S = 0.01
 # A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
 RETRY_START_S = 30.0
 # stderr that says a test ran out of memory or processes: a limit was hit, the sandbox is retired.
@@ -282,6 +286,7 @@ class Sandbox:
         self._spare_uid = self.workers
         self._running: dict[int, tuple[threading.Event, SandboxProcess]] = {}  # a slot's job: its stop, its sandbox
         self.start_s = STARTUP_GUESS_S  # how long starting a sandbox takes (moving average of those started ahead)
+        self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
         self._closed = False
 
@@ -453,10 +458,10 @@ class Sandbox:
 
     def _stop(self, slot: int, stop: threading.Event) -> None:
         stop.set()
-        with self._lock:
+        with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
             running = self._running.get(slot)
-        if running is not None and running[0] is stop:
-            running[1].interrupt()
+            if running is not None and running[0] is stop:
+                running[1].wake()
 
     def _release(self, slot: int, outside: bool) -> None:
         self._give(slot)
@@ -584,7 +589,9 @@ class Sandbox:
         ready = next((r for r in reply.records if "ready" in r), {})
         return result, ready
 
-    def _exchange(self, box: SandboxProcess, job: Job, fresh: bool) -> tuple[JobResult, Reply]:
+    def _exchange(
+        self, box: SandboxProcess, job: Job, fresh: bool, stop: threading.Event | None = None
+    ) -> tuple[JobResult, Reply]:
         lim = job.limits or self.limits
         payload = {
             "files": job.files,
@@ -600,7 +607,7 @@ class Sandbox:
         budget = (STARTUP_S if fresh else 0.0) + RESET_S + tests_s
         cap = len(job.stdins) * (lim.output_bytes * 4 // 3 + 65536) + 65536  # base64 stdout, 4 KiB stderr
         start = time.monotonic()
-        reply = box.exchange(json.dumps(payload).encode() + b"\n", "done", budget, cap)
+        reply = box.exchange(json.dumps(payload).encode() + b"\n", "done", budget, cap, stop)
         box.served += 1
         status = box.exit_status() if reply.ended else None
         result = result_of(job, reply, status, bytes(box.stderr), time.monotonic() - start)
@@ -609,7 +616,7 @@ class Sandbox:
 
     def _serve(self, level: Level, job: Job, slot: int, stop: threading.Event) -> JobResult:
         """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``stop``
-        set: its caller took the job back, and its program is killed (``_stop``) or never starts."""
+        set: its caller took the job back, and its program is stopped (``_stop``) or never starts."""
         lim = job.limits or self.limits
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
         box = self._take(slot) if reuse else None
@@ -628,10 +635,14 @@ class Sandbox:
         except BaseException:
             box.kill()
             raise
-        if stop.is_set() and reply.final is None:
-            why: str | None = "stopped for another sample"
+        if stop.is_set():  # only what the runner reported counts: the rest was not run
+            if reply.final is None:
+                why: str | None = "stopped, and not reset in time"
+            else:
+                reported = [_run_of(r) for r in reply.records if "test" in r]
+                why = self._retire_reason(box, reported, reply) if reuse else "single use"
         else:
-            why = self._retire_reason(box, result, reply) if reuse else "single use"
+            why = self._retire_reason(box, result.runs, reply) if reuse else "single use"
         with self._lock:
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
@@ -640,6 +651,10 @@ class Sandbox:
                 self._idle[slot] = box
             else:
                 self.stats[f"retired: {why or 'pool closed'}"] += 1
+            if reply.stop_s is not None:
+                self.stats["jobs stopped"] += 1
+                cost = reply.stop_s + (0.0 if keep else self.start_s)
+                self.stop_s += 0.2 * (cost - self.stop_s)
         if not keep:
             box.kill()
             if reuse:
@@ -651,7 +666,7 @@ class Sandbox:
     def _exchange_in(
         self, slot: int, stop: threading.Event, box: SandboxProcess, job: Job, fresh: bool
     ) -> tuple[JobResult, Reply]:
-        """The job's exchange in the slot's sandbox, which ``_stop`` kills meanwhile if the job is taken back; a
+        """The job's exchange in the slot's sandbox, which ``_stop`` stops meanwhile if the job is taken back; a
         job taken back before it started runs nothing (a warm sandbox stays warm)."""
         with self._lock:
             stopped = stop.is_set()
@@ -661,19 +676,19 @@ class Sandbox:
             gone = JobResult([TestRun("sandbox_error", stderr="taken back before it started")])
             return gone, Reply(final=None if fresh else {"clean": True})
         try:
-            return self._exchange(box, job, fresh)
+            return self._exchange(box, job, fresh, stop)
         finally:
             with self._lock:
                 self._running.pop(slot, None)
 
-    def _retire_reason(self, box: SandboxProcess, result: JobResult, reply: Reply) -> str | None:
+    def _retire_reason(self, box: SandboxProcess, runs: list[TestRun], reply: Reply) -> str | None:
         if reply.final is None:
             return "runner misbehaved"
         if not reply.final.get("clean"):
             left = reply.final.get("left")
             log.info("code sandbox: retired sandbox %d, left after the reset: %s", box.serial, left)
             return "left something after the reset"
-        if any(hit_limit(run) for run in result.runs):
+        if any(hit_limit(run) for run in runs):
             return "a test hit a limit"
         if box.served >= self.samples_per_sandbox:
             return "served its samples"

@@ -3,6 +3,8 @@ back until the record that ends the exchange (``ready`` after a start, ``done`` 
 
 The host never trusts what comes back beyond its size: lines are parsed as they arrive and capped, and a runner
 that prints garbage, goes silent past the budget or exits ends the exchange; the pool then retires the sandbox.
+A job taken back mid-exchange is stopped by a line to the runner (``stop``), which ends it and resets the sandbox
+within STOP_S; a runner that does not is treated as silent.
 Everything here blocks and runs in one of the pool's threads: asyncio's child watcher in Python 3.11 races with
 itself here and logs every sandbox.
 """
@@ -16,6 +18,7 @@ import os
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,9 @@ from rewardmesh.reward_engine.sandbox.levels import PATH
 
 _SANDBOX_ENV = {"PATH": PATH + ":/usr/sbin:/sbin", "LANG": "C.UTF-8"}
 _STDERR_KEEP = 65536
+_STOP_LINE = b'{"stop": true}\n'
+# A stopped job's runner ends it, resets the sandbox and says done within this, or the sandbox is given up.
+STOP_S = 2.0
 _serials = itertools.count(1)
 
 
@@ -37,6 +43,7 @@ class Reply:
     over: bool = False  # more output than the cap
     unreadable: bool = False  # a line that is not a JSON object
     ended: bool = False  # the runner's stdout closed: it exited
+    stop_s: float | None = None  # the job was stopped: seconds from the stop to the exchange's end
 
 
 class SandboxProcess:
@@ -59,6 +66,10 @@ class SandboxProcess:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._stdout, selectors.EVENT_READ)
         self._sel.register(self._stderr, selectors.EVENT_READ)
+        self._wake_r, self._wake_w = os.pipe()  # another thread's ``wake`` ends a wait in ``exchange``
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._buffer = bytearray()  # stdout after the last complete line
         self.stderr = bytearray()  # the runner's own stderr (its traceback if it failed), the last 64 KiB
         self._killed = False
@@ -66,15 +77,17 @@ class SandboxProcess:
     def alive(self) -> bool:
         return not self._killed and self.proc.poll() is None
 
-    def exchange(self, data: bytes, until: str, budget: float, cap: int) -> Reply:
+    def exchange(self, data: bytes, until: str, budget: float, cap: int, stop: threading.Event | None = None) -> Reply:
         """Write ``data`` (a job line, or nothing) and read records until one holding the key ``until``, at most
-        ``cap`` bytes within ``budget`` seconds."""
+        ``cap`` bytes within ``budget`` seconds. Once ``stop`` is set (and ``wake`` called), the runner is told to
+        stop the job, and has STOP_S left to end the exchange."""
         reply = Reply()
         deadline = time.monotonic() + budget
         pending = memoryview(data)
         if pending:
             self._sel.register(self._stdin, selectors.EVENT_WRITE)
         got = 0
+        stopped_at: float | None = None
         try:
             while True:
                 if self._take_lines(reply, until):
@@ -82,11 +95,21 @@ class SandboxProcess:
                 if reply.ended:
                     self._drain_stderr(min(deadline, time.monotonic() + 1.0))
                     return reply
+                if stop is not None and stop.is_set() and stopped_at is None:
+                    stopped_at = time.monotonic()
+                    deadline = min(deadline, stopped_at + STOP_S)
+                    if not pending:
+                        self._sel.register(self._stdin, selectors.EVENT_WRITE)
+                    pending = memoryview(bytes(pending) + _STOP_LINE)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     reply.timed_out = True
                     return reply
                 for key, _ in self._sel.select(min(left, 1.0)):
+                    if key.fileobj == self._wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        continue
                     if key.fileobj is self._stdin:
                         try:
                             pending = pending[os.write(key.fd, pending[:65536]) :]
@@ -110,6 +133,8 @@ class SandboxProcess:
                             reply.over = True
                             return reply
         finally:
+            if stopped_at is not None:
+                reply.stop_s = time.monotonic() - stopped_at
             if pending and self._stdin in self._sel.get_map():
                 self._sel.unregister(self._stdin)
 
@@ -151,12 +176,10 @@ class SandboxProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def interrupt(self) -> None:
-        """Kill the sandbox's processes from a thread other than the one exchanging with it: the exchange ends as if
-        the runner had exited, and that thread retires it (``kill``)."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+    def wake(self) -> None:
+        """From a thread other than the one exchanging with the sandbox: look at the exchange's ``stop`` now."""
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (the sandbox is gone)
+            os.write(self._wake_w, b"!")
 
     def kill(self) -> None:
         """End the sandbox (its PID 1 dies with bubblewrap or unshare, and every process of it with its PID 1)."""
@@ -170,3 +193,6 @@ class SandboxProcess:
         for pipe in (self._stdin, self._stdout, self._stderr):
             with contextlib.suppress(OSError):
                 pipe.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -14,6 +14,9 @@ cleared; each test gets its limits afresh. After a job the runner checks that no
 file in /tmp, no IPC object, no key) and says so on its ``done`` line; anything left and the host retires the
 sandbox. Protocol: one ``{"ready": pid}`` line at start, then per job (one JSON line on stdin) its ``compile`` and
 ``test`` lines and a ``done`` line; end of stdin ends the sandbox. The ready line says which filter is in place.
+A ``{"stop": true}`` line while a job runs (its caller took it back) kills its running test at once and skips the
+rest; the sandbox is reset and checked as after any job (``done`` says ``stopped``), so a stop costs a reset, not a
+new sandbox. A stop line that comes after its job ended is dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -229,6 +233,53 @@ def _wipe_tmp() -> None:
                 pass
 
 
+class _Inbox:
+    """The host's lines on stdin, read here rather than through a buffered file so that a running test's wait can
+    watch for a stop: while a job runs, the only lines the host sends are stops."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.closed = False  # the host ended the sandbox
+        self.stopped = False  # the running job was taken back
+
+    def read(self) -> None:
+        chunk = os.read(0, 65536)
+        if chunk:
+            self.buffer.extend(chunk)
+        else:
+            self.closed = True
+        if b"\n" in self.buffer or self.closed:
+            self.stopped = True
+
+    def stop_asked(self) -> bool:
+        """Whether the running job was taken back (without waiting)."""
+        if not self.stopped:
+            if b"\n" in self.buffer or self.closed:
+                self.stopped = True
+            elif select.select([0], [], [], 0)[0]:
+                self.read()
+        return self.stopped
+
+    def job(self) -> dict[str, Any] | None:
+        """The next job, waited for; None at the end of stdin."""
+        while True:
+            end = self.buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self.buffer[:end])
+                del self.buffer[: end + 1]
+                record = json.loads(line) if line.strip() else {}
+                if record and not record.get("stop"):
+                    self.stopped = False
+                    return record
+            elif self.closed:
+                return None
+            else:
+                self.read()
+
+
+_INBOX = _Inbox()
+
+
 def _reset() -> None:
     """Between tests: no process but this one, no IPC object, no key."""
     _sweep()
@@ -292,10 +343,11 @@ def _run(
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, out)
     sel.register(proc.stderr, selectors.EVENT_READ, err)
+    sel.register(0, selectors.EVENT_READ, _INBOX)  # a stop from the host
     status: str | None = None
     deadline = start + wall_s
     exited_at: float | None = None
-    while sel.get_map():
+    while len(sel.get_map()) > 1:
         now = time.monotonic()
         if now >= deadline:
             status = "timeout"
@@ -304,6 +356,10 @@ def _run(
             exited_at = now
             _kill_others()  # the test's main process exited: its leftovers (background children) die with it
         for key, _ in sel.select(min(0.05, deadline - now)):
+            if key.data is _INBOX:
+                _INBOX.read()
+                status = "stopped"
+                break
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fileobj)
@@ -367,11 +423,15 @@ def _serve(job: dict[str, Any]) -> None:
     limits = job["limits"]
     files = {name: text.encode() for name, text in job["files"].items()}
     if job.get("compile"):
+        if _INBOX.stop_asked():
+            return
         _fresh_workdir(files)
         climits = dict(limits, memory_mb=max(int(limits["memory_mb"]), 2048) if limits["memory_mb"] else 0)
         climits["procs"] = max(int(limits["procs"]), 64)
         t = float(job["compile_timeout_s"])
         status, code, sig, _, err, wall, _ = _run(job["compile"], b"", climits, t, t, 1 << 16)
+        if status == "stopped":
+            return
         ok = status == "exited" and code == 0
         _emit({"compile": {"ok": ok, "status": status, "exit": code, "stderr": _text(err, STDERR_KEEP), "time": wall}})
         if not ok:
@@ -380,6 +440,8 @@ def _serve(job: dict[str, Any]) -> None:
         with open(os.path.join(WORK, binary), "rb") as f:
             files[binary] = f.read()
     for i, stdin_text in enumerate(job["tests"]):
+        if _INBOX.stop_asked():
+            return
         _fresh_workdir(files)
         status, code, sig, out, err, wall, cpu = _run(
             job["run"],
@@ -389,6 +451,8 @@ def _serve(job: dict[str, Any]) -> None:
             float(limits["cpu_s"]),
             int(limits["output_bytes"]),
         )
+        if status == "stopped":
+            return
         _emit(
             {
                 "test": i,
@@ -407,14 +471,12 @@ def _serve(job: dict[str, Any]) -> None:
 
 def main() -> None:
     _emit({"ready": os.getpid(), "filter": _harden()})
-    for line in sys.stdin.buffer:  # one job per line; the end of stdin ends the sandbox
-        if not line.strip():
-            continue
-        _serve(json.loads(line))
+    while (job := _INBOX.job()) is not None:  # the end of stdin ends the sandbox
+        _serve(job)
         _reset()
         _wipe_tmp()
         left = _leftovers()
-        _emit({"done": True, "clean": not left, "left": left[:20]})
+        _emit({"done": True, "clean": not left, "left": left[:20], "stopped": _INBOX.stopped})
         if left:
             return
 

@@ -141,10 +141,10 @@ class CodeSource(RewardSource):
     @property
     def capacity(self) -> Capacity:
         """The pool's slots, less those held by jobs from outside the pipeline (the server's /run_code). Preemptible:
-        a program can be run again from the start, at the cost of the time it ran and of a sandbox started in place
-        of the one killed (its slot's next job takes the pool's spare meanwhile)."""
+        a program can be run again from the start, at the cost of the time it ran and of its sandbox's reset (the
+        runner kills it and resets the sandbox, which then serves the slot's next job)."""
         return Capacity(self.sandbox.workers, "sandbox slots", "sample", held_elsewhere=self.sandbox.held_outside,
-                        preemptible=True, stop_cost_s=self.sandbox.start_s)  # fmt: skip
+                        preemptible=True, stop_cost_s=self.sandbox.stop_s)  # fmt: skip
 
     def on_capacity(self, wake: Callable[[], None]) -> None:
         self.sandbox.on_capacity(wake)

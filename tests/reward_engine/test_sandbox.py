@@ -23,6 +23,7 @@ from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, ou
 from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
+from tests.support.waiting import eventually
 
 MakeSource = Callable[..., CodeSource]
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
@@ -314,6 +315,52 @@ async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(
         looked, outcomes = await _sample(src, LOOKER, NOTHING)
         assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
         assert looked.sandbox == left.sandbox and looked.nth > left.nth, "not the same sandbox"
+
+
+def _processes_with(argv: list[str]) -> list[int]:
+    """Host pids of the processes running exactly ``argv`` (the host sees into every sandbox's processes)."""
+    wanted, found = ("\0".join(argv) + "\0").encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read() == wanted:
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_a_stopped_sample_leaves_nothing_and_its_sandbox_serves_the_next(
+    level: str, code_source: MakeSource
+) -> None:
+    """A pipeline takes back a sample whose program runs (for another tenant's): the runner kills the program and
+    everything it started, resets the sandbox, and the same sandbox serves the next sample, which finds nothing
+    left. A stop that comes after its job ended is dropped: the next job runs whole."""
+    _level_or_skip(level)
+    src = code_source(isolation=level, timeout_s=300.0, workers=1)
+    await src.sandbox.start()
+    marker = ["sleep", "31337.5"]
+    hang = f"import subprocess\nsubprocess.Popen({marker!r})\ntime.sleep(300)"
+    program = LEAVER.replace("print(' '.join(made))", hang)
+    sandbox = src.sandbox
+    claim = sandbox.claim()
+    job = asyncio.create_task(sandbox.run(job_of(plan(program, NOTHING), sandbox.python), claim))
+    await eventually(lambda: len(_processes_with(marker)) == 1, "the program and its child run")
+    [(_, box)] = sandbox._running.values()
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    await eventually(lambda: not _processes_with(marker), "the program's child is gone")
+    await eventually(lambda: sandbox.stats["jobs stopped"] == 1, "the stop is counted")
+    assert not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
+    assert looked.sandbox == box.serial, "not the stopped sample's sandbox"
+    late = box.exchange(b'{"stop": true}\n', "done", 0.5, 1 << 16)  # no job runs: nothing answers it
+    assert late.timed_out and not late.records and late.final is None
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"] and looked.sandbox == box.serial, looked.runs[0].stderr
 
 
 @pytest.mark.parametrize("level", LEVELS)
