@@ -552,7 +552,7 @@ class Sandbox:
         next becoming the spare; else the one starting, waited for; None when there is none that lives."""
         with self._lock:
             box = self._idle.pop(slot, None)
-            starting = self._starting.pop(slot, None)
+            starting = self._starting.pop(slot, None) if box is None else None  # else it stays the slot's next
             if box is None and (starting is None or not starting.done()) and (spare := self._warm_spare()):
                 box, self._spare, self._spare_starting = spare, None, starting
                 self._uid_of[slot], self._spare_uid = self._spare_uid, self._uid_of[slot]

@@ -62,17 +62,22 @@ class SandboxProcess:
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None
         self._stdin, self._stdout, self._stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
-        os.set_blocking(self._stdin.fileno(), False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._stdout, selectors.EVENT_READ)
-        self._sel.register(self._stderr, selectors.EVENT_READ)
-        self._wake_r, self._wake_w = os.pipe()  # another thread's ``wake`` ends a wait in ``exchange``
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._buffer = bytearray()  # stdout after the last complete line
         self.stderr = bytearray()  # the runner's own stderr (its traceback if it failed), the last 64 KiB
         self._killed = False
+        self._sel = selectors.DefaultSelector()
+        self._wake_r = self._wake_w = -1
+        try:
+            self._wake_r, self._wake_w = os.pipe()  # another thread's ``wake`` ends a wait in ``exchange``
+            os.set_blocking(self._stdin.fileno(), False)
+            self._sel.register(self._stdout, selectors.EVENT_READ)
+            self._sel.register(self._stderr, selectors.EVENT_READ)
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
+            self._sel.register(self._wake_r, selectors.EVENT_READ)
+        except BaseException:  # a sandbox that cannot be talked to is ended, not left running
+            self.kill()
+            raise
 
     def alive(self) -> bool:
         return not self._killed and self.proc.poll() is None
@@ -178,8 +183,9 @@ class SandboxProcess:
 
     def wake(self) -> None:
         """From a thread other than the one exchanging with the sandbox: look at the exchange's ``stop`` now."""
-        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (the sandbox is gone)
-            os.write(self._wake_w, b"!")
+        if self._wake_w >= 0:
+            with contextlib.suppress(BlockingIOError):  # full: a wake is pending anyway
+                os.write(self._wake_w, b"!")
 
     def kill(self) -> None:
         """End the sandbox (its PID 1 dies with bubblewrap or unshare, and every process of it with its PID 1)."""
@@ -193,6 +199,7 @@ class SandboxProcess:
         for pipe in (self._stdin, self._stdout, self._stderr):
             with contextlib.suppress(OSError):
                 pipe.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        if self._wake_r >= 0:  # raw descriptors: closed once, or a second close could end another's
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1

@@ -358,8 +358,10 @@ def _run(
         for key, _ in sel.select(min(0.05, deadline - now)):
             if key.data is _INBOX:
                 _INBOX.read()
-                status = "stopped"
-                break
+                if _INBOX.stopped:
+                    status = "stopped"
+                    break
+                continue
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fileobj)
