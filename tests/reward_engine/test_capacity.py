@@ -325,10 +325,10 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
         sandbox = pipeline.sources[0].source.sandbox
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
 
-        def a_running(ran_s: Callable[[float], bool]) -> bool:
+        def a_running(ran_s: Callable[[float], bool], every: bool = True) -> bool:
             now = time.monotonic()
             runs = [now - started for it, (_, started) in batcher._apart.items() if it.tenant is a]
-            return len(runs) == 2 and all(ran_s(r) for r in runs)
+            return len(runs) == 2 and (all if every else any)(ran_s(r) for r in runs)
 
         async def b_step(tag: str) -> None:
             step = [batcher.enqueue(sample(f"{tag}{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
@@ -345,7 +345,8 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
         await eventually(lambda: a_running(lambda r: r >= 0.75), "A's programs 0.75 s into their usual second")
         await b_step("late-")
         assert batcher.preemptions == 0
-        await eventually(lambda: a_running(lambda r: r < 0.2), "A's next programs just started")
+        # A's youngest program just started (on a loaded host the two may not start together): worth a stop
+        await eventually(lambda: a_running(lambda r: r < 0.2, every=False), "A's next program just started")
         await b_step("early-")
         assert batcher.preemptions == 1  # stopped in its sandbox, or taken back before its program began
         await batcher.close(drain=False)
