@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,16 +22,11 @@ from rewardmesh.client.trainer import PromptSpec, Sampling, TrainerClient
 from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2
+from tests.support.ports import free_port
 from tests.support.servers import FNS, sample
 from tests.support.waiting import eventually
 
 CLI = [sys.executable, "-m", "rewardmesh.server.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mb(pid: int) -> float:
@@ -50,7 +44,7 @@ class Restartable:
     """A server process on a fixed port, so clients find it again after a restart."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.name, self.argv, self.log_dir = name, argv, log_dir
         self.proc: ServerProcess | None = None
         self.starts = 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -70,10 +69,3 @@ def server_thread(
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
         loop.close()
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

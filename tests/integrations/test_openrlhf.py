@@ -21,7 +21,8 @@ from transformers import AutoTokenizer
 
 from rewardmesh.client.integrations.scoring import RewardMeshError
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from tests.integrations.support import closed_port, server_thread
+from tests.integrations.support import server_thread
+from tests.support.ports import refusing_port
 from tests.support.servers import fn_pipeline
 
 PROMPT = "What is 2 + 2?"
@@ -99,13 +100,14 @@ def test_overload_answers_503_and_openrlhfs_retries_get_every_reward() -> None:
 
 
 def test_reward_server_down_is_a_clear_error_after_openrlhfs_retries() -> None:
-    executor = SingleTurnAgentExecutor(remote_rm_url=f"http://127.0.0.1:{closed_port()}/get_reward")
+    with refusing_port() as port:
+        executor = SingleTurnAgentExecutor(remote_rm_url=f"http://127.0.0.1:{port}/get_reward")
 
-    async def call() -> Any:
-        return await asyncio.wait_for(executor._fetch_rewards_via_http(["q"], ["p"], ["1"]), 60)
+        async def call() -> Any:
+            return await asyncio.wait_for(executor._fetch_rewards_via_http(["q"], ["p"], ["1"]), 60)
 
-    with pytest.raises(RuntimeError, match="Request error for 5 times"):
-        asyncio.run(call())
+        with pytest.raises(RuntimeError, match="Request error for 5 times"):
+            asyncio.run(call())
 
 
 def load_agent_executor() -> Any:
@@ -179,10 +181,11 @@ def test_agent_executor_error_score_and_server_down(
         monkeypatch.setenv("REWARDMESH_ERROR_SCORE", "-1")
         out = rollout(executor_cls(), tok, [("p", "four", '{"extra_info": {"delay": "oops"}}')])
     assert out[0]["reward"] == -1.0 and out[0]["extra_logs"] == {"rewardmesh_error": 1.0}
-    monkeypatch.setenv("REWARDMESH_REWARD_TARGET", f"127.0.0.1:{closed_port()}")
-    start = time.monotonic()
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):  # never a missing reward, error_score or not
-        rollout(executor_cls(), tok, [("p", "four", "4")])
+    with refusing_port() as port:
+        monkeypatch.setenv("REWARDMESH_REWARD_TARGET", f"127.0.0.1:{port}")
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match="UNAVAILABLE"):  # never a missing reward, error_score or not
+            rollout(executor_cls(), tok, [("p", "four", "4")])
     assert time.monotonic() - start < 30
 
 

@@ -21,7 +21,8 @@ from slime.utils.types import Sample  # noqa: E402
 
 from rewardmesh.client.integrations import slime as mesh_slime  # noqa: E402
 from rewardmesh.client.integrations.scoring import RewardMeshError  # noqa: E402
-from tests.integrations.support import closed_port, server_thread  # noqa: E402
+from tests.integrations.support import server_thread  # noqa: E402
+from tests.support.ports import refusing_port  # noqa: E402
 from tests.support.servers import FNS, fn_pipeline  # noqa: E402
 
 CUSTOM_RM = "rewardmesh.client.integrations.slime.custom_rm"
@@ -76,10 +77,11 @@ def test_custom_rm_server_down_or_wrong_token_stops_at_once(monkeypatch: pytest.
     args = slime_args(custom_rm_path=CUSTOM_RM)
     monkeypatch.setenv("REWARDMESH_PIPELINE", "gsm8k")
     monkeypatch.setenv("REWARDMESH_ERROR_SCORE", "0")  # masking never covers a service error
-    monkeypatch.setenv("REWARDMESH_REWARD_TARGET", f"127.0.0.1:{closed_port()}")
-    start = time.monotonic()
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
-        bounded(rm_hub.async_rm(args, Sample(prompt="2+2?", response="#### 4", label="4")))
+    with refusing_port() as port:
+        monkeypatch.setenv("REWARDMESH_REWARD_TARGET", f"127.0.0.1:{port}")
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+            bounded(rm_hub.async_rm(args, Sample(prompt="2+2?", response="#### 4", label="4")))
     assert time.monotonic() - start < 30
     (tmp_path / "token").write_text("right\n")
     with server_thread(grpc_token_file=str(tmp_path / "token")) as server:

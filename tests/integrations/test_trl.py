@@ -20,7 +20,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from rewardmesh.client.integrations.scoring import RewardMeshError  # noqa: E402
 from rewardmesh.client.integrations.trl import RewardMeshReward  # noqa: E402
 from rewardmesh.demo.tiny_models import TinyModelPaths  # noqa: E402
-from tests.integrations.support import closed_port, server_thread  # noqa: E402
+from tests.integrations.support import server_thread  # noqa: E402
+from tests.support.ports import refusing_port  # noqa: E402
 from tests.support.servers import fn_pipeline  # noqa: E402
 
 
@@ -99,9 +100,10 @@ def test_a_failed_sample_stops_training_naming_it(tiny_models: TinyModelPaths, t
 
 
 def test_reward_server_down_stops_training_within_seconds(tiny_models: TinyModelPaths, tmp_path: Path) -> None:
-    reward = Recorded(f"127.0.0.1:{closed_port()}", "gsm8k", timeout_s=20, mask_errors=True)
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
-        train(tiny_models.policy, tmp_path, reward, [json.dumps({})] * 4)
+    with refusing_port() as port:
+        reward = Recorded(f"127.0.0.1:{port}", "gsm8k", timeout_s=20, mask_errors=True)
+        with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+            train(tiny_models.policy, tmp_path, reward, [json.dumps({})] * 4)
     assert not reward.calls  # never a NaN reward, even with mask_errors
 
 

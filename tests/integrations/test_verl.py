@@ -24,7 +24,8 @@ from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls 
 from rewardmesh.client.integrations.scoring import RewardMeshError  # noqa: E402
 from rewardmesh.client.integrations.verl import FIXED_KEYS, RewardMeshRewardManager  # noqa: E402
 from rewardmesh.demo.tiny_models import TinyModelPaths  # noqa: E402
-from tests.integrations.support import closed_port, server_thread  # noqa: E402
+from tests.integrations.support import server_thread  # noqa: E402
+from tests.support.ports import refusing_port  # noqa: E402
 from tests.support.servers import fn_pipeline  # noqa: E402
 
 PIPELINES = {"sleepy": fn_pipeline("sleepy"), "declared": {**fn_pipeline("sleepy"), "extra_keys": ["delay"]}}
@@ -158,15 +159,16 @@ def test_a_failed_sample_fails_the_step_naming_it_or_scores_error_score_with_the
 
 
 def test_reward_server_down_is_a_clear_error_not_a_hang(tiny_models: TinyModelPaths) -> None:
-    worker = RewardLoopWorker(rewardmesh_config(tiny_models.policy, f"127.0.0.1:{closed_port()}", "gsm8k"))
-    data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4")])
+    with refusing_port() as port:
+        worker = RewardLoopWorker(rewardmesh_config(tiny_models.policy, f"127.0.0.1:{port}", "gsm8k"))
+        data = batch(worker.input_tokenizer, [("What is 2 + 2?", "#### 4", "4")])
 
-    async def run() -> Any:
-        return await asyncio.wait_for(worker.compute_score_batch(data), 30)
+        async def run() -> Any:
+            return await asyncio.wait_for(worker.compute_score_batch(data), 30)
 
-    start = time.monotonic()
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
-        asyncio.run(run())
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+            asyncio.run(run())
     assert time.monotonic() - start < 30
 
 

@@ -12,7 +12,8 @@ import pytest
 from rewardmesh.common.errors import DeadlineExceeded, DependencyFailed, InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.sources.judge import JudgeSource, chat_completions_url
 from rewardmesh.reward_engine.types import RewardOutput
-from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply, closed_port
+from tests.support.fake_openai import DroppingServer, FakeOpenAI, Reply
+from tests.support.ports import refusing_port
 from tests.support.samples import reward_input
 from tests.support.waiting import eventually
 
@@ -177,13 +178,14 @@ async def test_client_error_status_is_source_failed() -> None:
 
 
 async def test_connection_refused_is_retried_then_dependency_failed() -> None:
-    source = judge(f"http://127.0.0.1:{closed_port()}", max_retries=3, retry_backoff_s=0.05)
-    try:
-        started = time.monotonic()
-        (result,) = await source.score_batch([sample("x")])
-        elapsed = time.monotonic() - started
-    finally:
-        await source.close()
+    with refusing_port() as port:
+        source = judge(f"http://127.0.0.1:{port}", max_retries=3, retry_backoff_s=0.05)
+        try:
+            started = time.monotonic()
+            (result,) = await source.score_batch([sample("x")])
+            elapsed = time.monotonic() - started
+        finally:
+            await source.close()
     assert isinstance(result, DependencyFailed)  # not UNAVAILABLE: another reward server fails the same way
     assert "after 4 attempt(s)" in str(result)
     assert elapsed >= 0.05 + 0.1 + 0.2 - 0.02  # the three backoffs between the four attempts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ from rewardmesh.server.reward.server import RewardServer, build_engine
 from rewardmesh.server.serving import ServerOptions
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.pki import make_pki
+from tests.support.ports import free_port
 from tests.support.servers import sample
 
 pytestmark = [
@@ -29,16 +29,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_mutual_tls_scores_and_refuses_clients_without_a_certificate(
     pki: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    health_port = _free_port()
+    health_port = free_port()
     options = ServerOptions(
         host="127.0.0.1",
         port=0,

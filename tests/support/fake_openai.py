@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -147,10 +146,3 @@ class DroppingServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-
-
-def closed_port() -> int:
-    """A local port with nothing listening (bound once, then released): connection refused."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 import signal
-import socket
 import ssl
 import sys
 import threading
@@ -25,8 +24,8 @@ from rewardmesh.server.config import resolve
 from rewardmesh.server.limits import Limits
 from rewardmesh.server.reward.http_gateway import _HTTP, load_token, server_ssl_context, strip_prompt
 from rewardmesh.server.reward.server import RewardServerConfig
-from tests.support.fake_openai import closed_port
 from tests.support.pki import make_pki
+from tests.support.ports import free_port, refusing_port
 from tests.support.servers import FNS, fn_pipeline, http_gateway, reward_server
 from tests.support.waiting import wait_until
 
@@ -188,20 +187,20 @@ def test_every_grpc_code_has_an_http_status() -> None:
 
 async def test_a_judge_outage_is_502_failed_precondition_per_sample_never_a_retry_of_the_batch() -> None:
     """A failed dependency (item 5) is not "busy": no Retry-After, no 503, the batch's other answers stand."""
-    judge = {"type": "judge", "url": f"http://127.0.0.1:{closed_port()}", "model": "m", "max_retries": 0}
-    pipelines = {"judged": {"sources": [judge]}}
     one = {"prompt": PROMPT, "response": "#### 4", "label": "4"}
-    async with reward_server(pipelines) as server, http_gateway(server) as gw:
-        status, reply, headers = await post(f"{gw.url}/score/judged", one)
-        assert status == 502 and reply["error"]["code"] == "FAILED_PRECONDITION", reply
-        assert "Retry-After" not in headers
-        status, reply, _ = await post(f"{gw.url}/score/judged", [one, {"prompt": "p", "response": 3}])
-        assert status == 200
-        assert [r["error"]["code"] for r in reply] == ["FAILED_PRECONDITION", "INVALID_ARGUMENT"]
-        body = {"query": [PROMPT + " #### 4"], "prompts": [PROMPT], "labels": ["4"]}
-        status, reply, headers = await post(f"{gw.url}/get_reward?pipeline=judged", body)
-        assert status == 502 and reply["rewards"] == [None] and "Retry-After" not in headers
-        assert reply["errors"][0]["code"] == "FAILED_PRECONDITION" and "judge" in reply["errors"][0]["message"]
+    with refusing_port() as port:
+        judge = {"type": "judge", "url": f"http://127.0.0.1:{port}", "model": "m", "max_retries": 0}
+        async with reward_server({"judged": {"sources": [judge]}}) as server, http_gateway(server) as gw:
+            status, reply, headers = await post(f"{gw.url}/score/judged", one)
+            assert status == 502 and reply["error"]["code"] == "FAILED_PRECONDITION", reply
+            assert "Retry-After" not in headers
+            status, reply, _ = await post(f"{gw.url}/score/judged", [one, {"prompt": "p", "response": 3}])
+            assert status == 200
+            assert [r["error"]["code"] for r in reply] == ["FAILED_PRECONDITION", "INVALID_ARGUMENT"]
+            body = {"query": [PROMPT + " #### 4"], "prompts": [PROMPT], "labels": ["4"]}
+            status, reply, headers = await post(f"{gw.url}/get_reward?pipeline=judged", body)
+            assert status == 502 and reply["rewards"] == [None] and "Retry-After" not in headers
+            assert reply["errors"][0]["code"] == "FAILED_PRECONDITION" and "judge" in reply["errors"][0]["message"]
 
 
 async def test_the_servers_size_limits_hold_on_the_gateway_too() -> None:
@@ -220,12 +219,6 @@ async def test_the_servers_size_limits_hold_on_the_gateway_too() -> None:
         deep = {"response": "#### 4", "label": "4", "extra_info": {"a": {"b": {"c": 1}}}}
         status, reply, _ = await post(f"{gw.url}/score/gsm8k", deep)
         assert status == 400 and "max_extra_info_depth" in reply["error"]["message"], reply
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_call(url: str, body: Any = None, token: str = "") -> tuple[int, Any, dict[str, str]]:
