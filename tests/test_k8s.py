@@ -39,6 +39,7 @@ from rewardmesh.server.reward.server import RewardServerConfig, build_engine
 from rewardmesh.server.rollout.server import SERVICE_NAME as ROLLOUT_SERVICE
 from rewardmesh.server.rollout.server import RolloutServerConfig
 from rewardmesh.server.serving import ServerOptions
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -509,7 +510,6 @@ def test_the_queue_autoscaler_scales_on_metrics_a_reward_server_exports(tmp_path
     """The HPA's metrics are the adapter's rules' names, and each rule's series is what a real reward server's
     Prometheus endpoint serves (`rewardmesh serve reward --prometheus-port`, as the collector re-exports it), per
     pipeline and tenant."""
-    import socket
     import urllib.request
 
     import grpc
@@ -530,9 +530,7 @@ def test_the_queue_autoscaler_scales_on_metrics_a_reward_server_exports(tmp_path
     collector = (K8S / "base" / "config" / "otel-collector.yaml").read_text()
     assert yaml.safe_load(collector)["exporters"]["prometheus"]["resource_to_telemetry_conversion"]["enabled"]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        prom_port = s.getsockname()[1]
+    prom_port = free_port()
     cli = [sys.executable, "-m", "rewardmesh.server.cli"]
     server = ServerProcess("reward", [*cli, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
                                       "--prometheus-port", str(prom_port)], tmp_path)  # fmt: skip

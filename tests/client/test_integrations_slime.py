@@ -5,7 +5,6 @@ response_length, label, loss_mask, metadata, index, remove_sample)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 
 from rewardmesh.client.integrations.scoring import RewardMeshError
 from rewardmesh.client.integrations.slime import custom_rm
+from tests.support.ports import refusing_port
 from tests.support.servers import fn_pipeline, reward_server
 
 
@@ -64,8 +64,5 @@ async def test_a_failed_sample_raises_naming_it_or_is_masked_when_asked() -> Non
 
 
 async def test_reward_server_down_is_a_clear_error_not_a_hang() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+    with refusing_port() as port, pytest.raises(RewardMeshError, match="UNAVAILABLE"):
         await asyncio.wait_for(custom_rm(args(f"127.0.0.1:{port}", "gsm8k"), SlimeSample(response="x")), 30)

@@ -4,7 +4,6 @@ tests/integrations/): scores, a failed sample raising (or scored / masked when a
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from rewardmesh.client.integrations.scoring import RewardMeshError
 from rewardmesh.client.integrations.trl import RewardMeshReward
+from tests.support.ports import refusing_port
 from tests.support.servers import fn_pipeline, reward_server
 
 
@@ -49,34 +49,30 @@ async def test_scores_every_completion_and_a_failed_sample_raises_naming_it() ->
 
 
 async def test_server_down_raises_within_seconds_even_with_mask_errors() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k", mask_errors=True)
-    start = time.monotonic()
-    with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
-        await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 30)
-    assert time.monotonic() - start < 30
-    await reward.scorer.close()
+    with refusing_port() as port:
+        reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k", mask_errors=True)
+        start = time.monotonic()
+        with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+            await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 30)
+        assert time.monotonic() - start < 30
+        await reward.scorer.close()
 
 
 @pytest.mark.slow
 async def test_every_call_on_a_down_server_raises_as_fast_as_the_first() -> None:
     """One reward callable (one client, as TRL keeps it across steps): the server's backoff grows with every failed
     call, but each call's samples try on their own schedule, so no later call waits longer than the first."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k")
-    try:
-        for call in range(4):
-            start = time.monotonic()
-            with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
-                await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 60)
-            # The first takes about 0.2 x (1 + 2 + 4 + 8) x 0.75 s; once the server's backoff reached its 5 s cap,
-            # waiting on it would take 10-20 s a call.
-            assert time.monotonic() - start < 9.0, call
-        (stream,) = reward.scorer.client().streams
-        assert stream.failures >= 15  # the server's own backoff is at its cap
-    finally:
-        await reward.scorer.close()
+    with refusing_port() as port:
+        reward = RewardMeshReward(f"127.0.0.1:{port}", "gsm8k")
+        try:
+            for call in range(4):
+                start = time.monotonic()
+                with pytest.raises(RewardMeshError, match="UNAVAILABLE"):
+                    await asyncio.wait_for(reward(prompts=["p"], completions=["#### 4"], ground_truth=["4"]), 60)
+                # The first takes about 0.2 x (1 + 2 + 4 + 8) x 0.75 s; once the server's backoff reached its 5 s cap,
+                # waiting on it would take 10-20 s a call.
+                assert time.monotonic() - start < 9.0, call
+            (stream,) = reward.scorer.client().streams
+            assert stream.failures >= 15  # the server's own backoff is at its cap
+        finally:
+            await reward.scorer.close()

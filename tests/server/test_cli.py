@@ -13,6 +13,7 @@ from rewardmesh.demo.server_process import ServerProcess
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.support.paths import CLI
+from tests.support.ports import free_port
 from tests.support.servers import FNS, sample
 from tests.support.waiting import wait_until
 
@@ -66,12 +67,9 @@ def test_serve_reward_process_scores_and_drains_on_sigterm(tmp_path: Path) -> No
 
 @pytest.mark.timeout(90)
 def test_prometheus_endpoint_serves_reward_metrics(tmp_path: Path) -> None:
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        prom_port = s.getsockname()[1]
+    prom_port = free_port()
     server = ServerProcess("reward", [*CLI, "serve", "reward", "--port", "0", "--host", "127.0.0.1",
                                       "--prometheus-port", str(prom_port)], tmp_path)  # fmt: skip
     try:
