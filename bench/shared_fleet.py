@@ -272,6 +272,7 @@ async def _isolation_row(
     pipeline = f"{kind.name}-{batching}"
     alone: list[float] = []
     shared: list[float] = []
+    round_ratios: list[float] = []  # each round's own p99 ratio: how far one round's verdict is from another's
     a_scored, a_time = 0, 0.0
     computes: list[float] = []  # per round: the median compute time of A's results
     sizes: list[float] = []  # and their median batch size
@@ -286,12 +287,14 @@ async def _isolation_row(
             freeze_startup_heap()  # B's client measures the server: its own collector's full scans must not stall it
             for r in range(rounds):
                 progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
-                alone += await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
+                alone_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
                 conn.send("start")
                 await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
                 conn.send("mark")
-                shared += await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
+                shared_r = await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
+                alone, shared = alone + alone_r, shared + shared_r
+                round_ratios.append(_pct(shared_r, 0.99) / _pct(alone_r, 0.99))
                 conn.send("stop")
                 scored, seconds, compute, size = await loop.run_in_executor(None, conn.recv)
                 a_scored, a_time = a_scored + scored, a_time + seconds
@@ -308,6 +311,7 @@ async def _isolation_row(
     floor = 1.0 if kind.preemptible else (alone_p99 + unit) / alone_p99
     return [kind.name, batching, f"{_pct(alone, 0.5) * 1e3:.1f} / {alone_p99 * 1e3:.1f}",
             f"{_pct(shared, 0.5) * 1e3:.1f} / {_pct(shared, 0.99) * 1e3:.1f}", f"{ratio:.2f}x",
+            "-".join(f"{r:.2f}" for r in (min(round_ratios), max(round_ratios))) + "x",
             f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x", f"{unit * 1e3:.1f}",
             "-" if kind.preemptible else f"{floor:.2f}x", f"{rate:.0f}", "yes" if ratio <= TARGET_RATIO else "no",
             "yes" if ratio <= max(TARGET_RATIO, floor) else "no"]  # fmt: skip
@@ -532,15 +536,17 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
-                  "p50 ratio", "A's unit ms", "floor", "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x",
-                  f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
+                  "p99 ratio by round", "p50 ratio", "A's unit ms", "floor", "A scored/s meanwhile",
+                  f"p99 <= {TARGET_RATIO}x", f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
         print(markdown_table(header, rows))
         print(
             "\nA's unit: how long one unit of A's started work holds the capacity (a per-sample source: the median "
             "compute time of A's results; a batched one: one batch, A's median batch size / A's rate). floor: (B "
             "alone p99 + A's unit) / B alone p99, the least p99 ratio a queue that does not preempt started work "
             "can give: B's sample cannot start before the unit that was running when it arrived ends (-: A's units "
-            "are stopped for B, under its share, at once: a judge's requests, hanging programs)."
+            "are stopped for B, under its share, at once: a judge's requests, hanging programs). p99 ratio by round: "
+            "the least and the most of the rounds' own p99 ratios (each round's B alone against its B flooded), how "
+            "much the verdict moves from one round to the next on this machine."
         )
     if args.sizing:
         await sizing(args)
