@@ -248,17 +248,20 @@ class _Inbox:
             self.buffer.extend(chunk)
         else:
             self.closed = True
-        if b"\n" in self.buffer or self.closed:
-            self.stopped = True
+        self.stopped = self.stopped or self._line_or_end()
 
     def stop_asked(self) -> bool:
         """Whether the running job was taken back (without waiting)."""
         if not self.stopped:
-            if b"\n" in self.buffer or self.closed:
+            if self._line_or_end():
                 self.stopped = True
             elif select.select([0], [], [], 0)[0]:
                 self.read()
         return self.stopped
+
+    def _line_or_end(self) -> bool:
+        """A whole line (a stop, while a job runs) or the end of stdin: either ends the running job."""
+        return b"\n" in self.buffer or self.closed
 
     def job(self) -> dict[str, Any] | None:
         """The next job, waited for; None at the end of stdin."""
