@@ -21,15 +21,26 @@ def refusing_port() -> Iterator[int]:
 def free_port() -> int:
     """A port free now, for a server process that must be told its port before it starts.
 
-    Taken below the kernel's ephemeral range, which is where every bind to port 0 and every outgoing connection
-    get theirs: between this call and the server's bind, no other socket of the host is given it by chance.
+    Taken below the kernel's ephemeral range where there is room, since that range is where every bind to port 0
+    and every outgoing connection get theirs: between this call and the server's bind, no other socket of the host
+    is given it by chance. Without room below it, a port the kernel picks.
     """
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(1024, low - 8192), low), 64):
+    below = range(max(1024, _ephemeral_low() - 8192), _ephemeral_low())
+    for port in random.sample(below, min(64, len(below))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in the 8192 below the ephemeral range ({low})")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux); 1024 where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 1024
