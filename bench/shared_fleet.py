@@ -72,6 +72,7 @@ TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
 TARGET_RATIO = 1.2
 FAST_STEPS = 400  # percent of --steps for kinds whose steps take milliseconds: p99 from more samples, in seconds
 FLOOD_NICE = 10  # A's client process: a trainer on a host of its own (see _flood_main)
+WARM_STEPS = 10  # B's steps before any is timed, alone and then under A's flood (first shapes, first connections)
 
 _BURN = '''"""A reward function that burns extra_info['burn_ms'] of CPU (4 ms unless told), as a checker does."""
 import time
@@ -194,10 +195,12 @@ class Flood:
 
 
 async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], common_pb2.Sample], steps: int,
-                 tag: str, pause_s: float = 0.0) -> list[float]:  # fmt: skip
+                 tag: str, pause_s: float = 0.0) -> tuple[list[float], list[float]]:  # fmt: skip
     """B's closed loop: `steps` steps of STEP samples sent at once, each step waiting for all, then `pause_s` (a
-    trainer's training between steps); each sample's latency (sent to answered), in seconds."""
+    trainer's training between steps); each sample's latency (sent to answered) and, as the server reports it, its
+    wait in the server before its work started, in seconds."""
     latencies: list[float] = []
+    queued: list[float] = []
     for step in range(steps):
         sent = time.monotonic()
         futures = [client.submit(make(f"b-{tag}-{step}-{i}"), pipeline) for i in range(STEP)]
@@ -209,9 +212,10 @@ async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], comm
         if errors:
             raise RuntimeError(f"{pipeline}: B's sample failed: {errors[0]}")
         latencies += [t - sent for t in done]
+        queued += [r.timing.queue for r in results]
         if pause_s:
             await asyncio.sleep(pause_s)
-    return latencies
+    return latencies, queued
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -272,6 +276,7 @@ async def _isolation_row(
     pipeline = f"{kind.name}-{batching}"
     alone: list[float] = []
     shared: list[float] = []
+    queued: dict[str, list[float]] = {"alone": [], "shared": []}  # B's wait in the server before its work started
     round_ratios: list[float] = []  # each round's own p99 ratio: how far one round's verdict is from another's
     a_scored, a_time = 0, 0.0
     computes: list[float] = []  # per round: the median compute time of A's results
@@ -283,16 +288,26 @@ async def _isolation_row(
     loop = asyncio.get_running_loop()
     try:
         async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
-            await _steps(cb, pipeline, kind.b, 3, "warm")
+            # Unmeasured: B alone, then B under A's flood, so that what happens once (a model's first batch of a shape,
+            # the first connections, a sandbox pool filling) lands in no round, alone or flooded.
+            await _steps(cb, pipeline, kind.b, WARM_STEPS, "warm")
+            conn.send("start")
+            await asyncio.sleep(settle_s)
+            await _steps(cb, pipeline, kind.b, WARM_STEPS, "warm-flooded", pause_s)
+            conn.send("stop")
+            await loop.run_in_executor(None, conn.recv)
+            await asyncio.sleep(settle_s)
             freeze_startup_heap()  # B's client measures the server: its own collector's full scans must not stall it
             for r in range(rounds):
                 progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
-                alone_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
+                alone_r, queued_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
+                queued["alone"] += queued_r
                 conn.send("start")
                 await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
                 conn.send("mark")
-                shared_r = await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
+                shared_r, queued_r = await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
+                queued["shared"] += queued_r
                 alone, shared = alone + alone_r, shared + shared_r
                 round_ratios.append(_pct(shared_r, 0.99) / _pct(alone_r, 0.99))
                 conn.send("stop")
@@ -312,7 +327,8 @@ async def _isolation_row(
     return [kind.name, batching, f"{_pct(alone, 0.5) * 1e3:.1f} / {alone_p99 * 1e3:.1f}",
             f"{_pct(shared, 0.5) * 1e3:.1f} / {_pct(shared, 0.99) * 1e3:.1f}", f"{ratio:.2f}x",
             "-".join(f"{r:.2f}" for r in (min(round_ratios), max(round_ratios))) + "x",
-            f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x", f"{unit * 1e3:.1f}",
+            f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x",
+            f"{_pct(queued['alone'], 0.99) * 1e3:.1f} / {_pct(queued['shared'], 0.99) * 1e3:.1f}", f"{unit * 1e3:.1f}",
             "-" if kind.preemptible else f"{floor:.2f}x", f"{rate:.0f}", "yes" if ratio <= TARGET_RATIO else "no",
             "yes" if ratio <= max(TARGET_RATIO, floor) else "no"]  # fmt: skip
 
@@ -536,8 +552,8 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
-                  "p99 ratio by round", "p50 ratio", "A's unit ms", "floor", "A scored/s meanwhile",
-                  f"p99 <= {TARGET_RATIO}x", f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
+                  "p99 ratio by round", "p50 ratio", "B queued p99 ms alone / flooded", "A's unit ms", "floor",
+                  "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x", f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
         print(markdown_table(header, rows))
         print(
             "\nA's unit: how long one unit of A's started work holds the capacity (a per-sample source: the median "
@@ -546,7 +562,9 @@ async def main_async(args: argparse.Namespace) -> None:
             "can give: B's sample cannot start before the unit that was running when it arrived ends (-: A's units "
             "are stopped for B, under its share, at once: a judge's requests, hanging programs). p99 ratio by round: "
             "the least and the most of the rounds' own p99 ratios (each round's B alone against its B flooded), how "
-            "much the verdict moves from one round to the next on this machine."
+            "much the verdict moves from one round to the next on this machine. B queued: how long B's samples waited "
+            "in the server before their work started (the fair queue and the sources' capacity decide it), as the "
+            "server reports it; the rest of B's latency is the work itself and the way to it and back."
         )
     if args.sizing:
         await sizing(args)
