@@ -25,7 +25,8 @@ def free_port() -> int:
     and every outgoing connection get theirs: between this call and the server's bind, no other socket of the host
     is given it by chance. Without room below it, a port the kernel picks.
     """
-    below = range(max(1024, _ephemeral_low() - 8192), _ephemeral_low())
+    low = _ephemeral_low()
+    below = range(max(1024, low - 8192), low)
     for port in random.sample(below, min(64, len(below))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
