@@ -276,7 +276,8 @@ async def _isolation_row(
     pipeline = f"{kind.name}-{batching}"
     alone: list[float] = []
     shared: list[float] = []
-    queued: dict[str, list[float]] = {"alone": [], "shared": []}  # B's wait in the server before its work started
+    queued_alone: list[float] = []  # B's wait in the server before its work started
+    queued_shared: list[float] = []
     round_ratios: list[float] = []  # each round's own p99 ratio: how far one round's verdict is from another's
     a_scored, a_time = 0, 0.0
     computes: list[float] = []  # per round: the median compute time of A's results
@@ -286,36 +287,41 @@ async def _isolation_row(
     flooder = ctx.Process(target=_flood_main, args=(address, pipeline, kind.a, kind.flood, child), daemon=True)
     flooder.start()
     loop = asyncio.get_running_loop()
+
+    async def flooded(
+        cb: RewardClient, count: int, tag: str
+    ) -> tuple[list[float], list[float], tuple[int, float, float, float]]:
+        """B's steps while A floods, and what A got scored meanwhile (samples, seconds, median compute time and
+        batch size)."""
+        conn.send("start")
+        await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
+        conn.send("mark")
+        latencies, queued = await _steps(cb, pipeline, kind.b, count, tag, pause_s)
+        conn.send("stop")
+        a_got = await loop.run_in_executor(None, conn.recv)
+        await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
+        return latencies, queued, a_got
+
     try:
         async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
             # Unmeasured: B alone, then B under A's flood, so that what happens once (a model's first batch of a shape,
             # the first connections, a sandbox pool filling) lands in no round, alone or flooded.
             await _steps(cb, pipeline, kind.b, WARM_STEPS, "warm")
-            conn.send("start")
-            await asyncio.sleep(settle_s)
-            await _steps(cb, pipeline, kind.b, WARM_STEPS, "warm-flooded", pause_s)
-            conn.send("stop")
-            await loop.run_in_executor(None, conn.recv)
-            await asyncio.sleep(settle_s)
+            await flooded(cb, WARM_STEPS, "warm-flooded")
             freeze_startup_heap()  # B's client measures the server: its own collector's full scans must not stall it
             for r in range(rounds):
                 progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
                 alone_r, queued_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
-                queued["alone"] += queued_r
-                conn.send("start")
-                await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
+                alone += alone_r
+                queued_alone += queued_r
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
-                conn.send("mark")
-                shared_r, queued_r = await _steps(cb, pipeline, kind.b, steps, f"shared{r}", pause_s)
-                queued["shared"] += queued_r
-                alone, shared = alone + alone_r, shared + shared_r
+                shared_r, queued_r, (scored, seconds, compute, size) = await flooded(cb, steps, f"shared{r}")
+                shared += shared_r
+                queued_shared += queued_r
                 round_ratios.append(_pct(shared_r, 0.99) / _pct(alone_r, 0.99))
-                conn.send("stop")
-                scored, seconds, compute, size = await loop.run_in_executor(None, conn.recv)
                 a_scored, a_time = a_scored + scored, a_time + seconds
                 computes.append(compute)
                 sizes.append(size)
-                await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
     finally:
         conn.send("exit")
         await loop.run_in_executor(None, flooder.join, 30)
@@ -328,7 +334,7 @@ async def _isolation_row(
             f"{_pct(shared, 0.5) * 1e3:.1f} / {_pct(shared, 0.99) * 1e3:.1f}", f"{ratio:.2f}x",
             "-".join(f"{r:.2f}" for r in (min(round_ratios), max(round_ratios))) + "x",
             f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x",
-            f"{_pct(queued['alone'], 0.99) * 1e3:.1f} / {_pct(queued['shared'], 0.99) * 1e3:.1f}", f"{unit * 1e3:.1f}",
+            f"{_pct(queued_alone, 0.99) * 1e3:.1f} / {_pct(queued_shared, 0.99) * 1e3:.1f}", f"{unit * 1e3:.1f}",
             "-" if kind.preemptible else f"{floor:.2f}x", f"{rate:.0f}", "yes" if ratio <= TARGET_RATIO else "no",
             "yes" if ratio <= max(TARGET_RATIO, floor) else "no"]  # fmt: skip
 
