@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import Unavailable
+from rewardmesh.reward_engine.isolation import WORKER_NICENESS
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
 
@@ -99,6 +100,7 @@ class Limits:
             "files": self.files,
             "output_bytes": self.output_bytes,
             "file_bytes": self.file_bytes,
+            "niceness": WORKER_NICENESS,  # as the worker processes: programs never starve the server's event loop
         }
 
 

@@ -17,6 +17,7 @@ import pytest
 from rewardmesh.common.errors import InvalidInput, SourceFailed
 from rewardmesh.demo.code_problems import PROBLEMS
 from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.isolation import WORKER_NICENESS
 from rewardmesh.reward_engine.sandbox import levels
 from rewardmesh.reward_engine.sandbox.executor import JobResult, SandboxUnavailable
 from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, outcome, plan, stdout_matches
@@ -240,6 +241,17 @@ async def test_tests_of_a_sample_are_independent_runs(level: str, code_source: M
     truth = json.dumps({"inputs": [""] * 5, "outputs": ["False 2"] * 5})  # itself and the runner (PID 1)
     result, outcomes = await _sample(src, program, truth)
     assert outcomes == ["passed"] * 5, result.runs
+
+
+@pytest.mark.parametrize("level", LEVELS)
+async def test_programs_run_nicer_than_the_server(level: str, code_source: MakeSource) -> None:
+    """A tenant's CPU-bound programs get the cycles the server leaves, never those of the loop every tenant needs."""
+    _level_or_skip(level)
+    src = code_source(isolation=level, timeout_s=5.0, workers=1)
+    expected = min(os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS, 19)
+    truth = json.dumps({"inputs": [""], "outputs": [str(expected)]})
+    result, outcomes = await _sample(src, "import os\nprint(os.getpriority(os.PRIO_PROCESS, 0))\n", truth)
+    assert outcomes == ["passed"], result.runs
 
 
 # What one sample leaves behind, and what the next one looks for.
