@@ -261,7 +261,10 @@ def _judge_main(conn: Connection) -> None:
     from tests.support.fake_openai import FakeOpenAI, Reply
 
     async def run() -> None:
-        async with FakeOpenAI(reply=Reply("Score: 5", delay_s=0.05)) as judge:
+        # No per-request records, and the start-up heap out of the collector's scans, as a server's: a full
+        # collection of a growing heap stalls the judge (100 ms after a few minutes), and B's step with it.
+        async with FakeOpenAI(reply=Reply("Score: 5", delay_s=0.05), record=False) as judge:
+            freeze_startup_heap()
             conn.send(judge.port)
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 
