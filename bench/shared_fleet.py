@@ -102,7 +102,7 @@ class Kind:
     flood: int  # A's samples in flight
     a: Callable[[str], common_pb2.Sample]
     b: Callable[[str], common_pb2.Sample]
-    step_share: int = 100  # percent of --steps B runs (a sandbox start is slow: code runs fewer; fast kinds more)
+    step_share: int = 100  # percent of --steps B runs (kinds whose steps take milliseconds run more)
     preemptible: bool = False  # the source stops A's started work for B: no floor from it
 
 
@@ -134,10 +134,10 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
                          _sample, _sample),
         # A's programs (45 ms) are stopped for B's step: a stop costs its sandbox's reset, not a start.
-        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program, 40,
+        "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program,
                      preemptible=True),
         "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
-                        _b_program, 40, preemptible=True),
+                        _b_program, preemptible=True),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
                                  "prompt_template": "{response}"}], 1000, _sample, _sample, preemptible=True),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),
@@ -555,9 +555,9 @@ async def main_async(args: argparse.Namespace) -> None:
     if rows:
         print(
             f"\nB: closed loop of steps of {STEP} samples at once, {args.pause_ms:g} ms apart ({args.rounds} rounds of "
-            f"{args.steps} steps alone and {args.steps} while A floods, in turn; code and hostile: 40%, model and "
-            "rule: 400%); A floods (samples kept in flight: function 3000, code and hostile 200, judge 1000, model "
-            f"3000, rule 3000); two tenants of weight 1 on one real reward server over gRPC; user batching: "
+            f"{args.steps} steps alone and {args.steps} while A floods, in turn; model and rule: 400%); A floods "
+            "(samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rule 3000); two "
+            "tenants of weight 1 on one real reward server over gRPC; user batching: "
             f"{USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         "--steps",
         type=int,
         default=75,
-        help="B's steps per phase and round (isolation; code and hostile run 40%% of them)",
+        help="B's steps per phase and round (isolation; model and rule run 4 times as many)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")
     parser.add_argument(
