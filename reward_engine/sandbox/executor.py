@@ -100,7 +100,6 @@ class Limits:
             "files": self.files,
             "output_bytes": self.output_bytes,
             "file_bytes": self.file_bytes,
-            "niceness": WORKER_NICENESS,  # as the worker processes: programs never starve the server's event loop
         }
 
 
@@ -266,6 +265,7 @@ class Sandbox:
         self.filter = "?"  # the system-call filter the runner installs ("seccomp", or why none), once proven
         self.stats: Counter[str] = Counter()
         self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
+        self._nice = shutil.which("nice", path=PATH)
         self._failure: str | None = None
         self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
@@ -511,6 +511,11 @@ class Sandbox:
             # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
             uid = str(self.uid_base + uid_of)
             argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
+        if self._nice:
+            # The whole sandbox (its start, its resets, its programs) runs nicer than the server, as the reward
+            # worker processes do: busy programs never starve the event loop that answers every tenant, and a
+            # sandbox starting in the background never outranks the programs of those already started.
+            argv = [self._nice, "-n", str(WORKER_NICENESS), *argv]
         with self._lock:
             self.stats["started"] += 1
         return SandboxProcess(argv)

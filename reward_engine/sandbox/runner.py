@@ -121,7 +121,6 @@ def _harden() -> str:
 
 def _limiter(limits: dict[str, Any], cpu_s: float) -> Callable[[], None]:
     def apply() -> None:
-        os.nice(int(limits.get("niceness", 0)))
         mem = int(limits["memory_mb"]) * 1024 * 1024
         pairs = [
             (resource.RLIMIT_CPU, (int(cpu_s) + 1, int(cpu_s) + 2)),
