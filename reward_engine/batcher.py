@@ -752,10 +752,11 @@ class DynamicBatcher:
     def _preempt(self, lim: StartLimits) -> None:
         """Every slot is taken and samples wait. If the tenant whose sample is next in fair order holds fewer than its
         weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
-        started samples of tenants over their own share (none near its step deadline, none expected to end sooner than
-        stopping it costs, none twice while it is its tenant's oldest) until it would hold its share: its samples start
-        now, not when that work ends. A stopped sample goes back to the head of its tenant's lane, its start's charge
-        refunded (the time it ran stays charged: its tenant held the slot)."""
+        started samples of tenants over their own share until it would hold its share, and beyond that, while its
+        credit lasts, those its queued samples come before in fair order (none near its step deadline, none expected
+        to end sooner than stopping it costs, none twice while it is its tenant's oldest): its samples start now, not
+        when that work ends. A stopped sample goes back to the head of its tenant's lane, its start's charge refunded
+        (the time it ran stays charged: its tenant held the slot)."""
         if lim.samples is None or not self._apart or self._closed:
             return
         now = time.monotonic()
@@ -771,15 +772,18 @@ class DynamicBatcher:
         weights.update((tenant, tenant.weight) for tenant in held)
         per_weight = lim.samples / sum(weights.values())
         tenant = head.tenant
-        want = min(head.count, math.ceil(tenant.weight * per_weight - 1e-9) - held.get(tenant, 0))
-        want -= len(self._preempting)
+        share = math.ceil(tenant.weight * per_weight - 1e-9) - held.get(tenant, 0)
+        want = min(head.count, lim.samples - held.get(tenant, 0)) - len(self._preempting)
         if want <= 0:
             return
-        # Each victim's tenant stays over its share of the slots, and ahead of `tenant` in virtual time by at least
-        # a share of the slots' worth of samples once its refunds are counted: the freed slot goes to `tenant`,
-        # nobody is stopped for a tenant that has had more, and tenants that both stay backlogged (a sample or two
-        # apart) never stop each other's.
+        # Up to its share of the slots, each victim's tenant stays over its own share, and ahead of `tenant` in
+        # virtual time by at least a share of the slots' worth of samples once its refunds are counted: the freed
+        # slot goes to `tenant`, nobody is stopped for a tenant that has had more, and tenants that both stay
+        # backlogged (a sample or two apart) never stop each other's. Beyond its share, `tenant` spends its credit:
+        # a sample is stopped only for one of `tenant`'s that comes before it in fair order by that margin (a burst
+        # sent after idle runs on every slot while its credit lasts, as the queue's order would have it).
         lead = per_weight
+        given = len(self._preempting)
         vtimes = {lane.tenant: lane.vtime for lane in self._queue.lanes.values()}
         for it in self._preempting:
             vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
@@ -798,7 +802,8 @@ class DynamicBatcher:
                 break
             other = it.tenant
             refund = 1.0 / other.weight
-            if held[other] <= other.weight * per_weight or vtimes[other] - refund < head.vtime + lead:
+            beyond = given >= share or held[other] <= other.weight * per_weight
+            if vtimes[other] - refund < head.vtime + lead + (given / tenant.weight if beyond else 0.0):
                 continue
             started = self._apart[it][1]
             usual = self._usual.get(other, self.service_s)
@@ -810,6 +815,7 @@ class DynamicBatcher:
                 held[other] -= 1
                 vtimes[other] -= refund
                 want -= 1
+                given += 1
         if want > 0 and later < math.inf:  # look again then (nothing else may wake the scheduler before)
             if self._preempt_timer is not None:
                 self._preempt_timer.cancel()

@@ -133,9 +133,10 @@ class Capacity:
     time (a rate limit): samples are handed over one at a time, when its ``start_delay()`` says the next may start.
     ``preemptible``: a started sample's work may be cancelled and started again later with nothing lost but the
     time it ran (an idempotent request to a server that drops what its client hangs up on): a tenant under its
-    share of the slots then takes slots from a tenant over its own at once, instead of waiting for that tenant's
-    started work to end. ``stop_cost_s``: what stopping a started sample costs besides the time it ran (a sandbox
-    to start in its place): one is stopped only when it can be expected to run longer than that still.
+    share of the slots then takes slots from a tenant over its own at once (and more, while its credit in the fair
+    queue lasts), instead of waiting for that tenant's started work to end. ``stop_cost_s``: what stopping a
+    started sample costs besides the time it ran (its sandbox's reset): one is stopped only when it can be
+    expected to run longer than that still.
     """
 
     slots: int = 0
