@@ -94,7 +94,8 @@ class StartLimits(NamedTuple):
     of its per-sample sources'), `batches` batch slots (the least of its per-batch sources'); `paced`: a source
     spaces its starts out (samples are then handed over one at a time, when its start delay allows); `inline`:
     the sources work on the event loop itself (one batch at a time, each bounded in loop time); `preemptible`: a
-    started sample's work may be stopped and started again later, at `stop_cost_s` (see Capacity.preemptible)."""
+    started sample's work may be stopped and started again later, at `stop_cost_s` (see Capacity.preemptible);
+    `aside`: of the `samples`, those held by the oldest started samples, which stepped aside (never stopped)."""
 
     samples: int | None = None
     batches: int | None = None
@@ -102,6 +103,7 @@ class StartLimits(NamedTuple):
     inline: bool = False
     preemptible: bool = False
     stop_cost_s: float = 0.0
+    aside: int = 0
 
 
 NO_LIMITS = StartLimits()
@@ -754,9 +756,10 @@ class DynamicBatcher:
         weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
         started samples of tenants over their own share until it would hold its share, and beyond that, while its
         credit lasts, those its queued samples come before in fair order (none near its step deadline, none expected
-        to end sooner than stopping it costs, none twice while it is its tenant's oldest): its samples start now, not
-        when that work ends. A stopped sample goes back to the head of its tenant's lane, its start's charge refunded
-        (the time it ran stays charged: its tenant held the slot)."""
+        to end sooner than stopping it costs, none twice while it is its tenant's oldest, none that stepped aside):
+        its samples start now, not when that work ends. A stopped sample goes back to the head of its tenant's lane,
+        its start's charge refunded (the time it ran stays charged: its tenant held the slot). Shares are of the
+        slots that serve: those of samples that stepped aside (the oldest, as many as `lim.aside`) are not."""
         if lim.samples is None or not self._apart or self._closed:
             return
         now = time.monotonic()
@@ -764,16 +767,19 @@ class DynamicBatcher:
         head = self._queue.next_lane()
         if head is None:
             return
+        serving = lim.samples - lim.aside
+        running = [it for it in self._apart if it not in self._preempting]
+        aside = set(sorted(running, key=lambda it: self._apart[it][1])[: lim.aside])  # the oldest: see Capacity.aside
         held: dict[Tenant, int] = {}
         for it in self._apart:
-            if it not in self._preempting:
+            if it not in self._preempting and it not in aside:
                 held[it.tenant] = held.get(it.tenant, 0) + 1
         weights = {lane.tenant: lane.tenant.weight for lane in self._queue.lanes.values() if lane.count}
         weights.update((tenant, tenant.weight) for tenant in held)
-        per_weight = lim.samples / sum(weights.values())
+        per_weight = serving / sum(weights.values())
         tenant = head.tenant
         share = math.ceil(tenant.weight * per_weight - 1e-9) - held.get(tenant, 0)
-        want = min(head.count, lim.samples - held.get(tenant, 0)) - len(self._preempting)
+        want = min(head.count, serving - held.get(tenant, 0)) - len(self._preempting)
         if want <= 0:
             return
         # Up to its share of the slots, each victim's tenant stays over its own share, and ahead of `tenant` in
@@ -793,7 +799,7 @@ class DynamicBatcher:
         oldest: dict[Tenant, float] = {}
         for it, (_, started) in self._apart.items():
             oldest[it.tenant] = min(started, oldest.get(it.tenant, started))
-        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes
+        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes and it not in aside
                       and (not it.preempted or self._apart[it][1] > oldest[it.tenant])
                       and it not in self._preempting and (it.due is None or it.due > soon)]  # fmt: skip
         later = math.inf  # when a sample not worth stopping yet becomes one (a straggler)

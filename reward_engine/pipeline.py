@@ -92,7 +92,8 @@ class RewardPipeline:
         # it can be (the batcher then holds each sample's own future: cancelling it stops the work).
         only = caps[0] if len(caps) == 1 and self.sources[0].weight == 1.0 else None
         preemptible = only is not None and only.preemptible and only.per == "sample" and not only.paced
-        return StartLimits(samples, batches, paced, inline, preemptible, only.stop_cost_s if only else 0.0)
+        cost, aside = (only.stop_cost_s, only.aside) if only else (0.0, 0)
+        return StartLimits(samples, batches, paced, inline, preemptible, cost, aside)
 
     def effective_batching(self) -> BatcherConfig:
         """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards

@@ -136,7 +136,10 @@ class Capacity:
     share of the slots then takes slots from a tenant over its own at once (and more, while its credit in the fair
     queue lasts), instead of waiting for that tenant's started work to end. ``stop_cost_s``: what stopping a
     started sample costs besides the time it ran (its sandbox's reset): one is stopped only when it can be
-    expected to run longer than that still.
+    expected to run longer than that still. ``aside``: of the ``slots``, how many are held by slow samples that
+    stepped aside (a straggler runs on beside the slots that keep serving, each of which grew the capacity by one):
+    the oldest started samples not being stopped, as many (samples step aside in the order they started); a stop
+    never takes one of them, since its slot would not go to another.
     """
 
     slots: int = 0
@@ -146,6 +149,7 @@ class Capacity:
     held_elsewhere: int = 0
     preemptible: bool = False
     stop_cost_s: float = 0.0
+    aside: int = 0
 
     def __post_init__(self) -> None:
         if self.slots < 0:
@@ -154,6 +158,8 @@ class Capacity:
             raise ValueError(f"capacity: per must be 'sample' or 'batch', got {self.per!r}")
         if self.held_elsewhere < 0:
             raise ValueError(f"capacity: held_elsewhere must be >= 0, got {self.held_elsewhere}")
+        if not 0 <= self.aside <= self.slots:
+            raise ValueError(f"capacity: aside must be between 0 and slots ({self.slots}), got {self.aside}")
         if not self.stop_cost_s >= 0:
             raise ValueError(f"capacity: stop_cost_s must be >= 0 seconds, got {self.stop_cost_s}")
 

@@ -14,18 +14,27 @@ sandbox, serves the next job. A stop thus costs a reset (``stop_s``, timed), not
 runner does not reset in time (``process.STOP_S``), or is not clean after it, is retired as usual. A job from
 outside the pipeline runs on within its budget when its caller goes away.
 
+A pipeline's job that has run past the straggler time (a tenth of its time limit per test, at most 1 s) while
+every slot is taken steps aside: it runs on in its sandbox, under its uid, to its end or its budget, and gives its
+slot to the next claim with the warm spare as the slot's sandbox (a job steps aside only once the spare is up, so
+the next job never waits for a sandbox to start; the next spare starts at once). Jobs step aside in the order
+their slots were claimed. So at most ``max_stragglers`` slow programs run beside the ``workers`` slots that keep
+serving, each holding one sandbox, its own, and the pool's capacity (``slots``) grows by one while each runs
+(``on_capacity`` listeners hear of it); a sandbox whose job stepped aside is retired when the job ends.
+
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
 runs as root, each sandbox runs as an unprivileged uid of its own (``uid_base + n``, n below ``workers + 1``, set
 with util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another sandbox's
 even outside the namespaces. A uid belongs to a sandbox, not to a slot: when a slot takes the spare, the two swap
-uids, so no two live sandboxes ever share one.
+uids, and a job that steps aside keeps its sandbox's uid while the next spare takes one of the ``max_stragglers``
+more (n below ``workers + 1 + max_stragglers``), so no two live sandboxes ever share one.
 
 Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
 batcher claims its samples' slots as it hands them over (``claim``), within the slots free for it; any other job
 (the server's ``/run_code``) is counted in ``held_outside`` from when it asks until it ends, and the pipeline
-hands over that much less (``on_capacity`` wakes it when such a job ends), so a pipeline's sample never waits
-here: it waits in the pipeline's fair queue.
+hands over that much less (``on_capacity`` wakes it when such a job ends, or a job steps aside), so a pipeline's
+sample never waits here: it waits in the pipeline's fair queue.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import itertools
 import json
 import logging
 import os
@@ -56,6 +66,8 @@ log = logging.getLogger(__name__)
 STARTUP_S = 10.0
 # What starting a sandbox is taken to cost until one has been timed.
 STARTUP_GUESS_S = 0.05
+# A job past its straggler time that may not step aside yet (a slot free, the spare not up) looks again this often.
+RECHECK_S = 0.05
 # The runner's reset after a job (kill, wipe, check) may take this long.
 RESET_S = 2.0
 # What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
@@ -214,13 +226,31 @@ def result_of(job: Job, reply: Reply, exit_status: int | None, stderr: bytes, wa
     return result
 
 
-class Claim:
-    """A slot claimed in arrival order: ``slot`` gives its number once one is free for it."""
+class _Running:
+    """A job in a slot: its claim's place in arrival order (``seq``; None: a job from outside the pipeline), its stop,
+    its sandbox and that sandbox's uid once it runs (under the pool's lock), whether it stepped aside (its slot given
+    on, its sandbox retired when it ends), and whether it has ended."""
 
-    __slots__ = ("settled", "slot")
+    __slots__ = ("aside", "box", "ended", "seq", "slot", "stop", "uid")
 
-    def __init__(self, slot: asyncio.Future[int]) -> None:
+    def __init__(self, slot: int, seq: int | None) -> None:
         self.slot = slot
+        self.seq = seq
+        self.stop = threading.Event()
+        self.box: SandboxProcess | None = None
+        self.uid: int | None = None
+        self.aside = False
+        self.ended = False
+
+
+class Claim:
+    """A slot claimed in arrival order (``seq``): ``slot`` gives its number once one is free for it."""
+
+    __slots__ = ("seq", "settled", "slot")
+
+    def __init__(self, slot: asyncio.Future[int], seq: int) -> None:
+        self.slot = slot
+        self.seq = seq
         self.settled = False  # its job took the slot, or the claim was dropped
 
 
@@ -231,8 +261,10 @@ class Sandbox:
     ``isolation`` is the level the operator asks for ("bwrap" or "unshare"). ``start()`` proves it works by
     running a program; if it does not, a lower level is used only with ``allow_weaker_isolation=True``, and
     otherwise every job fails with SandboxUnavailable. There is no level without namespaces. ``prestart()``
-    also starts a sandbox for every slot. ``stats`` counts sandboxes started, jobs run, jobs from outside the
-    pipeline, jobs that waited for a slot, and why sandboxes retired.
+    also starts a sandbox for every slot. ``straggler_after_s``: a pipeline's job running this long while every slot
+    is taken steps aside (default: a tenth of the time limit per test, at most 1 s); ``max_stragglers``: how many
+    such jobs may run beside the slots (default ``2 x workers``). ``stats`` counts sandboxes started, jobs run, jobs
+    from outside the pipeline, jobs that waited for a slot or stepped aside, and why sandboxes retired.
     """
 
     def __init__(
@@ -245,6 +277,8 @@ class Sandbox:
         python: str = "",
         uid_base: int = 61000,
         samples_per_sandbox: int = 100,
+        straggler_after_s: float | None = None,
+        max_stragglers: int | None = None,
     ) -> None:
         if isolation not in LEVELS:
             raise ValueError(f"sandbox: 'isolation' must be one of {', '.join(LEVELS)}, got {isolation!r}")
@@ -259,6 +293,11 @@ class Sandbox:
         self.samples_per_sandbox = reuse
         self.limits = limits or Limits()
         self.limits.check("sandbox")
+        self.straggler_after_s = min(1.0, self.limits.wall_s / 10) if straggler_after_s is None else straggler_after_s
+        self.max_stragglers = 2 * self.workers if max_stragglers is None else max_stragglers
+        if not self.straggler_after_s > 0 or self.max_stragglers < 0:
+            raise ValueError("sandbox: 'straggler_after_s' must be > 0 and 'max_stragglers' >= 0")
+        self.stragglers = 0  # jobs running beside the slots, each in its own sandbox
         self.python = python or default_python()
         self.uid_base = uid_base
         self.level: Level | None = None
@@ -269,12 +308,13 @@ class Sandbox:
         self._failure: str | None = None
         self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
-        # Threads block on the sandboxes' pipes: one per slot serving a job, one per slot starting its next
-        # sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox dies
-        # with the thread that started it (bubblewrap's --die-with-parent).
-        self._threads = ThreadPoolExecutor(2 * self.workers + 2, thread_name_prefix="sandbox")
+        # Threads block on the sandboxes' pipes: one per slot serving a job, one per straggler, one per slot starting
+        # its next sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox
+        # dies with the thread that started it (bubblewrap's --die-with-parent).
+        self._threads = ThreadPoolExecutor(2 * self.workers + self.max_stragglers + 2, thread_name_prefix="sandbox")
         self._free = list(range(self.workers))[::-1]  # slots no job holds (taken from the end)
         self._claims: deque[asyncio.Future[int]] = deque()  # claims waiting for a slot, in arrival order
+        self._claimed = itertools.count()
         # Jobs not claimed by the pipeline's batcher (the server's /run_code), asking for a slot or holding one.
         self.held_outside = 0
         self._capacity_listeners: list[Callable[[], None]] = []
@@ -283,10 +323,12 @@ class Sandbox:
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
         self._spare: SandboxProcess | None = None  # warm, for a slot whose next sandbox is not up yet
         self._spare_starting: Future[SandboxProcess | None] | None = None
-        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid.
+        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid; a slot whose job
+        # stepped aside takes one of _free_uids (the job's sandbox keeps its own, given back once that sandbox is gone).
         self._uid_of = list(range(self.workers))
         self._spare_uid = self.workers
-        self._running: dict[int, tuple[threading.Event, SandboxProcess]] = {}  # a slot's job: its stop, its sandbox
+        self._free_uids = list(range(self.workers + 1, self.workers + 1 + self.max_stragglers))
+        self._running: set[_Running] = set()  # the jobs whose sandbox runs them now
         self.start_s = STARTUP_GUESS_S  # how long starting a sandbox takes (moving average of those started ahead)
         self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
@@ -384,9 +426,14 @@ class Sandbox:
             return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
         return None
 
+    @property
+    def slots(self) -> int:
+        """Jobs that can run at once now: the slots, plus one for each job that stepped aside."""
+        return self.workers + self.stragglers
+
     def on_capacity(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` (on the event loop) whenever a job from outside the pipeline ends: the slots free
-        for the pipeline grew."""
+        """Call ``callback()`` (on the event loop) whenever a job from outside the pipeline ends or a job steps
+        aside: the slots free for the pipeline grew."""
         self._capacity_listeners.append(callback)
 
     def claim(self, *, outside: bool = False) -> Claim:
@@ -398,7 +445,7 @@ class Sandbox:
         else:
             self._claims.append(slot)
             self.stats["outside jobs that waited for a slot" if outside else "jobs that waited for a slot"] += 1
-        return Claim(slot)
+        return Claim(slot, next(self._claimed))
 
     def drop(self, claim: Claim) -> None:
         """Give back a claim whose job will not run (nothing, once its job took the slot)."""
@@ -441,32 +488,79 @@ class Sandbox:
         loop = asyncio.get_running_loop()
         if outside:
             self.stats["outside jobs"] += 1
-        stop = threading.Event()
+        run = _Running(slot, None if outside else claim.seq)
         try:
-            future = loop.run_in_executor(self._threads, self._serve, level, job, slot, stop)
+            future = loop.run_in_executor(self._threads, self._serve, level, job, run)
         except BaseException:  # the pool was closed
-            self._release(slot, outside)
+            self._release(run, outside)
             raise
-        future.add_done_callback(lambda _: self._release(slot, outside))
+        future.add_done_callback(lambda _: self._release(run, outside))
         try:
+            if not outside:
+                await self._watch(future, run, level)
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             # The pipeline takes its sample back (for another tenant's, or shutting down): its program ends now and
             # the slot frees as soon as its sandbox is gone. A caller from outside going away leaves its job running
             # within its budget.
             if not outside:
-                self._stop(slot, stop)
+                self._stop(run)
             raise
 
-    def _stop(self, slot: int, stop: threading.Event) -> None:
-        stop.set()
-        with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
-            running = self._running.get(slot)
-            if running is not None and running[0] is stop:
-                running[1].wake()
+    async def _watch(self, future: asyncio.Future[JobResult], run: _Running, level: Level) -> None:
+        """Until the job ends or steps aside: once it has run past the straggler time, it steps aside as soon as
+        it may (every slot taken, the spare up, the jobs claimed before it aside), looking again every 50 ms."""
+        wait = self.straggler_after_s
+        while wait < float("inf"):
+            await asyncio.wait((future,), timeout=wait)
+            if future.done() or self._step_aside(run, level):
+                return
+            wait = min(wait, RECHECK_S)
+        await asyncio.wait((future,))
 
-    def _release(self, slot: int, outside: bool) -> None:
-        self._give(slot)
+    def _step_aside(self, run: _Running, level: Level) -> bool:
+        """``run``'s job runs on beside the slots, its slot given to the next claim with the warm spare as its
+        sandbox (False: a slot is free, no more stragglers may run, the job is not running, no spare is up yet, or
+        one of the pipeline's claimed before it still serves in a slot: jobs step aside in their claims' order, so
+        those aside are the pipeline's oldest started, which is how its batcher knows them)."""
+        if self._free or self._closed or self.stragglers >= self.max_stragglers:
+            return False
+        reuse = self.samples_per_sandbox > 1
+        with self._lock:
+            if run.uid is None or run.ended or run.stop.is_set() or not self._free_uids:
+                return False
+            if any(other.seq is not None and run.seq is not None and other.seq < run.seq and not other.aside
+                   and not other.ended and not other.stop.is_set() for other in self._running):  # fmt: skip
+                return False
+            spare = self._warm_spare() if reuse else None
+            if reuse and spare is None:  # the slot's next sample would wait for a sandbox to start: not yet
+                return False
+            run.aside = True
+            self.stragglers += 1
+            self.stats["jobs that stepped aside"] += 1
+            if spare is None:  # a sandbox per job: the slot's next starts under a free uid
+                self._uid_of[run.slot] = self._free_uids.pop()
+            else:  # the spare becomes the slot's, with its uid; the next spare starts under a free one
+                self._idle[run.slot], self._spare = spare, None
+                self._uid_of[run.slot], self._spare_uid = self._spare_uid, self._free_uids.pop()
+        if reuse:
+            self._start_spare(level)
+        self._give(run.slot)
+        self._capacity_grew()
+        return True
+
+    def _stop(self, run: _Running) -> None:
+        run.stop.set()
+        with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
+            if run in self._running and run.box is not None:
+                run.box.wake()
+
+    def _release(self, run: _Running, outside: bool) -> None:
+        with self._lock:
+            aside = run.aside
+            self.stragglers -= aside
+        if not aside:  # an aside job's slot was given on when it stepped aside
+            self._give(run.slot)
         with self._lock:
             self._busy -= 1
             last = self._closed and self._busy == 0
@@ -477,6 +571,9 @@ class Sandbox:
 
     def _outside_ended(self) -> None:
         self.held_outside -= 1
+        self._capacity_grew()
+
+    def _capacity_grew(self) -> None:
         for callback in self._capacity_listeners:
             try:
                 callback()
@@ -621,26 +718,32 @@ class Sandbox:
         result.sandbox, result.nth = box.serial, box.served
         return result, reply
 
-    def _serve(self, level: Level, job: Job, slot: int, stop: threading.Event) -> JobResult:
-        """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``stop``
-        set: its caller took the job back, and its program is stopped (``_stop``) or never starts."""
+    def _serve(self, level: Level, job: Job, run: _Running) -> JobResult:
+        """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``run.stop``
+        set: its caller took the job back, and its program is stopped (``_stop``) or never starts. A job that stepped
+        aside meanwhile retires its sandbox, and gives its uid back once the sandbox is gone."""
         lim = job.limits or self.limits
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
+        slot, stop = run.slot, run.stop
         box = self._take(slot) if reuse else None
+        if reuse:
+            self._start_spare(level)  # the spare taken (or never up) is replaced now, not when a job ends
         fresh = box is None
         if box is None:
             box = self._spawn(level, self._uid_of[slot], lim.tmp_mb)
         try:
-            result, reply = self._exchange_in(slot, stop, box, job, fresh)
+            result, reply = self._exchange_in(run, box, job, fresh)
             if not fresh and reply.final is None and not reply.records and not reply.timed_out and not stop.is_set():
                 # A warm sandbox that died while it waited (killed from outside) ran nothing: start one for the job.
                 box.kill()
                 with self._lock:
                     self.stats["retired: died while warm"] += 1
-                box, fresh = self._spawn(level, self._uid_of[slot], lim.tmp_mb), True
-                result, reply = self._exchange_in(slot, stop, box, job, fresh)
+                    uid = self._uid_of[slot] if run.uid is None else run.uid  # its own, if it stepped aside
+                box, fresh = self._spawn(level, uid, lim.tmp_mb), True
+                result, reply = self._exchange_in(run, box, job, fresh)
         except BaseException:
             box.kill()
+            self._uid_back(run)
             raise
         if stop.is_set():  # only what the runner reported counts: the rest was not run
             if reply.final is None:
@@ -651,42 +754,53 @@ class Sandbox:
         else:
             why = self._retire_reason(box, result.runs, reply) if reuse else "single use"
         with self._lock:
+            run.ended = True
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
-            keep = why is None and not self._closed
+            keep = why is None and not self._closed and not run.aside
             if keep:
                 self._idle[slot] = box
             else:
-                self.stats[f"retired: {why or 'pool closed'}"] += 1
+                self.stats[f"retired: {why or ('stepped aside' if run.aside else 'pool closed')}"] += 1
             if reply.stop_s is not None:
                 self.stats["jobs stopped"] += 1
-                cost = reply.stop_s + (0.0 if keep else self.start_s)
+                cost = reply.stop_s + (0.0 if keep or run.aside else self.start_s)
                 self.stop_s += 0.2 * (cost - self.stop_s)
         if not keep:
             box.kill()
-            if reuse:
+            if run.aside:
+                self._uid_back(run)
+            elif reuse:
                 self._start_ahead(level, slot)
         if reuse:
             self._start_spare(level)
         return result
 
-    def _exchange_in(
-        self, slot: int, stop: threading.Event, box: SandboxProcess, job: Job, fresh: bool
-    ) -> tuple[JobResult, Reply]:
-        """The job's exchange in the slot's sandbox, which ``_stop`` stops meanwhile if the job is taken back; a
-        job taken back before it started runs nothing (a warm sandbox stays warm)."""
+    def _uid_back(self, run: _Running) -> None:
+        """A job that stepped aside, its sandbox gone: its uid may serve another sandbox."""
         with self._lock:
-            stopped = stop.is_set()
+            if run.aside and run.uid is not None:
+                self._free_uids.append(run.uid)
+                run.uid = None
+
+    def _exchange_in(self, run: _Running, box: SandboxProcess, job: Job, fresh: bool) -> tuple[JobResult, Reply]:
+        """The job's exchange in its sandbox, which ``_stop`` stops meanwhile if the job is taken back; a job taken
+        back before it started runs nothing (a warm sandbox stays warm)."""
+        with self._lock:
+            stopped = run.stop.is_set()
             if not stopped:
-                self._running[slot] = (stop, box)
+                run.box = box
+                if run.uid is None:  # the slot's uid is its sandbox's until the job steps aside
+                    run.uid = self._uid_of[run.slot]
+                self._running.add(run)
         if stopped:
             gone = JobResult([TestRun("sandbox_error", stderr="taken back before it started")])
             return gone, Reply(final=None if fresh else {"clean": True})
         try:
-            return self._exchange(box, job, fresh, stop)
+            return self._exchange(box, job, fresh, run.stop)
         finally:
             with self._lock:
-                self._running.pop(slot, None)
+                self._running.discard(run)
 
     def _retire_reason(self, box: SandboxProcess, runs: list[TestRun], reply: Reply) -> str | None:
         if reply.final is None:

@@ -142,9 +142,12 @@ class CodeSource(RewardSource):
     def capacity(self) -> Capacity:
         """The pool's slots, less those held by jobs from outside the pipeline (the server's /run_code). Preemptible:
         a program can be run again from the start, at the cost of the time it ran and of its sandbox's reset (the
-        runner kills it and resets the sandbox, which then serves the slot's next job)."""
-        return Capacity(self.sandbox.workers, "sandbox slots", "sample", held_elsewhere=self.sandbox.held_outside,
-                        preemptible=True, stop_cost_s=self.sandbox.stop_s)  # fmt: skip
+        runner kills it and resets the sandbox, which then serves the slot's next job). A program past the
+        straggler time while every slot is taken steps aside (runs on in its own sandbox, beside the slots): the
+        slots grow by one while it runs, and it is never stopped for another tenant."""
+        box = self.sandbox
+        return Capacity(box.slots, "sandbox slots", "sample", held_elsewhere=box.held_outside, preemptible=True,
+                        stop_cost_s=box.stop_s, aside=box.stragglers)  # fmt: skip
 
     def on_capacity(self, wake: Callable[[], None]) -> None:
         self.sandbox.on_capacity(wake)

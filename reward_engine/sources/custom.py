@@ -140,7 +140,7 @@ class FunctionSource(RewardSource):
         """Per sample: the worker processes (plus a spare for each slow call that stepped aside), the threads, or
         the calls in flight on the event loop."""
         if self.pool is not None:
-            return Capacity(self.pool.slots, "worker processes", "sample")
+            return Capacity(self.pool.slots, "worker processes", "sample", aside=self.pool.stragglers)
         if self._mode == "thread":
             return Capacity(self.max_workers, "threads", "sample")
         return Capacity(self.max_concurrency, "calls in flight on the event loop", "sample")

@@ -405,7 +405,7 @@ class RuleSource(RewardSource):
         """Isolated: per sample, the worker processes (plus a spare for each slow call that stepped aside).
         Inline: no limit, a batch runs on the event loop as it is handed over."""
         if self.pool is not None:
-            return Capacity(self.pool.slots, "worker processes", "sample")
+            return Capacity(self.pool.slots, "worker processes", "sample", aside=self.pool.stragglers)
         return Capacity()
 
     def on_capacity(self, wake: Callable[[], None]) -> None:

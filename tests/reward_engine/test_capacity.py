@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import time
 from collections import Counter
@@ -271,6 +272,7 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
     source = {"type": "code", "workers": 2, "timeout_s": 300}
     async with pipeline_of(source, None) as pipeline:
         sandbox = pipeline.sources[0].source.sandbox
+        sandbox.straggler_after_s = math.inf  # A's programs hold their slots (none steps aside)
         starts = Starts(pipeline, workers=lambda: sandbox.workers)
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
         # A has flooded a while (ten programs scored) before its programs hang.
@@ -278,7 +280,7 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
                     for i in range(16)]  # fmt: skip
         await eventually(lambda: sum(f.done() for f in flooding) == 10 and len(sandbox._running) == 2,
                          "A's first programs scored, and its next run in both slots")  # fmt: skip
-        boxes = {box.serial for _, box in sandbox._running.values()}
+        boxes = {run.box.serial for run in sandbox._running if run.box}
         step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
@@ -289,7 +291,42 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
         a_starts = lambda: Counter(sid for tenant, sid in starts.order if tenant == "a")  # noqa: E731
         await eventually(lambda: sorted(a_starts().values()) == [1] * 10 + [2] * 2, "the stopped samples restarted")
         await eventually(lambda: len(sandbox._running) == 2, "A's programs run again in both slots")
-        assert {box.serial for _, box in sandbox._running.values()} <= boxes
+        assert {run.box.serial for run in sandbox._running if run.box} <= boxes
+        await batcher.close(drain=False)
+        await asyncio.gather(*flooding, return_exceptions=True)
+    assert Counter(sid for tenant, sid in starts.order if tenant == "b") == Counter(f"b{i}" for i in range(STEP))
+    assert starts.over == [], starts.over
+
+
+@needs_bwrap
+async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_stopped_for_another_tenant() -> None:
+    """A's programs hang far past the straggler time (1 s here) with more of A's queued: each steps aside once past
+    it (it runs on in its own sandbox, under a uid of its own, and the pool's capacity grows by one), up to the
+    pool's stragglers, and A's next programs take the two slots. B's step, sent then, stops only A's programs in the
+    two slots that serve, once each: the stragglers run on, unstopped, while B's samples are scored in the slots. No
+    two live sandboxes share a uid, and the source never had more started than its slots at that moment."""
+    source = {"type": "code", "workers": 2, "timeout_s": 300}
+    async with pipeline_of(source, None) as pipeline:
+        sandbox = pipeline.sources[0].source.sandbox
+        starts = Starts(pipeline, workers=lambda: sandbox.slots)
+        batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
+        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(200), ONE_TEST), tenant=a) for i in range(12)]
+        most = sandbox.max_stragglers
+        await eventually(lambda: sandbox.stragglers == most and len(sandbox._running) == most + 2,
+                         "A's programs stepped aside, and A's next run in both slots")  # fmt: skip
+        assert pipeline.limits().samples == pipeline.limits().aside + 2 == most + 2
+        aside = [run for run in sandbox._running if run.aside]
+        with sandbox._lock:
+            uids = [*(run.uid for run in aside), *sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
+        assert sorted(uids) == list(range(2 + 1 + most)), uids  # every uid held once, none shared
+        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+        results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
+        assert [r.output.score for r in results] == [1.0] * STEP
+        assert batcher.preemptions == 2 and sandbox.stats["jobs stopped"] == 2  # the two serving slots, once each
+        assert not any(run.ended or run.stop.is_set() for run in aside)  # the stragglers run on, unstopped
+        assert sandbox.stats["jobs that stepped aside"] == most
+        a_starts = lambda: Counter(sid for tenant, sid in starts.order if tenant == "a")  # noqa: E731
+        await eventually(lambda: sorted(a_starts().values()) == [1] * most + [2] * 2, "the stopped samples restarted")
         await batcher.close(drain=False)
         await asyncio.gather(*flooding, return_exceptions=True)
     assert Counter(sid for tenant, sid in starts.order if tenant == "b") == Counter(f"b{i}" for i in range(STEP))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,12 +20,12 @@ from rewardmesh.demo.code_problems import PROBLEMS
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.isolation import WORKER_NICENESS
 from rewardmesh.reward_engine.sandbox import levels
-from rewardmesh.reward_engine.sandbox.executor import JobResult, SandboxUnavailable
+from rewardmesh.reward_engine.sandbox.executor import Job, JobResult, SandboxUnavailable
 from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, outcome, plan, stdout_matches
 from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, holds_for
 
 MakeSource = Callable[..., CodeSource]
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
@@ -356,10 +357,12 @@ async def test_a_stopped_sample_leaves_nothing_and_its_sandbox_serves_the_next(
     hang = f"import subprocess\nsubprocess.Popen({marker!r})\ntime.sleep(300)"
     program = LEAVER.replace("print(' '.join(made))", hang)
     sandbox = src.sandbox
+    sandbox.straggler_after_s = math.inf  # its one slot stays its own however long it takes to start (no step aside)
     claim = sandbox.claim()
     job = asyncio.create_task(sandbox.run(job_of(plan(program, NOTHING), sandbox.python), claim))
     await eventually(lambda: len(_processes_with(marker)) == 1, "the program and its child run")
-    [(_, box)] = sandbox._running.values()
+    [box] = [run.box for run in sandbox._running]
+    assert box is not None
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
@@ -373,6 +376,46 @@ async def test_a_stopped_sample_leaves_nothing_and_its_sandbox_serves_the_next(
     assert late.timed_out and not late.records and late.final is None
     looked, outcomes = await _sample(src, LOOKER, NOTHING)
     assert outcomes == ["passed"] and looked.sandbox == box.serial, looked.runs[0].stderr
+
+
+@needs_bwrap
+async def test_a_job_past_its_straggler_time_steps_aside_and_gives_its_uid_back_when_it_ends(
+    code_source: MakeSource,
+) -> None:
+    """Two slots; pipeline jobs that hang until their 4 s budget. Alone past the straggler time (0.4 s), the first
+    keeps its slot: the other is free. Once the second takes that, the first (claimed first) steps aside: the pool's
+    capacity grows by one (its listeners hear it) and a slot is free at once for the next job, which runs in the
+    spare's sandbox while the first runs on. Each hanging job ends at its budget, a timeout, never a pass; the
+    sandboxes of both are retired, every uid is free or held once again, and the capacity is back to the slots."""
+    src = code_source(timeout_s=4.0, workers=2)
+    sandbox = src.sandbox
+    await sandbox.prestart()
+    grew: list[int] = []
+    sandbox.on_capacity(lambda: grew.append(sandbox.slots))
+
+    def job(program: str) -> Job:
+        return job_of(plan(program, NOTHING), sandbox.python)
+
+    hang = "import time\ntime.sleep(60)"
+    first = asyncio.create_task(sandbox.run(job(hang), sandbox.claim()))
+    await holds_for(lambda: sandbox.stragglers == 0, "alone past its straggler time, it keeps its slot", 0.8)
+    second = asyncio.create_task(sandbox.run(job(hang), sandbox.claim()))
+    await eventually(lambda: sandbox.stragglers == 1, "the first stepped aside")
+    [aside] = [run for run in sandbox._running if run.aside]
+    assert aside.seq == min(run.seq or 0 for run in sandbox._running)  # the one claimed first
+    assert grew == [3] and sandbox.slots == 3
+    claim = sandbox.claim()
+    assert claim.slot.done() and not first.done()  # a slot at once, while the first runs on
+    echoed = await asyncio.wait_for(sandbox.run(job("print('nothing')"), claim), 60)
+    assert [r.status for r in echoed.runs] == ["exited"] and echoed.runs[0].stdout.strip() == "nothing"
+    hung = await asyncio.wait_for(asyncio.gather(first, second), 60)
+    assert [[r.status for r in result.runs] for result in hung] == [["timeout"], ["timeout"]]
+    assert hung[0].sandbox != echoed.sandbox
+    await eventually(lambda: sandbox.stragglers == 0, "the stragglers ended")
+    assert sandbox.slots == 2 and sandbox.stats["retired: a test hit a limit"] == 2
+    with sandbox._lock:
+        uids = [*sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
+    assert sorted(uids) == list(range(2 + 1 + sandbox.max_stragglers)), uids
 
 
 @pytest.mark.parametrize("level", LEVELS)
