@@ -768,7 +768,7 @@ class DynamicBatcher:
         if head is None:
             return
         serving = lim.samples - lim.aside
-        running = [it for it in self._apart if it not in self._preempting]
+        running = [it for it in self._apart if it not in self._preempting and not self._apart[it][0].done()]
         aside = set(sorted(running, key=lambda it: self._apart[it][1])[: lim.aside])  # the oldest: see Capacity.aside
         held: dict[Tenant, int] = {}
         for it in self._apart:

@@ -138,8 +138,8 @@ class Capacity:
     started sample costs besides the time it ran (its sandbox's reset): one is stopped only when it can be
     expected to run longer than that still. ``aside``: of the ``slots``, how many are held by slow samples that
     stepped aside (a straggler runs on beside the slots that keep serving, each of which grew the capacity by one):
-    the oldest started samples not being stopped, as many (samples step aside in the order they started); a stop
-    never takes one of them, since its slot would not go to another.
+    the oldest started samples still running and not being stopped, as many (samples step aside in the order they
+    started); a stop never takes one of them, since its slot would not go to another.
     """
 
     slots: int = 0

@@ -231,11 +231,12 @@ class _Running:
     its sandbox and that sandbox's uid once it runs (under the pool's lock), whether it stepped aside (its slot given
     on, its sandbox retired when it ends), and whether it has ended."""
 
-    __slots__ = ("aside", "box", "ended", "seq", "slot", "stop", "uid")
+    __slots__ = ("aside", "box", "ended", "holders", "seq", "slot", "stop", "uid")
 
     def __init__(self, slot: int, seq: int | None) -> None:
         self.slot = slot
         self.seq = seq
+        self.holders = 2  # its thread and its caller: an aside job leaves the stragglers when both are done
         self.stop = threading.Event()
         self.box: SandboxProcess | None = None
         self.uid: int | None = None
@@ -506,6 +507,10 @@ class Sandbox:
             if not outside:
                 self._stop(run)
             raise
+        finally:
+            # An aside job leaves the stragglers with its caller (its pipeline sample ends in the same step), not
+            # before: while it counts in ``slots`` as aside, the sample is running or done, never neither.
+            self._let_go(run)
 
     async def _watch(self, future: asyncio.Future[JobResult], run: _Running, level: Level) -> None:
         """Until the job ends or steps aside: once it has run past the straggler time, it steps aside as soon as
@@ -555,11 +560,16 @@ class Sandbox:
             if run in self._running and run.box is not None:
                 run.box.wake()
 
-    def _release(self, run: _Running, outside: bool) -> None:
+    def _let_go(self, run: _Running) -> None:
+        """The job's thread or its caller is done; once both are, an aside job no longer runs beside the slots."""
         with self._lock:
-            aside = run.aside
-            self.stragglers -= aside
-        if not aside:  # an aside job's slot was given on when it stepped aside
+            run.holders -= 1
+            if run.aside and not run.holders:
+                self.stragglers -= 1
+
+    def _release(self, run: _Running, outside: bool) -> None:
+        self._let_go(run)
+        if not run.aside:  # an aside job's slot was given on when it stepped aside
             self._give(run.slot)
         with self._lock:
             self._busy -= 1
