@@ -179,7 +179,8 @@ async def flood_then_step(
 @pytest.mark.parametrize(
     ("fields", "named"),
     [({"slots": -1}, "slots"), ({"per": "token"}, "per"), ({"held_elsewhere": -1}, "held_elsewhere"),
-     ({"stop_cost_s": -0.1}, "stop_cost_s"), ({"stop_cost_s": float("nan")}, "stop_cost_s")],
+     ({"stop_cost_s": -0.1}, "stop_cost_s"), ({"stop_cost_s": float("nan")}, "stop_cost_s"),
+     ({"slots": 2, "aside": 3}, "aside"), ({"slots": 2, "aside": -1}, "aside")],
 )  # fmt: skip
 def test_a_source_capacity_that_cannot_be_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=f"capacity: {named}"):
