@@ -24,11 +24,11 @@ serving, each holding one sandbox, its own, and the pool's capacity (``slots``) 
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
-runs as root, each sandbox runs as an unprivileged uid of its own (``uid_base + n``, n below ``workers + 1``, set
-with util-linux ``setpriv``), so a program cannot signal or read anything of the server's or of another sandbox's
-even outside the namespaces. A uid belongs to a sandbox, not to a slot: when a slot takes the spare, the two swap
-uids, and a job that steps aside keeps its sandbox's uid while the next spare takes one of the ``max_stragglers``
-more (n below ``workers + 1 + max_stragglers``), so no two live sandboxes ever share one.
+runs as root, each sandbox runs as an unprivileged uid of its own (``uid_base + n``, with n below
+``workers + 1 + max_stragglers``, set with util-linux ``setpriv``), so a program cannot signal or read anything of
+the server's or of another sandbox's even outside the namespaces. A uid belongs to a sandbox, not to a slot: when
+a slot takes the spare, the two swap uids, and a job that steps aside keeps its sandbox's uid while the next spare
+takes one of the ``max_stragglers`` more, so no two live sandboxes ever share one.
 
 Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
 batcher claims its samples' slots as it hands them over (``claim``), within the slots free for it; any other job
@@ -324,8 +324,9 @@ class Sandbox:
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
         self._spare: SandboxProcess | None = None  # warm, for a slot whose next sandbox is not up yet
         self._spare_starting: Future[SandboxProcess | None] | None = None
-        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid; a slot whose job
-        # stepped aside takes one of _free_uids (the job's sandbox keeps its own, given back once that sandbox is gone).
+        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid. When a job steps
+        # aside, the next spare (with a sandbox per job, the slot) takes one of _free_uids; the job's sandbox keeps its
+        # own, given back once that sandbox is gone.
         self._uid_of = list(range(self.workers))
         self._spare_uid = self.workers
         self._free_uids = list(range(self.workers + 1, self.workers + 1 + self.max_stragglers))

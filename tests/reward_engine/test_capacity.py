@@ -86,6 +86,10 @@ class Starts:
     def ids(self) -> set[str]:
         return {sid for _, sid in self.order}
 
+    def of(self, tenant: str) -> Counter[str]:
+        """How many times each of `tenant`'s samples started."""
+        return Counter(sid for name, sid in self.order if name == tenant)
+
 
 def a_before_each_b(order: list[str]) -> list[int]:
     """For each of B's samples, in start order: how many of A's started before it (in `order`, tenants' names)."""
@@ -289,13 +293,12 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
         assert batcher.preemptions == 2 and sandbox.stats["jobs stopped"] == 2  # both slots, once each
         assert not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
         assert sandbox.stats["jobs in the spare sandbox"] == 0  # the stopped programs' sandboxes served B's
-        a_starts = lambda: Counter(sid for tenant, sid in starts.order if tenant == "a")  # noqa: E731
-        await eventually(lambda: sorted(a_starts().values()) == [1] * 10 + [2] * 2, "the stopped samples restarted")
+        await eventually(lambda: sorted(starts.of("a").values()) == [1] * 10 + [2] * 2, "the stopped samples restarted")
         await eventually(lambda: len(sandbox._running) == 2, "A's programs run again in both slots")
         assert {run.box.serial for run in sandbox._running if run.box} <= boxes
         await batcher.close(drain=False)
         await asyncio.gather(*flooding, return_exceptions=True)
-    assert Counter(sid for tenant, sid in starts.order if tenant == "b") == Counter(f"b{i}" for i in range(STEP))
+    assert starts.of("b") == Counter(f"b{i}" for i in range(STEP))
     assert starts.over == [], starts.over
 
 
@@ -326,11 +329,11 @@ async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_st
         assert batcher.preemptions == 2 and sandbox.stats["jobs stopped"] == 2  # the two serving slots, once each
         assert not any(run.ended or run.stop.is_set() for run in aside)  # the stragglers run on, unstopped
         assert sandbox.stats["jobs that stepped aside"] == most
-        a_starts = lambda: Counter(sid for tenant, sid in starts.order if tenant == "a")  # noqa: E731
-        await eventually(lambda: sorted(a_starts().values()) == [1] * most + [2] * 2, "the stopped samples restarted")
+        await eventually(lambda: sorted(starts.of("a").values()) == [1] * most + [2] * 2,
+                         "the stopped samples restarted")  # fmt: skip
         await batcher.close(drain=False)
         await asyncio.gather(*flooding, return_exceptions=True)
-    assert Counter(sid for tenant, sid in starts.order if tenant == "b") == Counter(f"b{i}" for i in range(STEP))
+    assert starts.of("b") == Counter(f"b{i}" for i in range(STEP))
     assert starts.over == [], starts.over
 
 
