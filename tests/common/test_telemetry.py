@@ -554,7 +554,7 @@ async def test_a_failure_sent_without_its_traceparent_is_exported_when_its_sende
 
 
 async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
-    telemetry: Telemetry, written: Callable[[], dict[str, Any]]
+    telemetry: Telemetry, written: Callable[[], dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A sample that failed inside a batch, kept after the fact: its error span under its sender's span, and the
     batch's span, which the failure exports as the batch's first kept member, links it (a failure drew its
@@ -563,8 +563,12 @@ async def test_a_member_that_failed_in_its_batch_is_kept_with_that_batch(
 
     from rewardmesh.client.reward_client import RewardClient
     from rewardmesh.common.flight_recorder import new_span_id, new_trace_id, traceparent
+    from rewardmesh.reward_engine import batcher as batching
     from tests.support.servers import sample
 
+    # An inline batch holds the loop about INLINE_BATCH_S at the measured cost per sample: a second of it fits four
+    # of these samples on any host, however slow (at 1 ms, four fit only where a sample costs under 0.25 ms).
+    monkeypatch.setattr(batching, "INLINE_BATCH_S", 1.0)
     # A batched source (a rule inline: samples of a per-sample source are each answered apart, as a batch of one);
     # `auto` fails the sample whose data_source it does not know.
     rule = {"type": "rule", "rule": "auto", "isolation": "inline"}
