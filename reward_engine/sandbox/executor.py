@@ -9,10 +9,12 @@ is replaced in the background, so the next job of its slot finds one warm; a job
 replacement is up takes the pool's one spare warm sandbox instead, and the replacement becomes the spare.
 
 A pipeline's job whose caller is cancelled (the batcher stops it for another tenant's sample, or shuts down) is
-stopped at once: the runner kills its program and resets the sandbox as after any job, and the slot, with its
-sandbox, serves the next job. A stop thus costs a reset (``stop_s``, timed), not a sandbox start; a sandbox whose
-runner does not reset in time (``process.STOP_S``), or is not clean after it, is retired as usual. A job from
-outside the pipeline runs on within its budget when its caller goes away.
+stopped at once: the runner kills its program and resets the sandbox as after any job. While the spare is warm, the
+slot takes it and serves the next job at once, and the stopped sandbox, once reset and clean, is the next spare;
+else the slot, with its sandbox, serves the next job once reset. A stop thus costs the slot nothing or a reset
+(``stop_s``, timed), not a sandbox start; a sandbox whose runner does not reset in time (``process.STOP_S``), or is
+not clean after it, is retired as usual. A job from outside the pipeline runs on within its budget when its caller
+goes away.
 
 A pipeline's job that has run past the straggler time (a tenth of its time limit per test, at most 1 s) while
 every slot is taken steps aside: it runs on in its sandbox, under its uid, to its end or its budget, and gives its
@@ -229,9 +231,9 @@ def result_of(job: Job, reply: Reply, exit_status: int | None, stderr: bytes, wa
 class _Running:
     """A job in a slot: its claim's place in arrival order (``seq``; None: a job from outside the pipeline), its stop,
     its sandbox and that sandbox's uid once it runs (under the pool's lock), whether it stepped aside (its slot given
-    on, its sandbox retired when it ends), and whether it has ended."""
+    on, its sandbox retired when it ends) or was stopped with its slot given the spare, and whether it has ended."""
 
-    __slots__ = ("aside", "box", "ended", "holders", "seq", "slot", "stop", "uid")
+    __slots__ = ("aside", "box", "ended", "handed", "holders", "reuse", "seq", "slot", "stop", "uid")
 
     def __init__(self, slot: int, seq: int | None) -> None:
         self.slot = slot
@@ -241,6 +243,9 @@ class _Running:
         self.box: SandboxProcess | None = None
         self.uid: int | None = None
         self.aside = False
+        # Stopped, its slot given the spare: it stands for the next spare until its sandbox's reset ends.
+        self.handed: Future[SandboxProcess | None] | None = None
+        self.reuse = False  # its sandbox may serve another job after it
         self.ended = False
 
 
@@ -539,18 +544,20 @@ class Sandbox:
                    and not other.ended and not other.stop.is_set() for other in self._running):  # fmt: skip
                 return False
             spare = self._warm_spare() if reuse else None
-            if reuse and spare is None:  # the slot's next sample would wait for a sandbox to start: not yet
-                return False
-            run.aside = True
-            self.stragglers += 1
-            self.stats["jobs that stepped aside"] += 1
-            if spare is None:  # a sandbox per job: the slot's next starts under a free uid
-                self._uid_of[run.slot] = self._free_uids.pop()
-            else:  # the spare becomes the slot's, with its uid; the next spare starts under a free one
-                self._idle[run.slot], self._spare = spare, None
-                self._uid_of[run.slot], self._spare_uid = self._spare_uid, self._free_uids.pop()
+            wait = reuse and spare is None  # the slot's next sample would wait for a sandbox to start: not yet
+            if not wait:
+                run.aside = True
+                self.stragglers += 1
+                self.stats["jobs that stepped aside"] += 1
+                if spare is None:  # a sandbox per job: the slot's next starts under a free uid
+                    self._uid_of[run.slot] = self._free_uids.pop()
+                else:  # the spare becomes the slot's, with its uid; the next spare starts under a free one
+                    self._idle[run.slot], self._spare = spare, None
+                    self._uid_of[run.slot], self._spare_uid = self._spare_uid, self._free_uids.pop()
         if reuse:
-            self._start_spare(level)
+            self._start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
+        if wait:
+            return False
         self._give(run.slot)
         self._capacity_grew()
         return True
@@ -558,8 +565,23 @@ class Sandbox:
     def _stop(self, run: _Running) -> None:
         run.stop.set()
         with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
-            if run in self._running and run.box is not None:
-                run.box.wake()
+            if run not in self._running or run.box is None:
+                return
+            run.box.wake()
+            handed = self._hand_spare(run)
+        if handed:
+            self._give(run.slot)
+
+    def _hand_spare(self, run: _Running) -> bool:
+        """A stopped job's slot serves the next claim at once with the warm spare (under the lock), instead of after
+        its sandbox's reset; that sandbox, once reset and clean, is the next spare. The two swap uids."""
+        if self._closed or run.aside or not run.reuse or run.uid is None or (spare := self._warm_spare()) is None:
+            return False
+        run.handed = Future()
+        self._idle[run.slot], self._spare, self._spare_starting = spare, None, run.handed
+        self._uid_of[run.slot], self._spare_uid = self._spare_uid, run.uid
+        self.stats["stops that gave the slot the spare"] += 1
+        return True
 
     def _let_go(self, run: _Running) -> None:
         """The job's thread or its caller is done; once both are, an aside job no longer runs beside the slots."""
@@ -570,7 +592,7 @@ class Sandbox:
 
     def _release(self, run: _Running, outside: bool) -> None:
         self._let_go(run)
-        if not run.aside:  # an aside job's slot was given on when it stepped aside
+        if not run.aside and run.handed is None:  # else its slot was given on when it stepped aside or was stopped
             self._give(run.slot)
         with self._lock:
             self._busy -= 1
@@ -640,8 +662,8 @@ class Sandbox:
     def _start_spare(self, level: Level) -> Future[SandboxProcess | None] | None:
         """Start the pool's spare in the background (None: it has one, or the pool is closed)."""
         with self._lock:
-            if self._closed or self._spare is not None or self._spare_starting is not None:
-                return None
+            if self._closed or self._warm_spare() is not None or self._spare_starting is not None:
+                return None  # a spare that died, or whose start failed, is replaced
             self._spare_starting = self._threads.submit(self._start_ready, level, self._spare_uid)
             return self._spare_starting
 
@@ -736,6 +758,7 @@ class Sandbox:
         lim = job.limits or self.limits
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
         slot, stop = run.slot, run.stop
+        run.reuse = reuse
         box = self._take(slot) if reuse else None
         if reuse:
             self._start_spare(level)  # the spare taken (or never up) is replaced now, not when a job ends
@@ -769,19 +792,28 @@ class Sandbox:
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
             keep = why is None and not self._closed and not run.aside
-            if keep:
+            if run.handed is not None:  # its slot took the spare: kept, it is the spare now; else the next spare
+                mine = self._spare_starting is run.handed  # starts below, under its uid
+                keep = keep and mine
+                if mine:
+                    self._spare, self._spare_starting = box if keep else None, None
+            elif keep:
                 self._idle[slot] = box
-            else:
+            if not keep:
                 self.stats[f"retired: {why or ('stepped aside' if run.aside else 'pool closed')}"] += 1
             if reply.stop_s is not None:
                 self.stats["jobs stopped"] += 1
-                cost = reply.stop_s + (0.0 if keep or run.aside else self.start_s)
+                # A slot that took the spare served on at once, but the next stop may find none warm: the reset
+                # is what a stop is taken to cost.
+                cost = reply.stop_s + (0.0 if keep or run.aside or run.handed else self.start_s)
                 self.stop_s += 0.2 * (cost - self.stop_s)
+        if run.handed is not None:
+            run.handed.set_result(None)
         if not keep:
             box.kill()
             if run.aside:
                 self._uid_back(run)
-            elif reuse:
+            elif reuse and run.handed is None:
                 self._start_ahead(level, slot)
         if reuse:
             self._start_spare(level)

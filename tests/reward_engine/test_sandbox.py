@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import aiohttp
@@ -20,8 +21,9 @@ from rewardmesh.demo.code_problems import PROBLEMS
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.isolation import WORKER_NICENESS
 from rewardmesh.reward_engine.sandbox import levels
-from rewardmesh.reward_engine.sandbox.executor import Job, JobResult, SandboxUnavailable
+from rewardmesh.reward_engine.sandbox.executor import Job, JobResult, Sandbox, SandboxUnavailable
 from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, outcome, plan, stdout_matches
+from rewardmesh.reward_engine.sandbox.process import SandboxProcess
 from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
@@ -330,6 +332,11 @@ async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(
         assert looked.sandbox == left.sandbox and looked.nth > left.nth, "not the same sandbox"
 
 
+def _warm_spare(sandbox: Sandbox) -> SandboxProcess | None:
+    with sandbox._lock:
+        return sandbox._warm_spare()
+
+
 def _processes_with(argv: list[str]) -> list[int]:
     """Host pids of the processes running exactly ``argv`` (the host sees into every sandbox's processes)."""
     wanted, found = ("\0".join(argv) + "\0").encode(), []
@@ -347,35 +354,120 @@ def _processes_with(argv: list[str]) -> list[int]:
 async def test_a_stopped_sample_leaves_nothing_and_its_sandbox_serves_the_next(
     level: str, code_source: MakeSource
 ) -> None:
-    """A pipeline takes back a sample whose program runs (for another tenant's): the runner kills the program and
-    everything it started, resets the sandbox, and the same sandbox serves the next sample, which finds nothing
-    left. A stop that comes after its job ended is dropped: the next job runs whole."""
+    """A pipeline takes back a sample whose program runs (for another tenant's): its slot takes the warm spare at
+    once, so the next sample runs while the runner kills the program and everything it started and resets the
+    sandbox, which becomes the spare; while the spare is still starting a stop waits for the reset and the slot's
+    sandbox serves on. The stopped program's sandbox serves a later sample, which finds nothing left, and the two
+    sandboxes never share a uid. A stop that comes after its job ended is dropped."""
     _level_or_skip(level)
     src = code_source(isolation=level, timeout_s=300.0, workers=1)
-    await src.sandbox.start()
+    sandbox = src.sandbox
+    await sandbox.prestart()  # the slot's sandbox and the spare, warm
     marker = ["sleep", "31337.5"]
     hang = f"import subprocess\nsubprocess.Popen({marker!r})\ntime.sleep(300)"
     program = LEAVER.replace("print(' '.join(made))", hang)
-    sandbox = src.sandbox
     sandbox.straggler_after_s = math.inf  # its one slot stays its own however long it takes to start (no step aside)
-    claim = sandbox.claim()
-    job = asyncio.create_task(sandbox.run(job_of(plan(program, NOTHING), sandbox.python), claim))
-    await eventually(lambda: len(_processes_with(marker)) == 1, "the program and its child run")
-    [box] = [run.box for run in sandbox._running]
-    assert box is not None
+
+    async def stopped(expected: int) -> SandboxProcess:
+        """Run the hanging program, stop it once it runs, and return its sandbox."""
+        job = asyncio.create_task(sandbox.run(job_of(plan(program, NOTHING), sandbox.python), sandbox.claim()))
+        await eventually(lambda: len(_processes_with(marker)) == 1, "the program and its child run")
+        [box] = [run.box for run in sandbox._running]
+        assert box is not None
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        await eventually(lambda: not _processes_with(marker), "the program's child is gone")
+        await eventually(lambda: sandbox.stats["jobs stopped"] == expected, "the stop is counted")
+        return box
+
+    spare = _warm_spare(sandbox)
+    assert spare is not None
+    first = await stopped(1)
+    assert sandbox.stats["stops that gave the slot the spare"] == 1
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)  # in the former spare
+    assert outcomes == ["passed"] and looked.sandbox == spare.serial, looked.runs[0].stderr
+    await eventually(lambda: sandbox._spare is first, "the stopped sandbox, reset, is the spare")
+    assert sandbox._uid_of[0] != sandbox._spare_uid
+    second = await stopped(2)  # the slot takes the first stopped sandbox
+    assert second is spare and sandbox.stats["stops that gave the slot the spare"] == 2
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
+    assert looked.sandbox == first.serial, "not the first stopped sample's sandbox"
+    await eventually(lambda: sandbox._spare is second, "the second stopped sandbox, reset, is the spare")
+    starting: Future[SandboxProcess | None] = Future()
+    with sandbox._lock:  # as if the spare were still starting: the next stop finds none warm, and waits for its reset
+        sandbox._spare, sandbox._spare_starting = None, starting
+    third = await stopped(3)
+    assert third is first and sandbox.stats["stops that gave the slot the spare"] == 2
+    starting.set_result(second)  # up now
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"] and looked.sandbox == first.serial, looked.runs[0].stderr
+    assert not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
+    late = first.exchange(b'{"stop": true}\n', "done", 0.5, 1 << 16)  # no job runs: nothing answers it
+    assert late.timed_out and not late.records and late.final is None
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"] and looked.sandbox == first.serial, looked.runs[0].stderr
+
+
+@needs_bwrap
+async def test_a_stopped_sandbox_that_gave_its_slot_the_spare_and_is_retired_gives_the_next_spare_its_uid(
+    code_source: MakeSource,
+) -> None:
+    """A sandbox that serves two samples: the second, a hanging program, is stopped, and its slot takes the warm
+    spare at once. The stopped sandbox has served its samples, so it is retired instead of becoming the spare; the
+    next spare starts under its uid, and no two live sandboxes share one."""
+    src = code_source(timeout_s=300.0, workers=1, samples_per_sandbox=2)
+    sandbox = src.sandbox
+    await sandbox.prestart()
+    sandbox.straggler_after_s = math.inf
+    first, _ = await _sample(src, LOOKER, NOTHING)
+    hang = job_of(plan("import time\ntime.sleep(300)", NOTHING), sandbox.python)
+    job = asyncio.create_task(sandbox.run(hang, sandbox.claim()))  # a pipeline's job: stopped when taken back
+    await eventually(lambda: len(sandbox._running) == 1, "the hanging program runs")
+    [run] = sandbox._running
+    assert run.box is not None and run.box.serial == first.sandbox and run.uid is not None
+    stopped_uid = run.uid
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
-    await eventually(lambda: not _processes_with(marker), "the program's child is gone")
-    await eventually(lambda: sandbox.stats["jobs stopped"] == 1, "the stop is counted")
-    assert not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
-    looked, outcomes = await _sample(src, LOOKER, NOTHING)
-    assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
-    assert looked.sandbox == box.serial, "not the stopped sample's sandbox"
-    late = box.exchange(b'{"stop": true}\n', "done", 0.5, 1 << 16)  # no job runs: nothing answers it
-    assert late.timed_out and not late.records and late.final is None
-    looked, outcomes = await _sample(src, LOOKER, NOTHING)
-    assert outcomes == ["passed"] and looked.sandbox == box.serial, looked.runs[0].stderr
+    await eventually(lambda: sandbox.stats["retired: served its samples"] == 1, "the stopped sandbox is retired")
+    assert sandbox.stats["stops that gave the slot the spare"] == 1
+    await eventually(lambda: _warm_spare(sandbox) is not None, "the next spare is up")
+    assert sandbox._spare_uid == stopped_uid and sandbox._uid_of[0] != stopped_uid
+    looked, outcomes = await _sample(src, LOOKER, NOTHING)  # in the former spare, now the slot's
+    assert outcomes == ["passed"] and looked.sandbox != first.sandbox, looked.runs[0].stderr
+
+
+@needs_bwrap
+async def test_a_job_past_its_straggler_time_whose_spare_died_steps_aside_once_a_new_spare_is_up(
+    code_source: MakeSource,
+) -> None:
+    """The pool's spare dies while a hanging job holds the only slot. Past its straggler time the job may step aside
+    only into a warm spare, so the pool starts a new one, and the job steps aside once it is up; every uid is held
+    once."""
+    src = code_source(timeout_s=300.0, workers=1)
+    sandbox = src.sandbox
+    await sandbox.prestart()
+    sandbox.straggler_after_s, most = 0.2, sandbox.max_stragglers
+    sandbox.max_stragglers = 0  # none steps aside until the spare is dead
+    hang = job_of(plan("import time\ntime.sleep(300)", NOTHING), sandbox.python)
+    job = asyncio.create_task(sandbox.run(hang, sandbox.claim()))
+    await eventually(lambda: len(sandbox._running) == 1, "the hanging program runs")
+    spare = _warm_spare(sandbox)
+    assert spare is not None
+    spare.kill()
+    sandbox.max_stragglers = most
+    await eventually(lambda: sandbox.stats["jobs that stepped aside"] == 1, "the job stepped aside")
+    assert sandbox.slots == 2
+    [run] = sandbox._running
+    assert run.uid is not None
+    with sandbox._lock:
+        uids = [run.uid, *sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
+    assert sorted(uids) == list(range(1 + 1 + sandbox.max_stragglers)), uids
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
 
 
 @needs_bwrap
