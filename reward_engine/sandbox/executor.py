@@ -792,8 +792,10 @@ class Sandbox:
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
             keep = why is None and not self._closed and not run.aside
-            if run.handed is not None:  # its slot took the spare: kept, it is the spare now; else the next spare
-                mine = self._spare_starting is run.handed  # starts below, under its uid
+            if run.handed is not None:
+                # Its slot took the spare: kept, this sandbox is the spare now; retired, the next spare starts below,
+                # under its uid. It stands for the spare until now (nothing else replaces that while it resets).
+                mine = self._spare_starting is run.handed
                 keep = keep and mine
                 if mine:
                     self._spare, self._spare_starting = box if keep else None, None
@@ -805,7 +807,7 @@ class Sandbox:
                 self.stats["jobs stopped"] += 1
                 # A slot that took the spare served on at once, but the next stop may find none warm: the reset
                 # is what a stop is taken to cost.
-                cost = reply.stop_s + (0.0 if keep or run.aside or run.handed else self.start_s)
+                cost = reply.stop_s + (0.0 if keep or run.aside or run.handed is not None else self.start_s)
                 self.stop_s += 0.2 * (cost - self.stop_s)
         if run.handed is not None:
             run.handed.set_result(None)
