@@ -987,15 +987,17 @@ class DynamicBatcher:
                     self._requeue(it)  # before its slot frees: the next in fair order takes it
                     self._release(1)
                     return
+            # What it took is learnt and charged before its slot frees: the next hand-over judges step deadlines
+            # by the service time and picks its tenant by virtual time.
+            end = time.monotonic()
+            self._learn(end - start)
+            self._usual[it.tenant] = _moving_average(self._usual.get(it.tenant, end - start), end - start)
+            self._charge(it, end - start)
             self._release(1)  # its slot was held until now
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")
             else:
                 outcome = fut.exception() or fut.result()
-            end = time.monotonic()
-            self._learn(end - start)
-            self._usual[it.tenant] = _moving_average(self._usual.get(it.tenant, end - start), end - start)
-            self._charge(it, end - start)
             if self._on_batch is not None:
                 with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result
                     self._on_batch(BatchInfo(size=1, padded_tokens=it.tokens, real_tokens=it.tokens,

@@ -337,3 +337,22 @@ async def test_a_sample_that_can_no_longer_make_its_step_deadline_when_it_would_
     await running
     assert rec.batches == [["running"]]
     await b.close()
+
+
+async def test_a_sample_answered_apart_teaches_its_time_before_its_slot_frees() -> None:
+    """The first sample of a per-sample source to end frees its slot only once what it took is learnt: the sample
+    queued behind it, whose step deadline is nearer than that, is answered DEADLINE_EXCEEDED and never starts."""
+    source = Apart()
+    b = DynamicBatcher(source, BatcherConfig(max_batch_size=1), limits=lambda: StartLimits(samples=1))
+    first = b.enqueue(inp("first"))
+    await eventually(lambda: source.started == ["first"], "the first sample starts")
+    held = time.monotonic()
+    await eventually(lambda: time.monotonic() - held >= 0.6, "the first sample has held its slot 0.6 s")
+    hopeless = b.enqueue(inp("hopeless"), due=time.monotonic() + 0.5)  # nothing has ended yet: scoring took ~0
+    source.finish("first")
+    await first
+    await eventually(lambda: hopeless.done() or len(source.started) > 1, "the next sample answered or started")
+    assert source.started == ["first"] and b.service_s >= 0.6
+    with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
+        await hopeless
+    await b.close()
