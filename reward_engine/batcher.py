@@ -728,7 +728,7 @@ class DynamicBatcher:
         queue = self._queue
         window = room * 4
         candidates: list[tuple[Lane[Ticket], Ticket]] = []
-        for lane, item in queue.fair_order(window):
+        for lane, item in queue.fair_order(window, end_with_first=True):
             if item.finished:
                 self._leave(item)
             else:

@@ -11,6 +11,7 @@ import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, StartLimits
+from rewardmesh.reward_engine.fair_queue import Tenant
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually, holds_for
 
@@ -98,6 +99,26 @@ async def test_length_aware_grouping_keeps_oldest_and_groups_similar_lengths() -
     await asyncio.gather(blocker, *tasks)
     assert rec.batches[1] == ["x10", "x11", "x12"]  # oldest (x10) plus its nearest lengths
     assert rec.batches[2] == ["y100", "y101", "y102"]
+    await b.close()
+
+
+async def test_a_small_step_that_comes_first_in_fair_order_is_a_batch_of_its_own_whatever_its_lengths() -> None:
+    """Length-aware grouping never splits a tenant's step that comes first (back from idle, with credit) among a
+    flooder's samples nearer in length: the batch ends with that tenant's queued samples."""
+    rec = Recorder()
+    b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
+    flooder, step = Tenant("flooder"), Tenant("step")
+    await asyncio.gather(*(b.enqueue(inp(f"w{i}", 10), tenant=flooder) for i in range(40)))  # the flooder has had 40
+    rec.gate, rec.batches = asyncio.Event(), []
+    blocker = b.enqueue(inp("blocker"), tenant=flooder)
+    await eventually(lambda: rec.active == 1, "the flooder's first batch computes; the queue now fills")
+    flood = [b.enqueue(inp(f"a{i}", 10), tenant=flooder) for i in range(40)]
+    lengths = {"b0": 10, "b1": 50, "b2": 60, "b3": 70}  # b0 is nearer in length to the flood than to b1-b3
+    small = [b.enqueue(inp(sid, tokens), tenant=step) for sid, tokens in lengths.items()]
+    rec.gate.set()
+    await asyncio.gather(blocker, *flood, *small)
+    assert rec.batches[1] == ["b0", "b1", "b2", "b3"]
+    assert sorted(sum(rec.batches[2:], [])) == sorted(f"a{i}" for i in range(40))
     await b.close()
 
 

@@ -636,11 +636,12 @@ async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
         assert pipeline.limits().batches == 1  # on the CPU: nothing to overlap, no batch staged behind the one held
         with model_held(pipeline) as release:
             starts, mark, hopeless = await flood_then_step(pipeline, lambda t, i: sample(f"{t}{i}"), 400, release)
-    # On the CPU one batch in flight (on an accelerator two: one computing, one staged): B's whole step goes in the
-    # first batch handed over after it arrived; before it, only what was handed over before B arrived.
+    # On the CPU one batch in flight (on an accelerator two: one computing, one staged): B's whole step is the first
+    # batch handed over after it arrived, a batch of its own (it ends with B's queued samples, none of A's filling
+    # it: B's step computes as it would alone); before it, only what was handed over before B arrived.
     first = next(k for k, batch in enumerate(starts.batches) if any(tenant == "b" for tenant, _ in batch))
     assert sum(len(batch) for batch in starts.batches[:first]) == mark
-    assert sorted(sid for tenant, sid in starts.batches[first] if tenant == "b") == sorted(f"b{i}" for i in range(8))
+    assert sorted(starts.batches[first]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[first]
     assert not set(hopeless) & starts.ids()
 
 
