@@ -4,7 +4,8 @@ sample's program and all its tests) holds one slot, and so one sandbox, for its 
 A sandbox serves up to ``samples_per_sandbox`` jobs. Between two jobs its runner resets it as between two tests
 (every process but the runner killed, /tmp wiped, IPC objects and keys removed, limits fresh per test) and checks
 that nothing is left; the pool retires it at once on any anomaly: something left after the reset, a runner that
-misbehaves (garbage, silence past the budget, an exit), or a test that hit a limit. A retired or used-up sandbox
+misbehaves (garbage, silence past the budget, an exit), or a test that hit a limit other than its time (a test
+that runs out of time is killed with the rest, as a stopped job is). A retired or used-up sandbox
 is replaced in the background, so the next job of its slot finds one warm; a job that comes before its slot's
 replacement is up takes the pool's one spare warm sandbox instead, and the replacement becomes the spare.
 
@@ -22,7 +23,9 @@ slot to the next claim with the warm spare as the slot's sandbox (a job steps as
 the next job never waits for a sandbox to start; the next spare starts at once). Jobs step aside in the order
 their slots were claimed. So at most ``max_stragglers`` slow programs run beside the ``workers`` slots that keep
 serving, each holding one sandbox, its own, and the pool's capacity (``slots``) grows by one while each runs
-(``on_capacity`` listeners hear of it); a sandbox whose job stepped aside is retired when the job ends.
+(``on_capacity`` listeners hear of it). A sandbox whose job stepped aside, reset and clean when the job ends, is
+kept for the next spare (at most one per slot, each under its uid), so a steady stream of stragglers costs resets,
+not sandbox starts.
 
 The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
 dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
@@ -185,7 +188,11 @@ def _run_of(record: dict[str, Any]) -> TestRun:
 
 
 def hit_limit(run: TestRun) -> bool:
-    """Whether a test ran into a limit (time, output, memory, processes) or was killed: its sandbox is retired."""
+    """Whether a test ran into a limit (output, memory, processes) or was killed by a signal of its own: its sandbox
+    is retired. A test that ran out of time is not: the runner killed it, with everything else in the sandbox, and
+    reset the sandbox, as for a stopped job, and the reset's check answers for what is left."""
+    if run.status == "timeout":
+        return any(mark in run.stderr for mark in _LIMIT_MARKS)
     if run.status not in ("exited", "skipped", "compile_error") or run.signal is not None:
         return True
     return any(mark in run.stderr for mark in _LIMIT_MARKS)
@@ -329,6 +336,8 @@ class Sandbox:
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
         self._spare: SandboxProcess | None = None  # warm, for a slot whose next sandbox is not up yet
         self._spare_starting: Future[SandboxProcess | None] | None = None
+        # Sandboxes whose job stepped aside, reset and clean, each with its uid: the next spares.
+        self._kept: list[tuple[SandboxProcess, int]] = []
         # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid. When a job steps
         # aside, the next spare (with a sandbox per job, the slot) takes one of _free_uids; the job's sandbox keeps its
         # own, given back once that sandbox is gone.
@@ -538,7 +547,7 @@ class Sandbox:
             return False
         reuse = self.samples_per_sandbox > 1
         with self._lock:
-            if run.uid is None or run.ended or run.stop.is_set() or not self._free_uids:
+            if run.uid is None or run.ended or run.stop.is_set() or not (self._free_uids or self._kept):
                 return False
             if any(other.seq is not None and run.seq is not None and other.seq < run.seq and not other.aside
                    and not other.ended and not other.stop.is_set() for other in self._running):  # fmt: skip
@@ -551,9 +560,13 @@ class Sandbox:
                 self.stats["jobs that stepped aside"] += 1
                 if spare is None:  # a sandbox per job: the slot's next starts under a free uid
                     self._uid_of[run.slot] = self._free_uids.pop()
-                else:  # the spare becomes the slot's, with its uid; the next spare starts under a free one
-                    self._idle[run.slot], self._spare = spare, None
-                    self._uid_of[run.slot], self._spare_uid = self._spare_uid, self._free_uids.pop()
+                else:  # the spare becomes the slot's, with its uid; the next spare is a kept sandbox, or starts
+                    self._idle[run.slot], self._spare = spare, None  # under a free uid
+                    self._uid_of[run.slot] = self._spare_uid
+                    if self._free_uids:
+                        self._spare_uid = self._free_uids.pop()
+                    else:
+                        self._spare, self._spare_uid = self._kept.pop()
         if reuse:
             self._start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
         if wait:
@@ -627,6 +640,10 @@ class Sandbox:
         spare, self._spare = self._spare, None
         if spare is not None:
             spare.kill()
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for box, _ in kept:
+            box.kill()
         if self._spare_starting is not None:
             self._spare_starting.add_done_callback(_kill_result)
         if quiet:
@@ -660,10 +677,18 @@ class Sandbox:
             return future
 
     def _start_spare(self, level: Level) -> Future[SandboxProcess | None] | None:
-        """Start the pool's spare in the background (None: it has one, or the pool is closed)."""
+        """Start the pool's spare in the background, unless a kept sandbox can be the spare (None: it has one, or the
+        pool is closed)."""
         with self._lock:
             if self._closed or self._warm_spare() is not None or self._spare_starting is not None:
                 return None  # a spare that died, or whose start failed, is replaced
+            while self._kept:  # the spare's uid, held by no sandbox now, is free; the kept one's is the spare's
+                box, uid = self._kept.pop()
+                self._free_uids.append(self._spare_uid)
+                self._spare, self._spare_uid = box, uid
+                if self._warm_spare() is not None:
+                    self.stats["spares that were kept"] += 1
+                    return None
             self._spare_starting = self._threads.submit(self._start_ready, level, self._spare_uid)
             return self._spare_starting
 
@@ -801,6 +826,17 @@ class Sandbox:
                     self._spare, self._spare_starting = box if keep else None, None
             elif keep:
                 self._idle[slot] = box
+            elif (
+                run.aside
+                and why is None
+                and not self._closed
+                and run.uid is not None
+                and len(self._kept) < self.workers
+            ):
+                keep = True  # kept, with its uid, for the next spare
+                self._kept.append((box, run.uid))
+                run.uid = None
+                self.stats["sandboxes kept when their job that stepped aside ended"] += 1
             if not keep:
                 self.stats[f"retired: {why or ('stepped aside' if run.aside else 'pool closed')}"] += 1
             if reply.stop_s is not None:

@@ -323,7 +323,8 @@ async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_st
         assert pipeline.limits().samples == pipeline.limits().aside + 2 == most + 2
         aside = [run for run in sandbox._running if run.aside]
         with sandbox._lock:
-            uids = [*(run.uid for run in aside), *sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
+            kept = [uid for _, uid in sandbox._kept]
+            uids = [*(run.uid for run in aside), *sandbox._uid_of, sandbox._spare_uid, *kept, *sandbox._free_uids]
         assert sorted(uids) == list(range(2 + 1 + most)), uids  # every uid held once, none shared
         step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)

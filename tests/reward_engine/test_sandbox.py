@@ -462,28 +462,36 @@ async def test_a_job_past_its_straggler_time_whose_spare_died_steps_aside_once_a
     assert sandbox.slots == 2
     [run] = sandbox._running
     assert run.uid is not None
-    with sandbox._lock:
-        uids = [run.uid, *sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
-    assert sorted(uids) == list(range(1 + 1 + sandbox.max_stragglers)), uids
+    assert _uids(sandbox, run.uid) == list(range(1 + 1 + sandbox.max_stragglers))
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
 
 
+def _uids(sandbox: Sandbox, *aside: int | None) -> list[int]:
+    """Every uid the pool holds: the slots', the spare's, the kept sandboxes', the free ones, and ``aside``."""
+    with sandbox._lock:
+        kept = [uid for _, uid in sandbox._kept]
+        return sorted([*aside, *sandbox._uid_of, sandbox._spare_uid, *kept, *sandbox._free_uids])  # type: ignore[list-item]
+
+
 @needs_bwrap
-async def test_a_job_past_its_straggler_time_steps_aside_and_gives_its_uid_back_when_it_ends(
+async def test_a_job_past_its_straggler_time_steps_aside_and_its_sandbox_is_the_next_spare_when_it_ends(
     code_source: MakeSource,
 ) -> None:
     """Two slots; pipeline jobs that hang until their 4 s budget. Alone past the straggler time (0.4 s), the first
     keeps its slot: the other is free. Once the second takes that, the first (claimed first) steps aside: the pool's
     capacity grows by one (its listeners hear it) and a slot is free at once for the next job, which runs in the
-    spare's sandbox while the first runs on. Each hanging job ends at its budget, a timeout, never a pass; the
-    sandboxes of both are retired, every uid is free or held once again, and the capacity is back to the slots."""
+    spare's sandbox while the first runs on. Each hanging job ends at its budget, a timeout, never a pass; no
+    sandbox is retired: the slot's serves on, and the first's, reset, is kept under its uid. The next job to step
+    aside leaves its slot the spare, and the kept sandbox is the next spare: no sandbox starts. Every uid is held
+    once throughout, and the capacity is back to the slots."""
     src = code_source(timeout_s=4.0, workers=2)
     sandbox = src.sandbox
     await sandbox.prestart()
     grew: list[int] = []
     sandbox.on_capacity(lambda: grew.append(sandbox.slots))
+    every_uid = list(range(2 + 1 + sandbox.max_stragglers))
 
     def job(program: str) -> Job:
         return job_of(plan(program, NOTHING), sandbox.python)
@@ -504,10 +512,19 @@ async def test_a_job_past_its_straggler_time_steps_aside_and_gives_its_uid_back_
     assert [[r.status for r in result.runs] for result in hung] == [["timeout"], ["timeout"]]
     assert hung[0].sandbox != echoed.sandbox
     await eventually(lambda: sandbox.stragglers == 0, "the stragglers ended")
-    assert sandbox.slots == 2 and sandbox.stats["retired: a test hit a limit"] == 2
-    with sandbox._lock:
-        uids = [*sandbox._uid_of, sandbox._spare_uid, *sandbox._free_uids]
-    assert sorted(uids) == list(range(2 + 1 + sandbox.max_stragglers)), uids
+    assert sandbox.slots == 2 and not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
+    assert [box.serial for box, _ in sandbox._kept] == [hung[0].sandbox]
+    assert _uids(sandbox) == every_uid
+    started = sandbox.stats["started"]
+    more = [asyncio.create_task(sandbox.run(job(hang), sandbox.claim())) for _ in range(2)]
+    await eventually(lambda: sandbox.stragglers == 1, "one of the next two stepped aside")
+    [aside] = [run for run in sandbox._running if run.aside]
+    assert _warm_spare(sandbox) is not None and not sandbox._kept  # the kept sandbox is the spare
+    assert sandbox.stats["started"] == started and sandbox.stats["spares that were kept"] == 1
+    assert _uids(sandbox, aside.uid) == every_uid
+    for task in more:
+        task.cancel()
+    await asyncio.gather(*more, return_exceptions=True)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -526,19 +543,37 @@ async def test_a_sandbox_serves_a_bounded_number_of_samples(level: str, code_sou
     assert src.sandbox.stats["jobs in a warm sandbox"] == 7  # each replacement was started ahead
 
 
+# A program that runs out of its time with a file and a child process left behind.
+OUT_OF_TIME = """import os, time
+open('/tmp/left-behind', 'w').write('x')
+if os.fork() == 0:
+    time.sleep(600)
+while True:
+    pass
+"""
+
+
 @pytest.mark.parametrize("level", LEVELS)
-async def test_a_test_that_hits_a_limit_retires_its_sandbox(level: str, code_source: MakeSource) -> None:
+async def test_a_test_that_runs_out_of_time_keeps_its_sandbox_clean_and_one_over_another_limit_retires_it(
+    level: str, code_source: MakeSource
+) -> None:
+    """Running out of time, the program is killed with everything it started and the sandbox reset, as a stopped
+    one's is: the same sandbox serves the next sample, which finds nothing left. A test over its output limit
+    retires its sandbox."""
     _level_or_skip(level)
     src = code_source(isolation=level, workers=1, timeout_s=1.0, max_output_bytes=1000)
     first, _ = await _sample(src, LOOKER, NOTHING)
-    for program, expected in [("while True: pass", "timeout"), ("print('x' * 5000)", "output_limit")]:
-        hit, outcomes = await _sample(src, program, NOTHING)
-        assert outcomes == [expected]
-        after, outcomes = await _sample(src, LOOKER, NOTHING)
-        assert outcomes == ["passed"], after.runs[0].stdout
-        assert hit.sandbox != after.sandbox and after.nth == 1, (hit.sandbox, after.sandbox, after.nth)
-    assert first.sandbox == hit.sandbox or src.sandbox.stats["retired: a test hit a limit"] == 2
-    assert src.sandbox.stats["retired: a test hit a limit"] == 2
+    hit, outcomes = await _sample(src, OUT_OF_TIME, NOTHING)
+    assert outcomes == ["timeout"] and hit.sandbox == first.sandbox
+    after, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"], after.runs[0].stdout + after.runs[0].stderr
+    assert after.sandbox == hit.sandbox and after.nth == hit.nth + 1, (hit.sandbox, hit.nth, after.sandbox, after.nth)
+    hit, outcomes = await _sample(src, "print('x' * 5000)", NOTHING)
+    assert outcomes == ["output_limit"]
+    after, outcomes = await _sample(src, LOOKER, NOTHING)
+    assert outcomes == ["passed"], after.runs[0].stdout
+    assert hit.sandbox != after.sandbox and after.nth == 1, (hit.sandbox, after.sandbox, after.nth)
+    assert src.sandbox.stats["retired: a test hit a limit"] == 1
 
 
 @needs_bwrap
