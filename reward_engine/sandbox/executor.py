@@ -191,9 +191,7 @@ def hit_limit(run: TestRun) -> bool:
     """Whether a test ran into a limit (output, memory, processes) or was killed by a signal of its own: its sandbox
     is retired. A test that ran out of time is not: the runner killed it, with everything else in the sandbox, and
     reset the sandbox, as for a stopped job, and the reset's check answers for what is left."""
-    if run.status == "timeout":
-        return any(mark in run.stderr for mark in _LIMIT_MARKS)
-    if run.status not in ("exited", "skipped", "compile_error") or run.signal is not None:
+    if run.status != "timeout" and (run.status not in ("exited", "skipped", "compile_error") or run.signal is not None):
         return True
     return any(mark in run.stderr for mark in _LIMIT_MARKS)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,6 +36,7 @@ from rewardmesh.reward_engine.pipeline import RewardPipeline
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import Capacity, RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
+from tests.support.sandbox import held_uids, needs_bwrap
 from tests.support.servers import http_gateway, reward_server
 from tests.support.waiting import eventually, holds_for
 
@@ -46,7 +46,6 @@ USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size"
 BATCHINGS = pytest.mark.parametrize("batching", [None, USER_BATCHING], ids=["default", "user-batching"])
 STEP = 8  # B's step: small, all at once
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
 ONE_TEST = json.dumps({"inputs": ["1\n"], "outputs": ["1\n"]})  # a code sample's tests
 ECHO = "```python\nprint(input())\n```"  # a program that passes them at once
 
@@ -322,10 +321,8 @@ async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_st
                          "A's programs stepped aside, and A's next run in both slots")  # fmt: skip
         assert pipeline.limits().samples == pipeline.limits().aside + 2 == most + 2
         aside = [run for run in sandbox._running if run.aside]
-        with sandbox._lock:
-            kept = [uid for _, uid in sandbox._kept]
-            uids = [*(run.uid for run in aside), *sandbox._uid_of, sandbox._spare_uid, *kept, *sandbox._free_uids]
-        assert sorted(uids) == list(range(2 + 1 + most)), uids  # every uid held once, none shared
+        uids = held_uids(sandbox, *(run.uid for run in aside))
+        assert uids == list(range(2 + 1 + most)), uids  # every uid held once, none shared
         step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP

@@ -26,11 +26,11 @@ from rewardmesh.reward_engine.sandbox.grading import extract_program, job_of, ou
 from rewardmesh.reward_engine.sandbox.process import SandboxProcess
 from rewardmesh.reward_engine.sources.code import CodeSource, score_kind
 from rewardmesh.v1 import reward_pb2
+from tests.support.sandbox import held_uids, needs_bwrap
 from tests.support.servers import http_gateway, reward_server, reward_stub, sample
 from tests.support.waiting import eventually, holds_for
 
 MakeSource = Callable[..., CodeSource]
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
 needs_gpp = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
 
@@ -462,17 +462,10 @@ async def test_a_job_past_its_straggler_time_whose_spare_died_steps_aside_once_a
     assert sandbox.slots == 2
     [run] = sandbox._running
     assert run.uid is not None
-    assert _uids(sandbox, run.uid) == list(range(1 + 1 + sandbox.max_stragglers))
+    assert held_uids(sandbox, run.uid) == list(range(1 + 1 + sandbox.max_stragglers))
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
-
-
-def _uids(sandbox: Sandbox, *aside: int | None) -> list[int]:
-    """Every uid the pool holds: the slots', the spare's, the kept sandboxes', the free ones, and ``aside``."""
-    with sandbox._lock:
-        kept = [uid for _, uid in sandbox._kept]
-        return sorted([*aside, *sandbox._uid_of, sandbox._spare_uid, *kept, *sandbox._free_uids])  # type: ignore[list-item]
 
 
 @needs_bwrap
@@ -514,14 +507,14 @@ async def test_a_job_past_its_straggler_time_steps_aside_and_its_sandbox_is_the_
     await eventually(lambda: sandbox.stragglers == 0, "the stragglers ended")
     assert sandbox.slots == 2 and not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
     assert [box.serial for box, _ in sandbox._kept] == [hung[0].sandbox]
-    assert _uids(sandbox) == every_uid
+    assert held_uids(sandbox) == every_uid
     started = sandbox.stats["started"]
     more = [asyncio.create_task(sandbox.run(job(hang), sandbox.claim())) for _ in range(2)]
     await eventually(lambda: sandbox.stragglers == 1, "one of the next two stepped aside")
     [aside] = [run for run in sandbox._running if run.aside]
     assert _warm_spare(sandbox) is not None and not sandbox._kept  # the kept sandbox is the spare
     assert sandbox.stats["started"] == started and sandbox.stats["spares that were kept"] == 1
-    assert _uids(sandbox, aside.uid) == every_uid
+    assert held_uids(sandbox, aside.uid) == every_uid
     for task in more:
         task.cancel()
     await asyncio.gather(*more, return_exceptions=True)
