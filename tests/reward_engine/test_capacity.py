@@ -662,6 +662,7 @@ async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_ne
         arrival: list[tuple[int, int]] = []  # (batches started, batches in flight) when B's step arrived
         a, b = Tenant("a"), Tenant("b")
         step: list[asyncio.Future[Scored]] = []
+        due: list[bool] = []  # B's arrival is scheduled
 
         def b_arrives() -> None:
             arrival.append((len(starts.batches), batcher.in_flight_batches))
@@ -670,7 +671,10 @@ async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_ne
         def on_start(batch: list[Ticket]) -> None:
             bounds.append(batcher.inline_bound())
             starts(batch)
-            if len(starts.batches) == 6:  # A's flood is running, its batch just handed over and not yet run
+            # A's flood is running, its batch just handed over and not yet run, and A has had more than B's step:
+            # B, new, has that much credit (a loaded machine's batches may hold a sample or two each).
+            if not due and len(starts.batches) >= 6 and sum(map(len, starts.batches)) >= 2 * STEP:
+                due.append(True)
                 asyncio.get_running_loop().call_soon(b_arrives)
 
         batcher.on_start = on_start
