@@ -141,7 +141,7 @@ class FairQueue(Generic[Q]):
     def push(self, item: Q) -> None:
         lane = self.lanes.get(item.tenant) or self.lane(item.tenant)
         if not lane.count:  # back from idle: credit for the share it left unused, up to BURST samples
-            floor = self._vclock - BURST / lane.tenant.weight
+            floor = self._clock() - BURST / lane.tenant.weight
             if lane.vtime < floor:
                 lane.vtime = floor
         if item.due is None:
@@ -150,6 +150,17 @@ class FairQueue(Generic[Q]):
             heapq.heappush(lane.edf, (_due_key(item.due), next(self._seq), item))
         lane.count += 1
         self.depth += 1
+
+    def _clock(self) -> float:
+        """The virtual time a tenant back from idle gets its credit against: the latest start tag served, but no
+        later than the least virtual time of a tenant still queued. A backlogged tenant's charges can take its time
+        back below the clock (its samples cost less than the mean sample as it started them, as a flood's batches
+        grow): the credit is measured against what it really had."""
+        clock = self._vclock
+        for lane in self.lanes.values():
+            if lane.count and lane.vtime < clock:
+                clock = lane.vtime
+        return clock
 
     def _unpop(self, lane: Lane[Q], item: Q) -> None:
         """Put back a sample taken but not used, where it was (its lane's charge refunded)."""

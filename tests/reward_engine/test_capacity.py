@@ -31,7 +31,7 @@ from rewardmesh.common.errors import DeadlineExceeded
 from rewardmesh.demo.tiny_models import TinyModelPaths
 from rewardmesh.reward_engine.batcher import Scored, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
-from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.fair_queue import BURST, Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import Capacity, RewardInput
@@ -671,9 +671,10 @@ async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_ne
         def on_start(batch: list[Ticket]) -> None:
             bounds.append(batcher.inline_bound())
             starts(batch)
-            # A's flood is running, its batch just handed over and not yet run, and A has had more than B's step:
-            # B, new, has that much credit (a loaded machine's batches may hold a sample or two each).
-            if not due and len(starts.batches) >= 6 and sum(map(len, starts.batches)) >= 2 * STEP:
+            # A's flood is running, its batch just handed over and not yet run, and A has had several times a
+            # tenant's credit (a loaded machine's batches may hold a sample or two each): B, new, comes with its
+            # whole credit, more than its step.
+            if not due and len(starts.batches) >= 6 and sum(map(len, starts.batches)) >= 4 * BURST:
                 due.append(True)
                 asyncio.get_running_loop().call_soon(b_arrives)
 

@@ -250,3 +250,23 @@ def test_a_tenant_charged_for_heavier_samples_gets_fewer_of_them() -> None:
         if item.tenant is a:
             queue.charge(a, 3.0)
     assert abs(order.count("b") - 4 * order.count("a")) <= 4, order
+
+
+def test_a_tenant_back_from_idle_has_its_credit_against_what_a_cheaper_flood_really_had() -> None:
+    """A's samples, taken 16 a batch, turn out to cost half the mean sample (each refunded half its start's charge
+    once its batch is done: a flood whose batches grow gets cheaper per sample), so A's virtual time falls behind
+    the latest start tag served. B, new, still comes before A's backlog for its whole credit (BURST samples), then
+    alternates."""
+    queue: FairQueue[Item] = FairQueue()
+    a, b = Tenant("a"), Tenant("b")
+    for n in range(400):
+        queue.push(Item(a, n))
+    for _ in range(8):
+        assert len(list(queue.fair_order(16))) == 16
+        for _ in range(16):
+            queue.charge(a, -0.5)
+    for n in range(2 * BURST):
+        queue.push(Item(b, n))
+    order = [item.tenant.name for _, item in queue.fair_order(BURST + 8)]
+    assert order[:BURST] == ["b"] * BURST, order
+    assert order[BURST:] == ["a", "b"] * 4, order
