@@ -70,6 +70,7 @@ USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size"
 STEP = 8  # B's step: small, sent at once
 TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
 TARGET_RATIO = 1.2
+B_SHARE = 0.5  # B's weighted share of a pipeline A floods (two tenants of weight 1)
 FAST_STEPS = 400  # percent of --steps for kinds whose steps take milliseconds: p99 from more samples, in seconds
 FLOOD_NICE = 10  # A's client process: a trainer on a host of its own (see _flood_main)
 WARM_STEPS = 10  # B's steps before any is timed, alone and then under A's flood (first shapes, first connections)
@@ -104,6 +105,7 @@ class Kind:
     b: Callable[[str], common_pb2.Sample]
     step_share: int = 100  # percent of --steps B runs (kinds whose steps take milliseconds run more)
     preemptible: bool = False  # the source stops A's started work for B: no floor from it
+    slots: int | None = None  # samples the source runs at once, each answered apart (None: a batched source)
 
 
 def _sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -> common_pb2.Sample:
@@ -132,14 +134,15 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
     burn.write_text(_BURN)
     kinds = {
         "function": Kind("function", [{"type": "function", "function": f"{burn}:burn", "max_workers": 2}], 3000,
-                         _sample, _sample),
+                         _sample, _sample, slots=2),
         # A's programs (45 ms) are stopped for B's step: a stop costs its sandbox's reset, not a start.
         "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program,
-                     preemptible=True),
+                     preemptible=True, slots=2),
         "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
-                        _b_program, preemptible=True),
+                        _b_program, preemptible=True, slots=2),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
-                                 "prompt_template": "{response}"}], 1000, _sample, _sample, preemptible=True),
+                                 "prompt_template": "{response}"}], 1000, _sample, _sample, preemptible=True,
+                      slots=16),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),
     }  # fmt: skip
     if reward_model is not None:
@@ -194,13 +197,27 @@ class Flood:
             fut.cancel()  # the server drops them from its queue
 
 
+@dataclass
+class Steps:
+    """What B's closed loop measured, in seconds: each sample's latency (sent to answered) and, as the server reports
+    them, its wait in the server before its work started and its work's own time; and the loop's whole time."""
+
+    latencies: list[float] = field(default_factory=list)
+    queued: list[float] = field(default_factory=list)
+    computes: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def demand(self, slots: int) -> float:
+        """The share of a per-sample source's `slots` B's own work held while it ran alone (pauses included)."""
+        return sum(self.computes) / (self.wall_s * slots)
+
+
 async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], common_pb2.Sample], steps: int,
-                 tag: str, pause_s: float = 0.0) -> tuple[list[float], list[float]]:  # fmt: skip
+                 tag: str, pause_s: float = 0.0) -> Steps:  # fmt: skip
     """B's closed loop: `steps` steps of STEP samples sent at once, each step waiting for all, then `pause_s` (a
-    trainer's training between steps); each sample's latency (sent to answered) and, as the server reports it, its
-    wait in the server before its work started, in seconds."""
-    latencies: list[float] = []
-    queued: list[float] = []
+    trainer's training between steps)."""
+    out = Steps()
+    began = time.monotonic()
     for step in range(steps):
         sent = time.monotonic()
         futures = [client.submit(make(f"b-{tag}-{step}-{i}"), pipeline) for i in range(STEP)]
@@ -211,11 +228,13 @@ async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], comm
         errors = [r.error.message for r in results if r.HasField("error")]
         if errors:
             raise RuntimeError(f"{pipeline}: B's sample failed: {errors[0]}")
-        latencies += [t - sent for t in done]
-        queued += [r.timing.queue for r in results]
+        out.latencies += [t - sent for t in done]
+        out.queued += [r.timing.queue for r in results]
+        out.computes += [r.timing.compute for r in results]
         if pause_s:
             await asyncio.sleep(pause_s)
-    return latencies, queued
+    out.wall_s = time.monotonic() - began
+    return out
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -285,25 +304,24 @@ async def _isolation_row(
     a_scored, a_time = 0, 0.0
     computes: list[float] = []  # per round: the median compute time of A's results
     sizes: list[float] = []  # and their median batch size
+    demands: list[float] = []  # per round: the share of a per-sample source's slots B's work held alone
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     flooder = ctx.Process(target=_flood_main, args=(address, pipeline, kind.a, kind.flood, child), daemon=True)
     flooder.start()
     loop = asyncio.get_running_loop()
 
-    async def flooded(
-        cb: RewardClient, count: int, tag: str
-    ) -> tuple[list[float], list[float], tuple[int, float, float, float]]:
+    async def flooded(cb: RewardClient, count: int, tag: str) -> tuple[Steps, tuple[int, float, float, float]]:
         """B's steps while A floods, and what A got scored meanwhile (samples, seconds, median compute time and
         batch size)."""
         conn.send("start")
         await asyncio.sleep(settle_s)  # A's flood fills the queue and every worker
         conn.send("mark")
-        latencies, queued = await _steps(cb, pipeline, kind.b, count, tag, pause_s)
+        measured = await _steps(cb, pipeline, kind.b, count, tag, pause_s)
         conn.send("stop")
         a_got = await loop.run_in_executor(None, conn.recv)
         await asyncio.sleep(settle_s)  # A's cancelled samples leave the server before B runs alone again
-        return latencies, queued, a_got
+        return measured, a_got
 
     try:
         async with RewardClient([address], token=TOKENS["job-b"], result_timeout_s=600) as cb:
@@ -314,14 +332,16 @@ async def _isolation_row(
             freeze_startup_heap()  # B's client measures the server: its own collector's full scans must not stall it
             for r in range(rounds):
                 progress(f"{pipeline}: B alone, {steps} steps (round {r + 1} of {rounds})")
-                alone_r, queued_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
-                alone += alone_r
-                queued_alone += queued_r
+                alone_r = await _steps(cb, pipeline, kind.b, steps, f"alone{r}", pause_s)
+                alone += alone_r.latencies
+                queued_alone += alone_r.queued
+                if kind.slots is not None:
+                    demands.append(alone_r.demand(kind.slots))
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
-                shared_r, queued_r, (scored, seconds, compute, size) = await flooded(cb, steps, f"shared{r}")
-                shared += shared_r
-                queued_shared += queued_r
-                round_ratios.append(_pct(shared_r, 0.99) / _pct(alone_r, 0.99))
+                shared_r, (scored, seconds, compute, size) = await flooded(cb, steps, f"shared{r}")
+                shared += shared_r.latencies
+                queued_shared += shared_r.queued
+                round_ratios.append(_pct(shared_r.latencies, 0.99) / _pct(alone_r.latencies, 0.99))
                 a_scored, a_time = a_scored + scored, a_time + seconds
                 computes.append(compute)
                 sizes.append(size)
@@ -333,12 +353,16 @@ async def _isolation_row(
     alone_p99 = _pct(alone, 0.99)
     ratio = _pct(shared, 0.99) / alone_p99
     floor = 1.0 if kind.preemptible else (alone_p99 + unit) / alone_p99
+    demand = statistics.median(demands) if demands else None
+    if demand is not None:  # B asks for more than its weighted half: under A's flood it gets that half
+        floor = max(floor, demand / B_SHARE)
     return [kind.name, batching, f"{_pct(alone, 0.5) * 1e3:.1f} / {alone_p99 * 1e3:.1f}",
             f"{_pct(shared, 0.5) * 1e3:.1f} / {_pct(shared, 0.99) * 1e3:.1f}", f"{ratio:.2f}x",
             "-".join(f"{r:.2f}" for r in (min(round_ratios), max(round_ratios))) + "x",
             f"{_pct(shared, 0.5) / _pct(alone, 0.5):.2f}x",
             f"{_pct(queued_alone, 0.99) * 1e3:.1f} / {_pct(queued_shared, 0.99) * 1e3:.1f}", f"{unit * 1e3:.1f}",
-            "-" if kind.preemptible else f"{floor:.2f}x", f"{rate:.0f}", "yes" if ratio <= TARGET_RATIO else "no",
+            "-" if demand is None else f"{demand:.0%}", "-" if floor == 1.0 else f"{floor:.2f}x", f"{rate:.0f}",
+            "yes" if ratio <= TARGET_RATIO else "no",
             "yes" if ratio <= max(TARGET_RATIO, floor) else "no"]  # fmt: skip
 
 
@@ -561,19 +585,24 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
-                  "p99 ratio by round", "p50 ratio", "B queued p99 ms alone / flooded", "A's unit ms", "floor",
-                  "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x", f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
+                  "p99 ratio by round", "p50 ratio", "B queued p99 ms alone / flooded", "A's unit ms",
+                  "B's demand alone", "floor", "A scored/s meanwhile", f"p99 <= {TARGET_RATIO}x",
+                  f"p99 <= max({TARGET_RATIO}x, floor)"]  # fmt: skip
         print(markdown_table(header, rows))
         print(
             "\nA's unit: how long one unit of A's started work holds the capacity (a per-sample source: the median "
-            "compute time of A's results; a batched one: one batch, A's median batch size / A's rate). floor: (B "
-            "alone p99 + A's unit) / B alone p99, the least p99 ratio a queue that does not preempt started work "
-            "can give: B's sample cannot start before the unit that was running when it arrived ends (-: A's units "
-            "are stopped for B, under its share, at once: a judge's requests, hanging programs). p99 ratio by round: "
-            "the least and the most of the rounds' own p99 ratios (each round's B alone against its B flooded), how "
-            "much the verdict moves from one round to the next on this machine. B queued: how long B's samples waited "
-            "in the server before their work started (the fair queue and the sources' capacity decide it), as the "
-            "server reports it; the rest of B's latency is the work itself and the way to it and back."
+            "compute time of A's results; a batched one: one batch, A's median batch size / A's rate). B's demand "
+            "alone: the share of a per-sample source's slots B's own work held while B ran alone, pauses included "
+            "(the sum of B's compute times over the phase's time and the slots; median of the rounds; -: a batched "
+            "source). floor: the least p99 ratio a fair queue can give, the larger of two: (B alone p99 + A's unit) "
+            "/ B alone p99 where the source does not preempt started work (B's sample cannot start before the unit "
+            "that was running when it arrived ends; the sources that stop A's work for B, under its share, at once "
+            "have none: a judge's requests, programs), and B's demand alone / its weighted share (1/2) where B asks "
+            "for more than that share (B then gets its share, no more: the rest is A's; -: neither). p99 ratio by "
+            "round: the least and the most of the rounds' own p99 ratios (each round's B alone against its B "
+            "flooded), how much the verdict moves from one round to the next on this machine. B queued: how long B's "
+            "samples waited in the server before their work started (the fair queue and the sources' capacity decide "
+            "it), as the server reports it; the rest of B's latency is the work itself and the way to it and back."
         )
     if args.sizing:
         await sizing(args)
