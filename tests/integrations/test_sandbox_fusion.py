@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 
@@ -16,8 +15,9 @@ from verl.utils.reward_score import default_compute_score, sandbox_fusion
 
 from rewardmesh.demo.code_problems import PROBLEMS, Problem
 from tests.integrations.support import RunningServer, server_thread
+from tests.support.sandbox import needs_bwrap
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make install)")
+pytestmark = needs_bwrap
 # The data sources verl sends to SandboxFusion, with the stdin/stdout problems of the shipped set whose outputs
 # verl's exact comparison accepts.
 VERL_CODE = [p for p in PROBLEMS if p.data_source in ("codecontests", "apps") and p.form == "stdio"]

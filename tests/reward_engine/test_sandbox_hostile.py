@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import socket
 import statistics
 import threading
@@ -25,6 +24,7 @@ from rewardmesh.reward_engine.sandbox.levels import Level
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.integrations.support import RunningServer, server_thread
 from tests.reward_engine.test_sandbox import LOOKER, NOTHING
+from tests.support.sandbox import needs_bwrap
 from tests.support.servers import sample
 from tests.support.waiting import wait_until
 
@@ -266,10 +266,9 @@ def _in_sandboxes() -> set[int]:
     return inside
 
 
+@needs_bwrap
 def test_reasons_name_what_happened(server: RunningServer) -> None:
     """Through the engine's own API the reason of each failure is readable (the extras carry codes only)."""
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed")
     import asyncio
 
     from rewardmesh.reward_engine.sources.code import CodeSource
