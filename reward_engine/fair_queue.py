@@ -228,14 +228,11 @@ class FairQueue(Generic[Q]):
 
     def take_all(self) -> list[Q]:
         """Every queued sample in arrival order (the whole queue fits one batch), each lane charged for what it
-        had."""
+        had, as `fair_order` would have charged it: a queued lane keeps its lead, whichever lane comes first here."""
         out: list[Q] = []
         parts = 0
         for lane in self.lanes.values():
             if lane.count:
-                floor = self._vclock - BURST / lane.tenant.weight
-                if lane.vtime < floor:
-                    lane.vtime = floor
                 if lane.edf:  # a heap: never in arrival order by itself
                     out.extend([entry[2] for entry in lane.edf])
                     parts += 2

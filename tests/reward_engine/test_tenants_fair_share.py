@@ -235,6 +235,33 @@ class Item:
         self.finished = False
 
 
+def test_a_queue_taken_whole_charges_its_tenants_as_taken_one_by_one() -> None:
+    """B arrives with its credit while A is backlogged, and the whole queue then fits one batch. Taken at once or
+    in fair order, each tenant has had the same: what comes next is in the same order either way (B's lead is not
+    clipped because A's lane happened to be charged before it)."""
+    a, b = Tenant("a"), Tenant("b")
+
+    def backlog() -> FairQueue[Item]:
+        queue: FairQueue[Item] = FairQueue()
+        for n in range(200):
+            queue.push(Item(a, n))
+        assert len(list(queue.fair_order(100))) == 100
+        for n in range(4):
+            queue.push(Item(b, n))
+        return queue
+
+    whole, one_by_one = backlog(), backlog()
+    assert len(whole.take_all()) == len(list(one_by_one.fair_order(104))) == 104
+    orders = []
+    for queue in (whole, one_by_one):
+        for n in range(2 * BURST):
+            queue.push(Item(a, n))
+            queue.push(Item(b, n))
+        orders.append([item.tenant.name for _, item in queue.fair_order(2 * BURST)])
+    assert orders[0] == orders[1], orders
+    assert orders[1][:BURST] == ["b"] * BURST  # B's credit from idle, counted against A's start tags
+
+
 def test_a_tenant_charged_for_heavier_samples_gets_fewer_of_them() -> None:
     """Shares of time: each of A's samples turns out to cost four times the mean (charged 3 more once it is
     known), so while both are backlogged B gets four slots for each of A's."""
