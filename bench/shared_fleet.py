@@ -104,7 +104,7 @@ class Kind:
     a: Callable[[str], common_pb2.Sample]
     b: Callable[[str], common_pb2.Sample]
     step_share: int = 100  # percent of --steps B runs (kinds whose steps take milliseconds run more)
-    preemptible: bool = False  # the source stops A's started work for B: no floor from it
+    gives_way: bool = False  # the source stops A's started work for B, or pauses it: no floor from A's unit
     slots: int | None = None  # samples the source runs at once, each answered apart (None: a batched source)
 
 
@@ -137,17 +137,18 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
                          _sample, _sample, slots=2),
         # A's programs (45 ms) are stopped for B's step: a stop costs its sandbox's reset, not a start.
         "code": Kind("code", [{"type": "code", "workers": 2, "timeout_s": 10}], 200, _a_program, _b_program,
-                     preemptible=True, slots=2),
+                     gives_way=True, slots=2),
         "hostile": Kind("hostile", [{"type": "code", "workers": 2, "timeout_s": 1}], 200, _hanging_program,
-                        _b_program, preemptible=True, slots=2),
+                        _b_program, gives_way=True, slots=2),
         "judge": Kind("judge", [{"type": "judge", "url": judge_url, "model": "judge", "max_concurrency": 16,
-                                 "prompt_template": "{response}"}], 1000, _sample, _sample, preemptible=True,
+                                 "prompt_template": "{response}"}], 1000, _sample, _sample, gives_way=True,
                       slots=16),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),
     }  # fmt: skip
     if reward_model is not None:
+        # B's batch overtakes A's pass in flight, which waits before its next layer (on the CPU).
         kinds["model"] = Kind("model", [{"type": "model", "path": str(reward_model), "device": "cpu"}], 3000,
-                              _sample, _sample, FAST_STEPS)  # fmt: skip
+                              _sample, _sample, FAST_STEPS, gives_way=True)  # fmt: skip
     return kinds
 
 
@@ -352,7 +353,7 @@ async def _isolation_row(
     unit = _unit(statistics.median(computes), statistics.median(sizes), rate)
     alone_p99 = _pct(alone, 0.99)
     ratio = _pct(shared, 0.99) / alone_p99
-    floor = 1.0 if kind.preemptible else (alone_p99 + unit) / alone_p99
+    floor = 1.0 if kind.gives_way else (alone_p99 + unit) / alone_p99
     demand = statistics.median(demands) if demands else None
     if demand is not None:  # B asks for more than its weighted half: under A's flood it gets that half
         floor = max(floor, demand / B_SHARE)
@@ -596,10 +597,11 @@ async def main_async(args: argparse.Namespace) -> None:
             "(the sum of B's compute times over the phase's time and the slots; median of the rounds; -: a batched "
             "source). floor: the least p99 ratio a fair queue can give, the larger of two: (B alone p99 + A's unit) "
             "/ B alone p99 where the source does not preempt started work (B's sample cannot start before the unit "
-            "that was running when it arrived ends; the sources that stop A's work for B, under its share, at once "
-            "have none: a judge's requests, programs), and B's demand alone / its weighted share (1/2) where B asks "
-            "for more than that share (B then gets its share, no more: the rest is A's; -: neither). p99 ratio by "
-            "round: the least and the most of the rounds' own p99 ratios (each round's B alone against its B "
+            "that was running when it arrived ends; the sources that stop A's work for B, under its share, at once, "
+            "or pause it have none: a judge's requests, programs, a model's pass on the CPU), and B's demand alone / "
+            "its weighted share (1/2) where B asks for more than that share (B then gets its share, no more: the "
+            "rest is A's; -: neither). p99 ratio by round: the least and the most of the rounds' own p99 ratios "
+            "(each round's B alone against its B "
             "flooded), how much the verdict moves from one round to the next on this machine. B queued: how long B's "
             "samples waited in the server before their work started (the fair queue and the sources' capacity decide "
             "it), as the server reports it; the rest of B's latency is the work itself and the way to it and back."

@@ -95,7 +95,8 @@ class StartLimits(NamedTuple):
     spaces its starts out (samples are then handed over one at a time, when its start delay allows); `inline`:
     the sources work on the event loop itself (one batch at a time, each bounded in loop time); `preemptible`: a
     started sample's work may be stopped and started again later, at `stop_cost_s` (see Capacity.preemptible);
-    `aside`: of the `samples`, those held by the oldest started samples, which stepped aside (never stopped)."""
+    `aside`: of the `samples`, those held by the oldest started samples, which stepped aside (never stopped);
+    `overtakes`: one batch beyond the `batches` may run ahead of those in flight (see Capacity.overtakes)."""
 
     samples: int | None = None
     batches: int | None = None
@@ -104,6 +105,7 @@ class StartLimits(NamedTuple):
     preemptible: bool = False
     stop_cost_s: float = 0.0
     aside: int = 0
+    overtakes: bool = False
 
 
 NO_LIMITS = StartLimits()
@@ -223,6 +225,7 @@ class DynamicBatcher:
         limits: Callable[[], StartLimits] | None = None,
         start_delay: Callable[[], float] | None = None,
         start_each: StartEachFn | None = None,
+        compute_first: ComputeFn | None = None,
     ) -> None:
         self.config = config or BatcherConfig()
         self.name = name
@@ -231,6 +234,7 @@ class DynamicBatcher:
         self._limits = limits or (lambda: NO_LIMITS)
         self._start_delay = start_delay or (lambda: 0.0)
         self._start_each = start_each
+        self._compute_first = compute_first
         # Called with each batch as it is handed to the source, in start order (observability: what started
         # when, and for whom).
         self.on_start: Callable[[list[Ticket]], None] | None = None
@@ -270,6 +274,12 @@ class DynamicBatcher:
         self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
         self._preempt_timer: asyncio.TimerHandle | None = None  # when a started sample becomes worth stopping
         self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
+        # The batches handed over whole (`_start`), until they end: each one's start and tenants, which decide
+        # whether a batch may overtake them.
+        self._runs: dict[int, tuple[float, frozenset[Tenant]]] = {}
+        self._overtaking = False  # a batch runs ahead of the others in flight (`_overtake`), which pause for it
+        self._overtaken_s = 0.0  # time the batches run ahead have taken, in all: not the paused batches' own
+        self.overtakes = 0  # batches run ahead of those in flight, since the start
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -340,7 +350,8 @@ class DynamicBatcher:
                 f"at most {samples} samples in flight, each answered when its own work is done (a batch holds at "
                 f"most the free slots, up to {cfg.max_batch_size}; no queue delay)" + (", paced" if lim.paced else "")
             )
-        return f"batches of up to {cfg.max_batch_size}, {batches} in flight" + (", paced" if lim.paced else "")
+        ahead = ", and one more run ahead of them for a tenant back from idle" if lim.overtakes else ""
+        return f"batches of up to {cfg.max_batch_size}, {batches} in flight" + ahead + (", paced" if lim.paced else "")
 
     def wake(self) -> None:
         """Look again at what can start (a source's capacity grew)."""
@@ -562,6 +573,7 @@ class DynamicBatcher:
         self._hold(batch)
         if self._start_each is not None and self._started_each(batch):
             return
+        self._runs[id(batch)] = (time.monotonic(), frozenset(it.tenant for it in batch))
         self._spawn(self._run(batch))
 
     def _spawn(self, run: Coroutine[Any, Any, None]) -> None:
@@ -651,8 +663,12 @@ class DynamicBatcher:
         while True:
             room = self._room() if self._queue.depth else 0
             if not room:
-                if self._queue.depth and (lim := self._limits()).preemptible:
-                    self._preempt(lim)
+                if self._queue.depth:
+                    lim = self._limits()
+                    if lim.preemptible:
+                        self._preempt(lim)
+                    elif lim.overtakes:
+                        self._overtake()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -827,6 +843,29 @@ class DynamicBatcher:
                 self._preempt_timer.cancel()
             self._preempt_timer = asyncio.get_running_loop().call_at(later + 1e-3, self._wake.set)
 
+    def _overtake(self) -> None:
+        """Every batch slot is taken and samples wait. If the tenant whose sample is next in fair order has none in
+        the batches running and its samples all came after those batches started (a tenant back from idle: nothing
+        of it was passed over), its batch runs now, ahead of them: they pause at their next step until it is done,
+        and its step waits for a step of theirs, not for their end. One such batch at a time. Tenants that both stay
+        backlogged never overtake each other (each one's queued samples were there before the other's batch
+        started), and a tenant overtakes only while the fair order puts it first, so it never gets more than its
+        share this way."""
+        if self._overtaking or self._compute_first is None or self._closed or not self._runs:
+            return
+        head = self._queue.next_lane()
+        arrived = None if head is None else head.oldest()
+        if head is None or arrived is None:
+            return
+        if any(head.tenant in tenants or arrived <= started for started, tenants in self._runs.values()):
+            return
+        batch = self._take(self.config.max_batch_size)
+        if batch:
+            self._overtaking = True
+            self.overtakes += 1
+            self._hold(batch)
+            self._spawn(self._run(batch, first=True))
+
     @staticmethod
     def _runs_on(usual_s: float, ran_s: float) -> float:
         """How much longer a started sample whose tenant's samples usually take `usual_s` and that has run `ran_s` can
@@ -865,17 +904,20 @@ class DynamicBatcher:
                         self._start(batch)
         self._wake.set()
 
-    async def _run(self, batch: list[Ticket]) -> None:
+    async def _run(self, batch: list[Ticket], *, first: bool = False) -> None:
+        """Compute `batch` (`first`: ahead of the batches in flight, see `_overtake`) and answer its samples."""
         late = 0
+        start = time.monotonic()
+        overtaken = self._overtaken_s
         try:
             live = [it for it in batch if not it.finished]
             if not live:
                 return
-            start = time.monotonic()
             start_ns = time.time_ns()
             start_cpu = time.thread_time()
             try:
-                results: ApartResult = await self._compute([it.inp for it in live])
+                compute = self._compute_first if first and self._compute_first is not None else self._compute
+                results: ApartResult = await compute([it.inp for it in live])
                 if len(results) != len(live):
                     raise SourceFailed(f"source returned {len(results)} results for a batch of {len(live)}")
             except asyncio.CancelledError:
@@ -898,7 +940,10 @@ class DynamicBatcher:
                     return
             outcomes = cast(BatchResult, results)  # the futures were taken out above
             end = time.monotonic()
-            compute_s = end - start
+            # A batch that paused for one run ahead of it took its own time, not that one's too (learnt and charged).
+            compute_s = end - start if first else max(end - start - (self._overtaken_s - overtaken), 0.0)
+            if first:
+                self._overtaken_s += compute_s
             self._learn(compute_s)
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
@@ -932,6 +977,9 @@ class DynamicBatcher:
                 self.inline_cost_s = _moving_average(self.inline_cost_s, (cpu - since) / size)
                 self._inline_mark = cpu if self._queue.depth else None
         finally:
+            self._runs.pop(id(batch), None)
+            if first:
+                self._overtaking = False
             for it in batch:
                 it.tenant.in_flight -= 1
             self._batches -= 1

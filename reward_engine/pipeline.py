@@ -65,6 +65,7 @@ class RewardPipeline:
             limits=self.limits,
             start_delay=self.start_delay,
             start_each=self.start_each,
+            compute_first=self.compute_first,
         )
         for ws in sources:
             ws.source.on_capacity(self.batcher.wake)
@@ -93,7 +94,9 @@ class RewardPipeline:
         only = caps[0] if len(caps) == 1 and self.sources[0].weight == 1.0 else None
         preemptible = only is not None and only.preemptible and only.per == "sample" and not only.paced
         cost, aside = (only.stop_cost_s, only.aside) if only else (0.0, 0)
-        return StartLimits(samples, batches, paced, inline, preemptible, cost, aside)
+        # Likewise a batch runs ahead of those in flight only where one source scores it all (`compute_first`).
+        overtakes = only is not None and only.overtakes
+        return StartLimits(samples, batches, paced, inline, preemptible, cost, aside, overtakes)
 
     def effective_batching(self) -> BatcherConfig:
         """The batching this pipeline really runs, its knobs clamped to its sources' capacity (what ListRewards
@@ -174,6 +177,11 @@ class RewardPipeline:
             else:
                 combined.append(self._combine(parts))  # type: ignore[arg-type]  # no future among them
         return combined
+
+    async def compute_first(self, batch: list[RewardInput]) -> ApartResult:
+        """As `compute`, the batch run ahead of those in flight, which pause for it (where `limits` says the one
+        source overtakes)."""
+        return await self.sources[0].source.score_batch_first(batch)
 
     def _combine(self, parts: list[Outcome]) -> Outcome:
         """One sample's weighted score from its sources' parts (a failed part fails the sample)."""

@@ -139,7 +139,10 @@ class Capacity:
     expected to run longer than that still. ``aside``: of the ``slots``, how many are held by slow samples that
     stepped aside (a straggler runs on beside the slots that keep serving, each of which grew the capacity by one):
     the oldest started samples still running and not being stopped, as many (samples step aside in the order they
-    started); a stop never takes one of them, since its slot would not go to another.
+    started); a stop never takes one of them, since its slot would not go to another. ``overtakes`` (``per="batch"``):
+    one batch handed over beyond the slots (``score_batch_first``) runs ahead of those in flight, which pause for it
+    at their next step (a model's next layer) and go on after it, nothing lost or computed twice: a tenant back from
+    idle waits for a step of the batch in flight, not for the whole batch.
     """
 
     slots: int = 0
@@ -150,6 +153,7 @@ class Capacity:
     preemptible: bool = False
     stop_cost_s: float = 0.0
     aside: int = 0
+    overtakes: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 0:
@@ -162,6 +166,8 @@ class Capacity:
             raise ValueError(f"capacity: aside must be between 0 and slots ({self.slots}), got {self.aside}")
         if not self.stop_cost_s >= 0:
             raise ValueError(f"capacity: stop_cost_s must be >= 0 seconds, got {self.stop_cost_s}")
+        if self.overtakes and (self.per != "batch" or not self.slots):
+            raise ValueError("capacity: overtakes needs per='batch' and slots >= 1 (a batch runs ahead of batches)")
 
     @property
     def inline(self) -> bool:
@@ -178,7 +184,8 @@ class Capacity:
             return f"the event loop ({self.unit}): one batch at a time, each bounded in loop time"
         elsewhere = f" ({self.held_elsewhere} held outside the pipeline now)" if self.held_elsewhere else ""
         preempt = ", preemptible" if self.preemptible else ""
-        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + preempt + elsewhere
+        ahead = ", overtaken at its next layer by a batch sent first" if self.overtakes else ""
+        return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + preempt + ahead + elsewhere
 
 
 class RewardSource(ABC):
@@ -197,6 +204,11 @@ class RewardSource(ABC):
     @abstractmethod
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
         """Each sample's result (or the exception it raised), in input order."""
+
+    async def score_batch_first(self, batch: list[RewardInput]) -> BatchResult:
+        """As ``score_batch``, ahead of the batches in flight, where the capacity ``overtakes``: they pause at their
+        next step until this batch is done. The default scores it as any other batch."""
+        return await self.score_batch(batch)
 
     def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
         """Start every sample's work now and return, at once, a future of each one's outcome, so each sample is

@@ -18,12 +18,13 @@ start of the prompt is what gets dropped.
 
 Serving: a batch is grouped by length into at most ``length_buckets`` forward passes when that cuts
 the padded tokens by a fifth or more; each pass is staged (padded, and on CUDA pinned and copied
-non-blocking on a copy stream) before the model lock is taken, so with two batches in flight (the source's
+non-blocking on a copy stream) before the model is taken, so with two batches in flight (the source's
 capacity on an accelerator) the next batch is assembled while this one computes. On the CPU there is nothing to
-overlap (staging and the forward pass share the cores): one batch is in flight, and an arriving sample waits for
-that one only. ``torch_compile: true``
-wraps the forward in ``torch.compile(dynamic=True, backend=compile_backend)``; off by default (the first
-batch of each shape class compiles, seconds to minutes).
+overlap (staging and the forward pass share the cores): one batch is in flight, and a batch sent first (another
+tenant's, back from idle) overtakes it: the pass in flight pauses before its next layer, the new batch runs, and the
+paused pass goes on where it stopped, so an arriving step waits for one layer, not a whole batch.
+``torch_compile: true`` wraps the forward in ``torch.compile(dynamic=True, backend=compile_backend)``; off by default
+(the first batch of each shape class compiles, seconds to minutes).
 
 The batch is right-padded with an attention mask, and each row's score is the classifier logit at that row's
 last real token (found from its length, not from pad ids, so a sequence that contains the pad token is still
@@ -35,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +90,6 @@ class ModelSource(RewardSource):
             raise ValueError(f"reward model {name!r}: length_buckets must be >= 1, not {length_buckets}")
         self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
-        if self.device.type == "cpu":
-            self._capacity = Capacity(CPU_BATCHES_IN_FLIGHT, "model batch in flight (on the CPU)", "batch")
-        else:
-            self._capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
 
         self.tokenizer: PreTrainedTokenizerBase = _load_tokenizer(path, f"reward model {name!r}")
@@ -145,7 +143,19 @@ class ModelSource(RewardSource):
         else:
             self.retokenizes = self.policy_tokenizer.get_vocab() != self.tokenizer.get_vocab()
 
-        self._lock = threading.Lock()  # one forward pass at a time: predictable memory, no thrashing
+        self._turns = _Turns()  # one forward pass at a time: predictable memory, no thrashing
+        # On the CPU a pass gives way to a batch sent first before each of its layers. Not under torch.compile (the
+        # hooks would be traced into the graph), nor on an accelerator, where the host queues layers ahead of the
+        # device: pausing the host would not pause what the device has queued.
+        layers = layer_stack(self._backbone or model) if self.device.type == "cpu" and not self.torch_compile else None
+        for layer in layers or ():
+            layer.register_forward_pre_hook(self._turns.give_way_hook)
+        if self.device.type == "cpu":
+            self._capacity = Capacity(
+                CPU_BATCHES_IN_FLIGHT, "model batch in flight (on the CPU)", "batch", overtakes=layers is not None
+            )
+        else:
+            self._capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
         # Rust tokenizers can raise "Already borrowed" when one instance is used from several threads at once.
         self._tokenizer_lock = threading.Lock()
         self._warned_truncation = False
@@ -180,6 +190,10 @@ class ModelSource(RewardSource):
             return []
         return await asyncio.to_thread(self._score_batch_sync, batch)
 
+    async def score_batch_first(self, batch: list[RewardInput]) -> BatchResult:
+        """As score_batch, ahead of the pass in flight, which pauses before its next layer until this one is done."""
+        return await asyncio.to_thread(self._score_batch_ahead, batch)
+
     def score_tokens(self, token_ids: Sequence[np.ndarray | Sequence[int]]) -> list[float]:
         """Score ready token sequences in one padded batch (synchronous; for offline and benchmark use).
 
@@ -200,18 +214,23 @@ class ModelSource(RewardSource):
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
-        with self._lock:
+        with self._turns.hold():
             self._model = self._head = self._backbone = self._forward_fn = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------------------------------- internals
 
+    def _score_batch_ahead(self, batch: list[RewardInput]) -> BatchResult:
+        with self._turns.ahead():
+            return self._score_batch_sync(batch)
+
     def _score_batch_sync(self, batch: list[RewardInput]) -> BatchResult:
         results: list[RewardOutput | BaseException | None] = [None] * len(batch)
         ready: list[np.ndarray] = []
         where: list[int] = []
         for i, sample in enumerate(batch):
+            self._turns.give_way()
             try:
                 ready.append(self._sequence(sample))
                 where.append(i)
@@ -310,8 +329,8 @@ class ModelSource(RewardSource):
 
     def _forward(self, seqs: list[np.ndarray]) -> list[float]:
         """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), each
-        staged (padded, pinned, copied) before the model lock is taken, so with two batches in flight one is
-        assembled while the other computes."""
+        staged (padded, pinned, copied) before the model is taken, so with two batches in flight one is assembled
+        while the other computes."""
         lengths = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))
         scores = np.zeros(len(seqs), dtype=np.float64)
         for rows in length_buckets(lengths, self.length_buckets):
@@ -342,7 +361,7 @@ class ModelSource(RewardSource):
         return _Staged(on_device[0], on_device[1], on_device[2], ready, (ids, mask, last))
 
     def _run(self, staged: _Staged) -> np.ndarray:
-        with self._lock, torch.inference_mode():  # inference_mode is per thread: it must be set here
+        with self._turns.hold(), torch.inference_mode():  # inference_mode is per thread: it must be set here
             forward = self._forward_fn
             if self._model is None or forward is None:
                 raise Unavailable(f"reward model {self.name!r} is closed")
@@ -360,6 +379,79 @@ class ModelSource(RewardSource):
             else:
                 logits = forward(input_ids=ids_t, attention_mask=mask_t).logits
             return logits[:, self.score_index].float().cpu().numpy().astype(np.float64)
+
+
+class _Turns:
+    """Who runs the model: one forward pass at a time, and the passes of a batch sent first (`ahead`) before the
+    others, which give way to it between their layers and between the samples they are built from (`give_way`), and
+    go on once that batch is done. At most two batches' activations are live: the paused one's and the one ahead."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._busy = False  # a pass runs on the model
+        self._ahead = 0  # batches sent first, not done yet
+        self._mine = threading.local()  # whether this thread's batch was sent first
+
+    @contextmanager
+    def ahead(self) -> Iterator[None]:
+        """This thread's batch runs ahead of the others until it is done: its passes first, theirs paused."""
+        with self._cv:
+            self._ahead += 1
+        self._mine.ahead = True
+        try:
+            yield
+        finally:
+            self._mine.ahead = False
+            with self._cv:
+                self._ahead -= 1
+                self._cv.notify_all()
+
+    def _waits(self) -> bool:
+        return bool(self._ahead) and not getattr(self._mine, "ahead", False)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The model, for one pass, once no pass runs and no batch sent first is owed it (unless this is that one)."""
+        with self._cv:
+            while self._busy or self._waits():
+                self._cv.wait()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def give_way(self, *, holding: bool = False) -> None:
+        """Work of a batch not sent first pauses here while one sent first is not done (`holding`: this thread's
+        pass has the model, and lets it go meanwhile): the host's cores and the interpreter are what the batch sent
+        first runs on too."""
+        if not self._waits():
+            return
+        with self._cv:
+            if holding:
+                self._busy = False
+                self._cv.notify_all()
+            while self._waits() or (holding and self._busy):
+                self._cv.wait()
+            if holding:
+                self._busy = True
+
+    def give_way_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward pre-hook on each layer: the pass gives way here (see `give_way`)."""
+        self.give_way(holding=True)
+
+
+def layer_stack(backbone: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of layers (the list of modules holding most of its parameters), where a pass may pause."""
+    best, most = None, 0
+    for module in backbone.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > most:
+                best, most = module, size
+    return best
 
 
 class _Staged:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from rewardmesh.reward_engine.batcher import Scored, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import BURST, Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
+from rewardmesh.reward_engine.sources.reward_model import layer_stack
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
 from rewardmesh.reward_engine.types import Capacity, RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
@@ -73,7 +75,8 @@ class Starts:
             self.over.append(f"{batcher.in_flight_samples} samples started, capacity {limits.samples}")
         if self.workers is not None and batcher.in_flight_samples > self.workers():
             self.over.append(f"{batcher.in_flight_samples} samples started, {self.workers()} workers")
-        if limits.batches is not None and batcher.in_flight_batches > limits.batches:
+        ahead = 1 if limits.overtakes else 0  # one batch may run ahead of those in flight, which pause for it
+        if limits.batches is not None and batcher.in_flight_batches > limits.batches + ahead:
             self.over.append(f"{batcher.in_flight_batches} batches started, capacity {limits.batches}")
         if limits.inline and batcher.in_flight_batches > 1:
             self.over.append(f"{batcher.in_flight_batches} inline batches started at once")
@@ -183,7 +186,8 @@ async def flood_then_step(
     ("fields", "named"),
     [({"slots": -1}, "slots"), ({"per": "token"}, "per"), ({"held_elsewhere": -1}, "held_elsewhere"),
      ({"stop_cost_s": -0.1}, "stop_cost_s"), ({"stop_cost_s": float("nan")}, "stop_cost_s"),
-     ({"slots": 2, "aside": 3}, "aside"), ({"slots": 2, "aside": -1}, "aside")],
+     ({"slots": 2, "aside": 3}, "aside"), ({"slots": 2, "aside": -1}, "aside"),
+     ({"slots": 2, "per": "sample", "overtakes": True}, "overtakes"), ({"overtakes": True}, "overtakes")],
 )  # fmt: skip
 def test_a_source_capacity_that_cannot_be_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=f"capacity: {named}"):
@@ -609,15 +613,15 @@ async def test_tenants_that_both_flood_a_judge_do_not_stop_each_others_requests(
 
 @contextmanager
 def model_held(pipeline: RewardPipeline) -> Iterator[Callable[[], None]]:
-    """Holds the model: its forward passes take turns on its lock, and the test has it."""
-    lock = pipeline.sources[0].source._lock  # type: ignore[attr-defined]
-    lock.acquire()
+    """Holds the model: its forward passes take turns on it, and the test has it."""
+    turn = pipeline.sources[0].source._turns.hold()  # type: ignore[attr-defined]
+    turn.__enter__()
     held = [True]
 
     def release() -> None:
         if held[0]:
             held[0] = False
-            lock.release()
+            turn.__exit__(None, None, None)
 
     try:
         yield release
@@ -635,12 +639,97 @@ async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
         with model_held(pipeline) as release:
             starts, mark, hopeless = await flood_then_step(pipeline, lambda t, i: sample(f"{t}{i}"), 400, release)
     # On the CPU one batch in flight (on an accelerator two: one computing, one staged): B's whole step is the first
-    # batch handed over after it arrived, a batch of its own (it ends with B's queued samples, none of A's filling
-    # it: B's step computes as it would alone); before it, only what was handed over before B arrived.
+    # batch handed over after it arrived (run ahead of A's in flight), a batch of its own (it ends with B's queued
+    # samples, none of A's filling it: B's step computes as it would alone); before it, only what was handed over
+    # before B arrived.
     first = next(k for k, batch in enumerate(starts.batches) if any(tenant == "b" for tenant, _ in batch))
     assert sum(len(batch) for batch in starts.batches[:first]) == mark
     assert sorted(starts.batches[first]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[first]
     assert not set(hopeless) & starts.ids()
+
+
+def varied(tenant: str, i: int) -> RewardInput:
+    """Samples of a few lengths: a pass that resumed with a wrong state would score them differently than alone."""
+    return sample(f"{tenant}{i}", tokens=3 + i % 5)
+
+
+async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight(tiny_models: TinyModelPaths) -> None:
+    """B's step arrives while A's batch is in its forward pass: B's batch is handed over at once, beyond the one batch
+    in flight, and runs while A's pass waits before its next layer; A's pass then goes on where it stopped. B's
+    results come before that batch's, no sample of A's starts in between, and every sample scores as it does alone
+    (the paused pass resumed with its own state)."""
+    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    async with pipeline_of(source, None) as pipeline:
+        model, batcher = pipeline.sources[0].source, pipeline.batcher
+        assert pipeline.limits() == pipeline.limits()._replace(batches=1, overtakes=True)
+        assert "overtaken at its next layer" in pipeline.describe_capacity()
+        inside, go = threading.Event(), threading.Event()
+
+        def hold_first_pass(module: Any, args: Any) -> None:  # A's first pass waits here, before its first layer
+            if not inside.is_set():
+                inside.set()
+                go.wait(60)
+
+        layers = layer_stack(model._backbone)
+        assert layers is not None and len(layers) >= 2
+        hook = layers[0].register_forward_pre_hook(hold_first_pass)
+        starts = Starts(pipeline)
+        done: list[str] = []
+        a, b = Tenant("a"), Tenant("b")
+
+        def enqueue(tenant: Tenant, i: int) -> asyncio.Future[Scored]:
+            fut = batcher.enqueue(varied(tenant.name, i), tenant=tenant)
+            fut.add_done_callback(lambda _: done.append(f"{tenant.name}{i}"))
+            return fut
+
+        try:
+            flood = [enqueue(a, i) for i in range(100)]
+            await eventually(inside.is_set, "A's first batch in its forward pass")
+            step = [enqueue(b, i) for i in range(STEP)]
+            await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batch in flight")
+            go.set()
+            scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
+        finally:
+            go.set()
+            hook.remove()
+        samples = [varied("a", i) for i in range(100)] + [varied("b", i) for i in range(STEP)]
+        alone = [model.score_tokens([np.concatenate([s.prompt_ids, s.response_ids])])[0] for s in samples]
+    first_a = {sid for _, sid in starts.batches[0]}
+    assert {t for t, _ in starts.batches[0]} == {"a"}
+    assert sorted(starts.batches[1]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[1]
+    assert batcher.overtakes == 1  # later batches took their turns: B had nothing left to send
+    assert sorted(done[:STEP]) == sorted(f"b{i}" for i in range(STEP)), done  # before A's batch it overtook
+    assert first_a <= set(done[STEP:]), done
+    assert max(starts.of("a").values()) == max(starts.of("b").values()) == 1  # none started twice
+    assert starts.over == [], starts.over
+    assert [r.output.score for r in scored] == pytest.approx(alone, abs=1e-4)
+
+
+async def test_tenants_that_both_flood_a_reward_model_never_overtake_each_other(tiny_models: TinyModelPaths) -> None:
+    """Both tenants are backlogged when A's batch is handed over (lengths apart, so batches hold one tenant each): B,
+    next in fair order, waits for it as it would for any batch in flight, since its queued samples were there before
+    that batch started; more of both tenants' samples arriving changes nothing. Overtaking is for a tenant that
+    arrives after the batch in flight started."""
+    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    async with pipeline_of(source, None) as pipeline:
+        batcher = pipeline.batcher
+        starts = Starts(pipeline)
+        a, b = Tenant("a"), Tenant("b")
+
+        def both(i: int) -> list[asyncio.Future[Scored]]:
+            return [batcher.enqueue(sample(f"a{i}", tokens=4), tenant=a),
+                    batcher.enqueue(sample(f"b{i}", tokens=12), tenant=b)]  # fmt: skip
+
+        with model_held(pipeline) as release:
+            futures = [fut for i in range(100) for fut in both(i)]
+            await eventually(lambda: batcher.in_flight_batches == 1, "a batch handed over, waiting for the model")
+            futures += [fut for i in range(100, 110) for fut in both(i)]  # arrivals: the scheduler looks again
+            await holds_for(lambda: batcher.in_flight_batches == 1, "no batch runs ahead of the one in flight")
+            release()
+            await asyncio.wait_for(asyncio.gather(*futures), 120)
+    assert batcher.overtakes == 0
+    assert {t for t, _ in starts.batches[0]} == {"a"} and {t for t, _ in starts.batches[1]} == {"b"}
+    assert starts.over == [], starts.over
 
 
 # ------------------------------------------------------------------------------- a rule inline on the event loop

@@ -387,7 +387,7 @@ async def test_next_batch_is_staged_while_one_computes(
     tiny_models: TinyModelPaths, policy_tok: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two batches in flight: the second is built, padded and copied while the first holds the model. The
-    first forward pass waits (inside the model lock) until the second batch is staged; if staging queued
+    first forward pass waits (while it holds the model) until the second batch is staged; if staging queued
     behind the lock, that would never happen and the wait would time out."""
     src = source("rm-overlap", tiny_models.reward_model)
     real_stage, real_forward = src._stage, src._forward_fn
@@ -423,6 +423,8 @@ async def test_torch_compile_flag_scores_as_eager(tiny_models: TinyModelPaths, p
     eager = source("rm-eager", tiny_models.reward_model)
     compiled = source("rm-compiled", tiny_models.reward_model, torch_compile=True, compile_backend="eager")
     assert compiled.torch_compile and compiled._forward_fn is not compiled._backbone
+    # A compiled graph would take in the hooks a pass gives way at: only the eager pass on the CPU is overtaken.
+    assert eager.capacity.overtakes and not compiled.capacity.overtakes
     batch = [sample(policy_tok, p, r, sid=str(i)) for i, (p, r) in enumerate(PAIRS[:3])]  # one traced shape
     assert scores(await compiled.score_batch(batch)) == pytest.approx(scores(await eager.score_batch(batch)), abs=TOL)
 
