@@ -106,6 +106,7 @@ class Kind:
     step_share: int = 100  # percent of --steps B runs (kinds whose steps take milliseconds run more)
     gives_way: bool = False  # the source stops A's started work for B, or pauses it: no floor from A's unit
     slots: int | None = None  # samples the source runs at once, each answered apart (None: a batched source)
+    batches: int | None = None  # batches a batched source runs at once (B's demand on it is counted per batch)
 
 
 def _sample(sid: str, response: str = "#### 4", truth: str = "4", **extra: Any) -> common_pb2.Sample:
@@ -148,7 +149,7 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
     if reward_model is not None:
         # B's batch overtakes A's pass in flight, which waits before its next layer (on the CPU).
         kinds["model"] = Kind("model", [{"type": "model", "path": str(reward_model), "device": "cpu"}], 3000,
-                              _sample, _sample, FAST_STEPS, gives_way=True)  # fmt: skip
+                              _sample, _sample, FAST_STEPS, gives_way=True, batches=1)  # fmt: skip
     return kinds
 
 
@@ -206,11 +207,13 @@ class Steps:
     latencies: list[float] = field(default_factory=list)
     queued: list[float] = field(default_factory=list)
     computes: list[float] = field(default_factory=list)
+    step_computes: list[float] = field(default_factory=list)  # each step's longest: a batched source's one batch
     wall_s: float = 0.0
 
-    def demand(self, slots: int) -> float:
-        """The share of a per-sample source's `slots` B's own work held while it ran alone (pauses included)."""
-        return sum(self.computes) / (self.wall_s * slots)
+    def demand(self, slots: int, *, batched: bool = False) -> float:
+        """The share of the source's `slots` B's own work held while it ran alone (pauses included): its samples'
+        compute times, or a batched source's batches' (B's step is one batch)."""
+        return sum(self.step_computes if batched else self.computes) / (self.wall_s * slots)
 
 
 async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], common_pb2.Sample], steps: int,
@@ -232,6 +235,7 @@ async def _steps(client: RewardClient, pipeline: str, make: Callable[[str], comm
         out.latencies += [t - sent for t in done]
         out.queued += [r.timing.queue for r in results]
         out.computes += [r.timing.compute for r in results]
+        out.step_computes.append(max(r.timing.compute for r in results))
         if pause_s:
             await asyncio.sleep(pause_s)
     out.wall_s = time.monotonic() - began
@@ -338,6 +342,8 @@ async def _isolation_row(
                 queued_alone += alone_r.queued
                 if kind.slots is not None:
                     demands.append(alone_r.demand(kind.slots))
+                elif kind.batches is not None:
+                    demands.append(alone_r.demand(kind.batches, batched=True))
                 progress(f"{pipeline}: B while A keeps {kind.flood} in flight, {steps} steps (round {r + 1})")
                 shared_r, (scored, seconds, compute, size) = await flooded(cb, steps, f"shared{r}")
                 shared += shared_r.latencies
@@ -593,9 +599,10 @@ async def main_async(args: argparse.Namespace) -> None:
         print(
             "\nA's unit: how long one unit of A's started work holds the capacity (a per-sample source: the median "
             "compute time of A's results; a batched one: one batch, A's median batch size / A's rate). B's demand "
-            "alone: the share of a per-sample source's slots B's own work held while B ran alone, pauses included "
-            "(the sum of B's compute times over the phase's time and the slots; median of the rounds; -: a batched "
-            "source). floor: the least p99 ratio a fair queue can give, the larger of two: (B alone p99 + A's unit) "
+            "alone: the share of the source's slots (a model's: its batch in flight) B's own work held while B ran "
+            "alone, pauses included (the sum of B's compute times, a model's batches', over the phase's time and the "
+            "slots; median of the rounds; -: an inline rule, whose capacity is the event loop). floor: the least "
+            "p99 ratio a fair queue can give, the larger of two: (B alone p99 + A's unit) "
             "/ B alone p99 where the source does not preempt started work (B's sample cannot start before the unit "
             "that was running when it arrived ends; the sources that stop A's work for B, under its share, at once, "
             "or pause it have none: a judge's requests, programs, a model's pass on the CPU), and B's demand alone / "
