@@ -274,9 +274,9 @@ class DynamicBatcher:
         self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
         self._preempt_timer: asyncio.TimerHandle | None = None  # when a started sample becomes worth stopping
         self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
-        # The batches handed over whole (`_start`), until they end: each one's start and tenants, which decide
-        # whether a batch may overtake them.
-        self._runs: dict[int, tuple[float, frozenset[Tenant]]] = {}
+        # The batches handed over whole (`_start`), until they end: each one's start, tenants and nearest step
+        # deadline, which decide whether a batch may overtake them.
+        self._runs: dict[int, tuple[float, frozenset[Tenant], float]] = {}
         self._overtaking = False  # a batch runs ahead of the others in flight (`_overtake`), which pause for it
         self._overtaken_s = 0.0  # time the batches run ahead have taken, in all: not the paused batches' own
         self.overtakes = 0  # batches run ahead of those in flight, since the start
@@ -573,7 +573,8 @@ class DynamicBatcher:
         self._hold(batch)
         if self._start_each is not None and self._started_each(batch):
             return
-        self._runs[id(batch)] = (time.monotonic(), frozenset(it.tenant for it in batch))
+        due = min((it.due for it in batch if it.due is not None), default=math.inf)
+        self._runs[id(batch)] = (time.monotonic(), frozenset(it.tenant for it in batch), due)
         self._spawn(self._run(batch))
 
     def _spawn(self, run: Coroutine[Any, Any, None]) -> None:
@@ -850,14 +851,17 @@ class DynamicBatcher:
         and its step waits for a step of theirs, not for their end. One such batch at a time. Tenants that both stay
         backlogged never overtake each other (each one's queued samples were there before the other's batch
         started), and a tenant overtakes only while the fair order puts it first, so it never gets more than its
-        share this way."""
+        share this way. None is overtaken whose step deadline is less than two service times away."""
         if self._overtaking or self._compute_first is None or self._closed or not self._runs:
             return
         head = self._queue.next_lane()
         arrived = None if head is None else head.oldest()
         if head is None or arrived is None:
             return
-        if any(head.tenant in tenants or arrived <= started for started, tenants in self._runs.values()):
+        soon = time.monotonic() + 2 * self.service_s
+        if any(
+            head.tenant in tenants or arrived <= started or due <= soon for started, tenants, due in self._runs.values()
+        ):
             return
         batch = self._take(self.config.max_batch_size)
         if batch:

@@ -732,6 +732,27 @@ async def test_tenants_that_both_flood_a_reward_model_never_overtake_each_other(
     assert starts.over == [], starts.over
 
 
+async def test_a_reward_model_batch_near_its_step_deadline_is_not_overtaken(tiny_models: TinyModelPaths) -> None:
+    """A's batch in flight holds samples whose step deadline is less than two service times away: B's step, arriving
+    meanwhile, waits for it instead of pausing it, and is the next batch."""
+    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    async with pipeline_of(source, None) as pipeline:
+        batcher = pipeline.batcher
+        starts = Starts(pipeline)
+        a, b = Tenant("a"), Tenant("b")
+        with model_held(pipeline) as release:
+            due = time.monotonic() + 15
+            flood = [batcher.enqueue(sample(f"a{i}"), tenant=a, due=due) for i in range(100)]
+            await eventually(lambda: batcher.in_flight_batches == 1, "A's batch handed over, waiting for the model")
+            batcher.service_s = 10.0  # scoring takes 10 s: A's step deadline is nearer than two of that
+            step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+            await holds_for(lambda: batcher.in_flight_batches == 1, "B's step waits for A's batch near its deadline")
+            release()
+            await asyncio.wait_for(asyncio.gather(*step, *flood, return_exceptions=True), 120)
+    assert batcher.overtakes == 0
+    assert sorted(starts.batches[1]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[1]
+
+
 # ------------------------------------------------------------------------------- a rule inline on the event loop
 
 
