@@ -608,8 +608,8 @@ async def main_async(args: argparse.Namespace) -> None:
             "or pause it have none: a judge's requests, programs, a model's pass on the CPU), and B's demand alone / "
             "its weighted share (1/2) where B asks for more than that share (B then gets its share, no more: the "
             "rest is A's; -: neither). p99 ratio by round: the least and the most of the rounds' own p99 ratios "
-            "(each round's B alone against its B "
-            "flooded), how much the verdict moves from one round to the next on this machine. B queued: how long B's "
+            "(each round's B alone against its B flooded), how much the verdict moves from one round to the next on "
+            "this machine. B queued: how long B's "
             "samples waited in the server before their work started (the fair queue and the sources' capacity decide "
             "it), as the server reports it; the rest of B's latency is the work itself and the way to it and back."
         )

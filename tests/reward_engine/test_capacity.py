@@ -611,6 +611,11 @@ async def test_tenants_that_both_flood_a_judge_do_not_stop_each_others_requests(
 # ------------------------------------------------------------------------------------------ a reward model
 
 
+def cpu_model(tiny_models: TinyModelPaths) -> dict[str, Any]:
+    """The tiny reward model's source, on the CPU (one batch in flight, which a batch sent first overtakes)."""
+    return {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+
+
 @contextmanager
 def model_held(pipeline: RewardPipeline) -> Iterator[Callable[[], None]]:
     """Holds the model: its forward passes take turns on it, and the test has it."""
@@ -633,7 +638,7 @@ def model_held(pipeline: RewardPipeline) -> Iterator[Callable[[], None]]:
 async def test_a_reward_model_pipeline_puts_a_small_step_in_its_next_batch(
     batching: dict[str, Any] | None, tiny_models: TinyModelPaths
 ) -> None:
-    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    source = cpu_model(tiny_models)
     async with pipeline_of(source, batching) as pipeline:
         assert pipeline.limits().batches == 1  # on the CPU: nothing to overlap, no batch staged behind the one held
         with model_held(pipeline) as release:
@@ -658,7 +663,7 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
     in flight, and runs while A's pass waits before its next layer; A's pass then goes on where it stopped. B's
     results come before that batch's, no sample of A's starts in between, and every sample scores as it does alone
     (the paused pass resumed with its own state)."""
-    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    source = cpu_model(tiny_models)
     async with pipeline_of(source, None) as pipeline:
         model, batcher = pipeline.sources[0].source, pipeline.batcher
         assert pipeline.limits() == pipeline.limits()._replace(batches=1, overtakes=True)
@@ -710,7 +715,7 @@ async def test_tenants_that_both_flood_a_reward_model_never_overtake_each_other(
     next in fair order, waits for it as it would for any batch in flight, since its queued samples were there before
     that batch started; more of both tenants' samples arriving changes nothing. Overtaking is for a tenant that
     arrives after the batch in flight started."""
-    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    source = cpu_model(tiny_models)
     async with pipeline_of(source, None) as pipeline:
         batcher = pipeline.batcher
         starts = Starts(pipeline)
@@ -735,7 +740,7 @@ async def test_tenants_that_both_flood_a_reward_model_never_overtake_each_other(
 async def test_a_reward_model_batch_near_its_step_deadline_is_not_overtaken(tiny_models: TinyModelPaths) -> None:
     """A's batch in flight holds samples whose step deadline is less than two service times away: B's step, arriving
     meanwhile, waits for it instead of pausing it, and is the next batch."""
-    source = {"type": "model", "path": str(tiny_models.reward_model), "device": "cpu"}
+    source = cpu_model(tiny_models)
     async with pipeline_of(source, None) as pipeline:
         batcher = pipeline.batcher
         starts = Starts(pipeline)

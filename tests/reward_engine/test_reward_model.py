@@ -388,7 +388,7 @@ async def test_next_batch_is_staged_while_one_computes(
 ) -> None:
     """Two batches in flight: the second is built, padded and copied while the first holds the model. The
     first forward pass waits (while it holds the model) until the second batch is staged; if staging queued
-    behind the lock, that would never happen and the wait would time out."""
+    behind the model, that would never happen and the wait would time out."""
     src = source("rm-overlap", tiny_models.reward_model)
     real_stage, real_forward = src._stage, src._forward_fn
     stages = 0
