@@ -419,6 +419,7 @@ class DynamicBatcher:
         step deadline cannot be met."""
         self._admit(item)
         item.started = False
+        item.inp.tenant = item.tenant.name
         self._queue.push(item)
         item.tenant.in_flight += 1
         if item.deadline is not None:

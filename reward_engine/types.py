@@ -27,6 +27,7 @@ class RewardInput:
     ground_truth: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
     response_mask: np.ndarray | None = None  # int32, 0 on tool-output tokens
+    tenant: str = ""  # whom it is scored for, set as it is queued (a judge keeps each tenant's connections apart)
 
     @property
     def num_tokens(self) -> int:

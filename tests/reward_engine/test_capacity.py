@@ -558,6 +558,37 @@ async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once
     assert requests_per_sample(server, "b") == Counter({f"b{i}": 1 for i in range(STEP)})
 
 
+async def test_a_tenant_takes_judge_slots_on_connections_of_its_own() -> None:
+    """A stopped request loses its connection (HTTP/1.1 cannot abandon a response and keep the connection). The
+    requests of B's step that took A's slots go out on B's own connections, warm from its step before, not on new
+    ones (a new connection costs milliseconds on a busy loop): each tenant has its own pool."""
+    gate = asyncio.Event()
+    connections, scored_first = 8, 48
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        message = body["messages"][-1]["content"]
+        if message.startswith("a") and int(message[1:]) >= scored_first:
+            await gate.wait()  # A's later requests end only when the test lets go
+        return Reply("Score: 5", delay_s=0.01)
+
+    async with judge_of(reply, connections, {"fair_share": "samples"}) as (server, pipeline):
+        batcher = pipeline.batcher
+        a, b = Tenant("a"), Tenant("b")
+        await asyncio.gather(*(batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)))
+        b_connections = {r.connection for r in server.requests}
+        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(100)]
+        await eventually(
+            lambda: len(server.requests) == STEP + scored_first + connections, "A's next requests hold every slot"
+        )
+        step = [batcher.enqueue(sample(f"b{STEP + i}"), tenant=b) for i in range(STEP)]
+        await eventually(lambda: batcher.preemptions and any(f.done() for f in step), "B scored on slots taken")
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*step, *flooding), 60)
+    second = {f"b{STEP + i}" for i in range(STEP)}
+    later = [r.connection for r in server.requests if r.user_message in second]
+    assert len(later) == STEP and set(later) <= b_connections, (later, b_connections)
+
+
 async def test_a_started_sample_near_its_step_deadline_is_not_stopped_for_another_tenant() -> None:
     """A's requests hold every slot, each with a step deadline less than two service times away: sent again, it
     could not make it, so none is stopped for B, which waits for them."""

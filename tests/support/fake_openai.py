@@ -38,6 +38,7 @@ class Recorded:
     headers: dict[str, str]
     arrived: float  # time.monotonic()
     path: str
+    connection: int  # the client's port: requests on one connection share it
 
     @property
     def user_message(self) -> str:
@@ -74,7 +75,9 @@ class FakeOpenAI:
         body = await request.json()
         self.served += 1
         if self.record:
-            self.requests.append(Recorded(body, dict(request.headers), time.monotonic(), request.path))
+            peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+            port = int(peer[1]) if peer else 0
+            self.requests.append(Recorded(body, dict(request.headers), time.monotonic(), request.path, port))
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
