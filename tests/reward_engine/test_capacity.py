@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -516,6 +516,18 @@ def requests_per_sample(server: FakeOpenAI, tenant: str) -> Counter[str]:
     return Counter(r.user_message for r in server.requests if r.user_message.startswith(tenant))
 
 
+def holding_a_from(first: int, gate: asyncio.Event) -> Callable[[dict[str, Any]], Awaitable[Reply]]:
+    """A judge answering in 10 ms, but holding A's requests from its `first` on until the test sets `gate`."""
+
+    async def reply(body: dict[str, Any]) -> Reply:
+        message = body["messages"][-1]["content"]
+        if message.startswith("a") and int(message[1:]) >= first:
+            await gate.wait()
+        return Reply("Score: 5", delay_s=0.01)
+
+    return reply
+
+
 @pytest.mark.parametrize(("scored_first", "stopped"), [(0, 4), (48, 8)], ids=["no-credit", "credit"])
 async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once(
     scored_first: int, stopped: int
@@ -528,12 +540,7 @@ async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once
     once."""
     gate = asyncio.Event()
     connections, flood = 8, 100
-
-    async def reply(body: dict[str, Any]) -> Reply:
-        message = body["messages"][-1]["content"]
-        if message.startswith("a") and int(message[1:]) >= scored_first:
-            await gate.wait()  # A's later requests end only when the test lets go
-        return Reply("Score: 5", delay_s=0.01)
+    reply = holding_a_from(scored_first, gate)
 
     # Shares counted in samples: each sample taken moves its tenant's virtual time by exactly one.
     async with judge_of(reply, connections, {"fair_share": "samples"}) as (server, pipeline):
@@ -564,12 +571,7 @@ async def test_a_tenant_takes_judge_slots_on_connections_of_its_own() -> None:
     ones (a new connection costs milliseconds on a busy loop): each tenant has its own pool."""
     gate = asyncio.Event()
     connections, scored_first = 8, 48
-
-    async def reply(body: dict[str, Any]) -> Reply:
-        message = body["messages"][-1]["content"]
-        if message.startswith("a") and int(message[1:]) >= scored_first:
-            await gate.wait()  # A's later requests end only when the test lets go
-        return Reply("Score: 5", delay_s=0.01)
+    reply = holding_a_from(scored_first, gate)
 
     async with judge_of(reply, connections, {"fair_share": "samples"}) as (server, pipeline):
         batcher = pipeline.batcher
