@@ -7,12 +7,14 @@ In order (the most important first, each with its own time limit, all within --d
 
 1. `vllm-tests`: the vLLM backend's tests (tests/server/rollout/test_vllm_backend.py), the engine ones on the GPU;
 2. `cuda-ipc-tests`: the CUDA IPC data plane's tests (tests/common/test_cuda_ipc.py);
-3. `rollout-tiny`: rollout throughput with the tiny policy: offline `LLM.generate`, bare `AsyncLLM`, the mesh
+3. `reward-model-tests`: the reward model's tests (tests/reward_engine/test_reward_model.py, and those of
+   tests/reward_engine/test_capacity.py: on the GPU, a tenant's batch sent first goes before the batch staged);
+4. `rollout-tiny`: rollout throughput with the tiny policy: offline `LLM.generate`, bare `AsyncLLM`, the mesh
    (bench.rollout_throughput --modes vllm);
-4. `rollout-1.5b`: the same with a random Qwen2.5-1.5B-shaped policy in bf16, built on the machine;
-5. `reward-model`: a random Qwen2.5-0.5B-shaped reward model on the GPU: offline batches against the same samples
+5. `rollout-1.5b`: the same with a random Qwen2.5-1.5B-shaped policy in bf16, built on the machine;
+6. `reward-model`: a random Qwen2.5-0.5B-shaped reward model on the GPU: offline batches against the same samples
    dynamically batched through `rewardmesh serve reward` (bench.reward_batching --device cuda);
-6. `weight-sync`: a ~160M-parameter update from a trainer on the same GPU over CUDA IPC through vLLM's
+7. `weight-sync`: a ~160M-parameter update from a trainer on the same GPU over CUDA IPC through vLLM's
    weight-transfer engine, in GB/s (bench.weight_sync --transports ipc --backend vllm).
 
 Each step is a process of its own; its output goes to DIR/<name>.log and its numbers to DIR/<name>.json, the table
@@ -116,6 +118,9 @@ def steps(out: Path) -> list[Step]:
              300, pytest_summary, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}),
         Step("cuda-ipc-tests", "the CUDA IPC tests", [*py, "tests/common/test_cuda_ipc.py"], False, 120,
              pytest_summary),
+        Step("reward-model-tests", "the reward model's tests, a batch sent first going before the staged one",
+             [*py, "-k", "reward_model", "tests/reward_engine/test_reward_model.py",
+              "tests/reward_engine/test_capacity.py"], False, 120, pytest_summary),
         Step("rollout-tiny", "rollout throughput, tiny policy (64 prompts x n=8, 64 tokens)",
              [*rollout, "--rounds", "3", "--json-out", str(out / "rollout-tiny.json")], True, 180, rollout_summary),
         Step("rollout-1.5b", "rollout throughput, Qwen2.5-1.5B shape, bf16 (64 prompts x n=8, 128 tokens)",
@@ -154,10 +159,11 @@ def vllm_here() -> str:
 
 
 def blocker(step: Step, no_cuda: str, no_vllm: str) -> str:
-    """Why this step cannot run here ("" if it can): no CUDA GPU, or no vLLM (the CUDA IPC tests need neither)."""
+    """Why this step cannot run here ("" if it can): no CUDA GPU, or no vLLM (the CUDA IPC and reward model tests
+    need neither)."""
     if step.needs_cuda and no_cuda:
         return f"needs a CUDA GPU: {no_cuda}"
-    if no_vllm and step.name != "cuda-ipc-tests":
+    if no_vllm and step.name not in ("cuda-ipc-tests", "reward-model-tests"):
         return no_vllm
     return ""
 

@@ -130,7 +130,7 @@ def _hanging_program(sid: str) -> common_pb2.Sample:
     return _sample(sid, _HANGING_PROGRAM, _TESTS)
 
 
-def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str, Kind]:
+def _kinds(workdir: Path, judge_url: str, reward_model: Path | None, model_batches: int = 0) -> dict[str, Kind]:
     burn = workdir / "fleet_burn.py"
     burn.write_text(_BURN)
     kinds = {
@@ -147,9 +147,10 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None) -> dict[str
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),
     }  # fmt: skip
     if reward_model is not None:
-        # B's batch overtakes A's pass in flight, which waits before its next layer (on the CPU).
-        kinds["model"] = Kind("model", [{"type": "model", "path": str(reward_model), "device": "cpu"}], 3000,
-                              _sample, _sample, FAST_STEPS, gives_way=True, batches=1)  # fmt: skip
+        # B's batch overtakes A's batches in flight: the pass computing waits before its next layer (on the CPU).
+        # B's demand is counted on one batch however many are in flight: the model runs one pass at a time.
+        model = {"type": "model", "path": str(reward_model), "device": "cpu", "batches_in_flight": model_batches}
+        kinds["model"] = Kind("model", [model], 3000, _sample, _sample, FAST_STEPS, gives_way=True, batches=1)
     return kinds
 
 
@@ -401,7 +402,7 @@ async def isolation(args: argparse.Namespace) -> list[list[object]]:
         judge.start()
         try:
             judge_port = await asyncio.get_running_loop().run_in_executor(None, judge_conn.recv)
-            catalog = _kinds(workdir, f"http://127.0.0.1:{judge_port}", reward_model)
+            catalog = _kinds(workdir, f"http://127.0.0.1:{judge_port}", reward_model, args.model_batches_in_flight)
             pipelines: dict[str, Any] = {}
             for name in kinds:
                 pipelines[f"{name}-default"] = {"sources": catalog[name].sources}
@@ -638,6 +639,13 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="B's pause after each step, as a trainer's while it trains (0: steps back to back, so that B alone keeps "
         "a pool of 2 workers busy, and under contention gets its fair half once its credit is spent)",
+    )
+    parser.add_argument(
+        "--model-batches-in-flight",
+        type=int,
+        default=0,
+        help="the reward model's batches in flight (0: the CPU's own, 1; 2: an accelerator's, one computing and one "
+        "staged)",
     )
     parser.add_argument("--job-steps", type=int, default=5, help="each simulated job's steps (sizing)")
     parser.add_argument("--settle-s", type=float, default=2.0, help="seconds A floods before B's steps are timed")

@@ -185,7 +185,7 @@ class Capacity:
             return f"the event loop ({self.unit}): one batch at a time, each bounded in loop time"
         elsewhere = f" ({self.held_elsewhere} held outside the pipeline now)" if self.held_elsewhere else ""
         preempt = ", preemptible" if self.preemptible else ""
-        ahead = ", overtaken at its next layer by a batch sent first" if self.overtakes else ""
+        ahead = ", overtaken by a batch sent first" if self.overtakes else ""
         return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + preempt + ahead + elsewhere
 
 

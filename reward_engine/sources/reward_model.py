@@ -20,9 +20,12 @@ Serving: a batch is grouped by length into at most ``length_buckets`` forward pa
 the padded tokens by a fifth or more; each pass is staged (padded, and on CUDA pinned and copied
 non-blocking on a copy stream) before the model is taken, so with two batches in flight (the source's
 capacity on an accelerator) the next batch is assembled while this one computes. On the CPU there is nothing to
-overlap (staging and the forward pass share the cores): one batch is in flight, and a batch sent first (another
-tenant's, back from idle) overtakes it: the pass in flight pauses before its next layer, the new batch runs, and the
-paused pass goes on where it stopped, so an arriving step waits for one layer, not a whole batch.
+overlap (staging and the forward pass share the cores): one batch is in flight (``batches_in_flight`` sets another
+number). A batch sent first (another tenant's, back from idle) overtakes the batches in flight: it takes the model
+before any batch staged or waiting for it, and on the CPU the pass in flight also pauses before its next layer, the
+new batch runs, and the paused pass goes on where it stopped, so an arriving step waits for one layer, not a whole
+batch. On an accelerator (or under ``torch_compile``) the pass in flight finishes first: the host queues a pass's
+kernels layers ahead of the device, so pausing the host would not pause the pass.
 ``torch_compile: true`` wraps the forward in ``torch.compile(dynamic=True, backend=compile_backend)``; off by default
 (the first batch of each shape class compiles, seconds to minutes).
 
@@ -57,7 +60,7 @@ _RETOKENIZE = ("auto", "always", "never")
 # host is otherwise idle. A third would only wait for the model's lock, holding its samples out of the fair queue.
 BATCHES_IN_FLIGHT = 2
 # On the CPU, staging and the forward pass share the same cores: nothing overlaps, and a staged batch would only
-# make an arriving sample wait for two batches instead of one (measured: bench.shared_fleet, docs/shared-fleet.md).
+# hold its samples out of the fair queue (measured: bench.shared_fleet, docs/shared-fleet.md).
 CPU_BATCHES_IN_FLIGHT = 1
 
 
@@ -79,7 +82,11 @@ class ModelSource(RewardSource):
         length_buckets: int = 4,
         torch_compile: bool = False,
         compile_backend: str = "inductor",
+        batches_in_flight: int = 0,
     ) -> None:
+        """``batches_in_flight``: batches handed to the model at once, one computing and the others staged
+        meanwhile (0: the device's own, 2 on an accelerator and 1 on the CPU); the pipeline's
+        ``max_concurrent_batches`` (2 for a model by default) still caps it."""
         self.name = name
         self.target = str(path)
         if retokenize not in _RETOKENIZE:
@@ -88,6 +95,10 @@ class ModelSource(RewardSource):
             raise ValueError(f"reward model {name!r}: max_length must be >= 1, not {max_length}")
         if length_buckets < 1:
             raise ValueError(f"reward model {name!r}: length_buckets must be >= 1, not {length_buckets}")
+        if batches_in_flight < 0:
+            raise ValueError(
+                f"reward model {name!r}: batches_in_flight must be >= 0 (0: the device's own), not {batches_in_flight}"
+            )
         self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
@@ -150,12 +161,14 @@ class ModelSource(RewardSource):
         layers = layer_stack(self._backbone or model) if self.device.type == "cpu" and not self.torch_compile else None
         for layer in layers or ():
             layer.register_forward_pre_hook(self._turns.give_way_hook)
-        if self.device.type == "cpu":
-            self._capacity = Capacity(
-                CPU_BATCHES_IN_FLIGHT, "model batch in flight (on the CPU)", "batch", overtakes=layers is not None
-            )
-        else:
-            self._capacity = Capacity(BATCHES_IN_FLIGHT, "model batches in flight (one computing, one staged)", "batch")
+        # A batch sent first takes the model before the batches staged or waiting for it, wherever it runs; where a
+        # pass gives way to it says the unit.
+        on_cpu = self.device.type == "cpu"
+        batches = batches_in_flight or (CPU_BATCHES_IN_FLIGHT if on_cpu else BATCHES_IN_FLIGHT)
+        where = "on the CPU" if on_cpu else f"on {self.device}"
+        gives_way = "gives way at its next layer" if layers is not None else "finishes its pass first"
+        unit = f"model batch{'es' if batches > 1 else ''} in flight ({where}; the one computing {gives_way})"
+        self._capacity = Capacity(batches, unit, "batch", overtakes=True)
         # Rust tokenizers can raise "Already borrowed" when one instance is used from several threads at once.
         self._tokenizer_lock = threading.Lock()
         self._warned_truncation = False
@@ -177,7 +190,8 @@ class ModelSource(RewardSource):
 
     @property
     def capacity(self) -> Capacity:
-        """Batches in flight: two on an accelerator (the next staged while one computes), one on the CPU."""
+        """Batches in flight (by default two on an accelerator, the next staged while one computes; one on the CPU),
+        which a batch sent first overtakes."""
         return self._capacity
 
     # ------------------------------------------------------------------------------------------ scoring
@@ -328,14 +342,20 @@ class ModelSource(RewardSource):
         return ids.astype(np.int64, copy=False)
 
     def _forward(self, seqs: list[np.ndarray]) -> list[float]:
-        """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), each
+        """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), the first
         staged (padded, pinned, copied) before the model is taken, so with two batches in flight one is assembled
-        while the other computes."""
+        while the other computes. The batch keeps the model from one of its passes to the next (batches in flight
+        take it in turns, not pass by pass), giving way between them only to a batch sent first."""
         lengths = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))
         scores = np.zeros(len(seqs), dtype=np.float64)
-        for rows in length_buckets(lengths, self.length_buckets):
-            staged = self._stage([seqs[r] for r in rows], lengths[rows])
-            scores[rows] = self._run(staged)
+        groups = length_buckets(lengths, self.length_buckets)
+        staged = self._stage([seqs[r] for r in groups[0]], lengths[groups[0]])
+        with self._turns.hold():
+            for k, rows in enumerate(groups):
+                if k:
+                    self._turns.give_way(holding=True)
+                    staged = self._stage([seqs[r] for r in rows], lengths[rows])
+                scores[rows] = self._run(staged)
         return scores.tolist()
 
     def _stage(self, seqs: list[np.ndarray], lengths: np.ndarray) -> _Staged:
@@ -361,7 +381,8 @@ class ModelSource(RewardSource):
         return _Staged(on_device[0], on_device[1], on_device[2], ready, (ids, mask, last))
 
     def _run(self, staged: _Staged) -> np.ndarray:
-        with self._turns.hold(), torch.inference_mode():  # inference_mode is per thread: it must be set here
+        """One forward pass over a staged batch; the caller holds the model."""
+        with torch.inference_mode():  # inference_mode is per thread: it must be set here
             forward = self._forward_fn
             if self._model is None or forward is None:
                 raise Unavailable(f"reward model {self.name!r} is closed")
@@ -384,13 +405,16 @@ class ModelSource(RewardSource):
 class _Turns:
     """Who runs the model: one forward pass at a time, and the passes of a batch sent first (`ahead`) before the
     others, which give way to it between their layers and between the samples they are built from (`give_way`), and
-    go on once that batch is done. At most two batches' activations are live: the paused one's and the one ahead."""
+    go on once that batch is done, a paused pass before any new one. At most two batches' activations are live: the
+    paused one's and the one ahead."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._busy = False  # a pass runs on the model
         self._ahead = 0  # batches sent first, not done yet
+        self._paused = 0  # passes that gave way in the middle, holding their activations
         self._mine = threading.local()  # whether this thread's batch was sent first
+        self.waiting = 0  # batches waiting to take the model
 
     @contextmanager
     def ahead(self) -> Iterator[None]:
@@ -406,15 +430,21 @@ class _Turns:
                 self._ahead -= 1
                 self._cv.notify_all()
 
+    def _first(self) -> bool:
+        return bool(getattr(self._mine, "ahead", False))
+
     def _waits(self) -> bool:
-        return bool(self._ahead) and not getattr(self._mine, "ahead", False)
+        return bool(self._ahead) and not self._first()
 
     @contextmanager
     def hold(self) -> Iterator[None]:
-        """The model, for one pass, once no pass runs and no batch sent first is owed it (unless this is that one)."""
+        """The model, for a batch's passes, once no pass runs and neither a batch sent first nor a paused pass is owed
+        it (unless this is the batch sent first)."""
         with self._cv:
-            while self._busy or self._waits():
+            self.waiting += 1
+            while self._busy or (not self._first() and (self._ahead or self._paused)):
                 self._cv.wait()
+            self.waiting -= 1
             self._busy = True
         try:
             yield
@@ -432,10 +462,12 @@ class _Turns:
         with self._cv:
             if holding:
                 self._busy = False
+                self._paused += 1
                 self._cv.notify_all()
             while self._waits() or (holding and self._busy):
                 self._cv.wait()
             if holding:
+                self._paused -= 1
                 self._busy = True
 
     def give_way_hook(self, module: torch.nn.Module, args: Any) -> None:

@@ -29,9 +29,11 @@ def test_without_a_gpu_the_run_stops_at_the_first_step_that_needs_one(
 def test_the_plan_names_every_check_and_an_unknown_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_checks.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
-    for name in ("vllm-tests", "cuda-ipc-tests", "rollout-tiny", "rollout-1.5b", "reward-model", "weight-sync"):
+    steps = ("vllm-tests", "cuda-ipc-tests", "reward-model-tests", "rollout-tiny", "rollout-1.5b", "reward-model")
+    for name in (*steps, "weight-sync"):
         assert f"\n{name}: " in out
-    assert "rollout-1.5b: needs a CUDA GPU" in out and "cuda-ipc-tests: runs" in out
+    assert "rollout-1.5b: needs a CUDA GPU" in out
+    assert "cuda-ipc-tests: runs" in out and "reward-model-tests: runs" in out
     with pytest.raises(SystemExit):
         gpu_checks.main(["--only", "rollout-70b"])
     assert "unknown step(s) rollout-70b" in capsys.readouterr().err

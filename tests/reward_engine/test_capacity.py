@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import torch
 
 from rewardmesh.common.errors import DeadlineExceeded
 from rewardmesh.demo.tiny_models import TinyModelPaths
@@ -700,7 +701,7 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
     async with pipeline_of(source, None) as pipeline:
         model, batcher = pipeline.sources[0].source, pipeline.batcher
         assert pipeline.limits() == pipeline.limits()._replace(batches=1, overtakes=True)
-        assert "overtaken at its next layer" in pipeline.describe_capacity()
+        assert "gives way at its next layer), overtaken by a batch sent first" in pipeline.describe_capacity()
         inside, go = threading.Event(), threading.Event()
 
         def hold_first_pass(module: Any, args: Any) -> None:  # A's first pass waits here, before its first layer
@@ -739,6 +740,77 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
     assert sorted(done[:STEP]) == sorted(f"b{i}" for i in range(STEP)), done  # before A's batch it overtook
     assert first_a <= set(done[STEP:]), done
     assert max(starts.of("a").values()) == max(starts.of("b").values()) == 1  # none started twice
+    assert starts.over == [], starts.over
+    assert [r.output.score for r in scored] == pytest.approx(alone, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+async def test_a_tenant_back_from_idle_goes_before_the_reward_model_batch_staged(
+    device: str, tiny_models: TinyModelPaths
+) -> None:
+    """Two batches in flight, as on an accelerator: one of A's in its forward pass, the other staged and waiting for
+    the model. B's step, arriving meanwhile, is handed over at once, beyond them, and its pass comes before the staged
+    batch's: B waits for (a layer of) the pass computing, not for two of A's batches. On the CPU the pass computing
+    gives way at its next layer, on an accelerator between its passes; the paused batch then goes on before the staged
+    one (batches take the model in turns, not pass by pass)."""
+    source = {**cpu_model(tiny_models), "device": device, "batches_in_flight": 2}
+    async with pipeline_of(source, None) as pipeline:
+        model, batcher = pipeline.sources[0].source, pipeline.batcher
+        assert pipeline.limits() == pipeline.limits()._replace(batches=2, overtakes=True)
+        assert "overtaken by a batch sent first" in pipeline.describe_capacity()
+        inside, go = threading.Event(), threading.Event()
+        passes: list[str] = []  # each forward pass as it starts and ends: the first sample of its batch
+        batch_of = threading.local()
+        score_batch = model._score_batch_sync
+
+        def tagged(batch: list[RewardInput]) -> Any:  # each batch computes in a thread: the thread knows it
+            batch_of.first = batch[0].sample_id
+            return score_batch(batch)
+
+        def log_pass(*_: Any) -> None:
+            passes.append(batch_of.first)
+
+        def log_start(module: Any, args: Any) -> None:  # A's first pass waits here, before its first layer
+            log_pass()
+            if not inside.is_set():
+                inside.set()
+                go.wait(60)
+
+        layers = layer_stack(model._backbone)
+        assert layers is not None
+        hooks = [layers[0].register_forward_pre_hook(log_start), layers[-1].register_forward_hook(log_pass)]
+        model._score_batch_sync = tagged
+        starts = Starts(pipeline)
+        a, b = Tenant("a"), Tenant("b")
+        try:
+            flood = [batcher.enqueue(varied("a", i), tenant=a) for i in range(100)]
+            await eventually(inside.is_set, "one of A's batches in its forward pass")
+            await eventually(lambda: model._turns.waiting == 1, "A's other batch staged, waiting for the model")
+            step = [batcher.enqueue(varied("b", i), tenant=b) for i in range(STEP)]
+            await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batches in flight")
+            await eventually(lambda: model._turns.waiting == 2, "B's batch staged, waiting for the model too")
+            go.set()
+            scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
+        finally:
+            go.set()
+            for hook in hooks:
+                hook.remove()
+        samples = [varied("a", i) for i in range(100)] + [varied("b", i) for i in range(STEP)]
+        alone = [model.score_tokens([np.concatenate([s.prompt_ids, s.response_ids])])[0] for s in samples]
+    assert {t for t, _ in starts.batches[0] + starts.batches[1]} == {"a"}
+    assert sorted(starts.batches[2]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[2]
+    # The passes' starts and ends of A's batch computing when B arrived ("x"), of B's, of A's batch staged ("y"): B's
+    # all come before the staged batch's, and the paused pass ends before the staged one starts.
+    a_batches, b_batch = [batch[0][1] for batch in starts.batches[:2]], starts.batches[2][0][1]
+    computing = passes[0]
+    staged = next(sid for sid in a_batches if sid != computing)
+    label = [{computing: "x", staged: "y", b_batch: "b"}.get(sid, "?") for sid in passes]
+    last = {k: max(i for i, seen in enumerate(label) if seen == k) for k in "xb"}
+    assert last["b"] < label.index("y") and last["x"] < label.index("y"), label
+    assert all(label.count(k) % 2 == 0 for k in "xyb"), label  # every pass that started ended
+    assert max(starts.of("a").values()) == max(starts.of("b").values()) == 1
     assert starts.over == [], starts.over
     assert [r.output.score for r in scored] == pytest.approx(alone, abs=1e-4)
 

@@ -423,8 +423,10 @@ async def test_torch_compile_flag_scores_as_eager(tiny_models: TinyModelPaths, p
     eager = source("rm-eager", tiny_models.reward_model)
     compiled = source("rm-compiled", tiny_models.reward_model, torch_compile=True, compile_backend="eager")
     assert compiled.torch_compile and compiled._forward_fn is not compiled._backbone
-    # A compiled graph would take in the hooks a pass gives way at: only the eager pass on the CPU is overtaken.
-    assert eager.capacity.overtakes and not compiled.capacity.overtakes
+    # A compiled graph would take in the hooks a pass gives way at: only the eager pass on the CPU pauses at its next
+    # layer for a batch sent first; a compiled one finishes its pass, then that batch goes before any other.
+    assert eager.capacity.overtakes and compiled.capacity.overtakes
+    assert "gives way at its next layer" in eager.capacity.unit and "finishes its pass" in compiled.capacity.unit
     batch = [sample(policy_tok, p, r, sid=str(i)) for i, (p, r) in enumerate(PAIRS[:3])]  # one traced shape
     assert scores(await compiled.score_batch(batch)) == pytest.approx(scores(await eager.score_batch(batch)), abs=TOL)
 
