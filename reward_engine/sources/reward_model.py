@@ -342,19 +342,18 @@ class ModelSource(RewardSource):
         return ids.astype(np.int64, copy=False)
 
     def _forward(self, seqs: list[np.ndarray]) -> list[float]:
-        """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), the first
+        """Score sequences: grouped by length into at most `length_buckets` forward passes (less padding), each
         staged (padded, pinned, copied) before the model is taken, so with two batches in flight one is assembled
         while the other computes. The batch keeps the model from one of its passes to the next (batches in flight
         take it in turns, not pass by pass), giving way between them only to a batch sent first."""
         lengths = np.fromiter((s.size for s in seqs), dtype=np.int64, count=len(seqs))
         scores = np.zeros(len(seqs), dtype=np.float64)
         groups = length_buckets(lengths, self.length_buckets)
-        staged = self._stage([seqs[r] for r in groups[0]], lengths[groups[0]])
+        passes = [self._stage([seqs[r] for r in rows], lengths[rows]) for rows in groups]
         with self._turns.hold():
-            for k, rows in enumerate(groups):
+            for k, (rows, staged) in enumerate(zip(groups, passes, strict=True)):
                 if k:
                     self._turns.give_way(holding=True)
-                    staged = self._stage([seqs[r] for r in rows], lengths[rows])
                 scores[rows] = self._run(staged)
         return scores.tolist()
 
