@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # A batch's outcomes, a future in the place of a sample answered apart (RewardSource.start_each).
 ComputeFn = Callable[[list[RewardInput]], Awaitable[ApartResult]]
+# A batch run ahead of those in flight: its outcomes, and the seconds it waited for them to pause (not charged).
+ComputeFirstFn = Callable[[list[RewardInput]], Awaitable[tuple[ApartResult, float]]]
 # Each sample's work started now, a future of its outcome each; None: the batch goes to the ComputeFn.
 StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | None"]
 
@@ -225,7 +227,7 @@ class DynamicBatcher:
         limits: Callable[[], StartLimits] | None = None,
         start_delay: Callable[[], float] | None = None,
         start_each: StartEachFn | None = None,
-        compute_first: ComputeFn | None = None,
+        compute_first: ComputeFirstFn | None = None,
     ) -> None:
         self.config = config or BatcherConfig()
         self.name = name
@@ -920,9 +922,12 @@ class DynamicBatcher:
                 return
             start_ns = time.time_ns()
             start_cpu = time.thread_time()
+            waited = 0.0  # a batch run ahead: its wait for the batches in flight to pause
             try:
-                compute = self._compute_first if first and self._compute_first is not None else self._compute
-                results: ApartResult = await compute([it.inp for it in live])
+                if first and self._compute_first is not None:
+                    results, waited = await self._compute_first([it.inp for it in live])
+                else:
+                    results = await self._compute([it.inp for it in live])
                 if len(results) != len(live):
                     raise SourceFailed(f"source returned {len(results)} results for a batch of {len(live)}")
             except asyncio.CancelledError:
@@ -936,7 +941,7 @@ class DynamicBatcher:
             queued = [start - it.enqueued for it in live]
             if any(isinstance(res, asyncio.Future) for res in results):  # answered apart, each when it is done
                 triples = zip(live, results, queued, strict=True)
-                keep = [not self._answer_late(it, res, waited, start) for it, res, waited in triples]
+                keep = [not self._answer_late(it, res, q, start) for it, res, q in triples]
                 late = len(live) - sum(keep)
                 live = [it for it, k in zip(live, keep, strict=True) if k]
                 results = [res for res, k in zip(results, keep, strict=True) if k]
@@ -945,8 +950,10 @@ class DynamicBatcher:
                     return
             outcomes = cast(BatchResult, results)  # the futures were taken out above
             end = time.monotonic()
-            # A batch that paused for one run ahead of it took its own time, not that one's too (learnt and charged).
-            compute_s = end - start if first else max(end - start - (self._overtaken_s - overtaken), 0.0)
+            # A batch that paused for one run ahead of it took its own time, not that one's too, and the one run ahead
+            # its own, not its wait for the other to pause (learnt and charged).
+            ran = self._overtaken_s - overtaken
+            compute_s = max(end - start - (waited if first else ran), 0.0)
             if first:
                 self._overtaken_s += compute_s
             self._learn(compute_s)

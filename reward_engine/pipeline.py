@@ -178,9 +178,9 @@ class RewardPipeline:
                 combined.append(self._combine(parts))  # type: ignore[arg-type]  # no future among them
         return combined
 
-    async def compute_first(self, batch: list[RewardInput]) -> ApartResult:
+    async def compute_first(self, batch: list[RewardInput]) -> tuple[ApartResult, float]:
         """As `compute`, the batch run ahead of those in flight, which pause for it (where `limits` says the one
-        source overtakes)."""
+        source overtakes); also how long it waited for them to pause."""
         return await self.sources[0].source.score_batch_first(batch)
 
     def _combine(self, parts: list[Outcome]) -> Outcome:

@@ -206,10 +206,11 @@ class RewardSource(ABC):
     async def score_batch(self, batch: list[RewardInput]) -> BatchResult:
         """Each sample's result (or the exception it raised), in input order."""
 
-    async def score_batch_first(self, batch: list[RewardInput]) -> BatchResult:
+    async def score_batch_first(self, batch: list[RewardInput]) -> tuple[BatchResult, float]:
         """As ``score_batch``, ahead of the batches in flight, where the capacity ``overtakes``: they pause at their
-        next step until this batch is done. The default scores it as any other batch."""
-        return await self.score_batch(batch)
+        next step until this batch is done. Also how long it waited for them to get there (seconds): its time, but
+        not its work, so its tenant is not charged for it. The default scores it as any other batch."""
+        return await self.score_batch(batch), 0.0
 
     def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
         """Start every sample's work now and return, at once, a future of each one's outcome, so each sample is

@@ -39,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -204,8 +205,9 @@ class ModelSource(RewardSource):
             return []
         return await asyncio.to_thread(self._score_batch_sync, batch)
 
-    async def score_batch_first(self, batch: list[RewardInput]) -> BatchResult:
-        """As score_batch, ahead of the pass in flight, which pauses before its next layer until this one is done."""
+    async def score_batch_first(self, batch: list[RewardInput]) -> tuple[BatchResult, float]:
+        """As score_batch, ahead of the batches in flight: the pass computing pauses before its next layer (on the CPU)
+        or ends, and this batch takes the model next; also how long it waited for that."""
         return await asyncio.to_thread(self._score_batch_ahead, batch)
 
     def score_tokens(self, token_ids: Sequence[np.ndarray | Sequence[int]]) -> list[float]:
@@ -235,9 +237,9 @@ class ModelSource(RewardSource):
 
     # ---------------------------------------------------------------------------------------- internals
 
-    def _score_batch_ahead(self, batch: list[RewardInput]) -> BatchResult:
-        with self._turns.ahead():
-            return self._score_batch_sync(batch)
+    def _score_batch_ahead(self, batch: list[RewardInput]) -> tuple[BatchResult, float]:
+        with self._turns.ahead() as waited:
+            return self._score_batch_sync(batch), waited()
 
     def _score_batch_sync(self, batch: list[RewardInput]) -> BatchResult:
         results: list[RewardOutput | BaseException | None] = [None] * len(batch)
@@ -416,13 +418,15 @@ class _Turns:
         self.waiting = 0  # batches waiting to take the model
 
     @contextmanager
-    def ahead(self) -> Iterator[None]:
-        """This thread's batch runs ahead of the others until it is done: its passes first, theirs paused."""
+    def ahead(self) -> Iterator[Callable[[], float]]:
+        """This thread's batch runs ahead of the others until it is done: its passes first, theirs paused. Yields
+        how long, so far, it has waited for the model (for the pass computing to pause)."""
         with self._cv:
             self._ahead += 1
         self._mine.ahead = True
+        self._mine.waited = 0.0
         try:
-            yield
+            yield lambda: float(self._mine.waited)
         finally:
             self._mine.ahead = False
             with self._cv:
@@ -439,12 +443,15 @@ class _Turns:
     def hold(self) -> Iterator[None]:
         """The model, for a batch's passes, once no pass runs and neither a batch sent first nor a paused pass is owed
         it (unless this is the batch sent first)."""
+        since = time.monotonic()
         with self._cv:
             self.waiting += 1
             while self._busy or (not self._first() and (self._ahead or self._paused)):
                 self._cv.wait()
             self.waiting -= 1
             self._busy = True
+        if self._first():
+            self._mine.waited += time.monotonic() - since
         try:
             yield
         finally:

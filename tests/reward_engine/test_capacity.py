@@ -31,7 +31,7 @@ import torch
 
 from rewardmesh.common.errors import DeadlineExceeded
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.reward_engine.batcher import Scored, Ticket
+from rewardmesh.reward_engine.batcher import BatchInfo, Scored, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import BURST, Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
@@ -696,7 +696,8 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
     """B's step arrives while A's batch is in its forward pass: B's batch is handed over at once, beyond the one batch
     in flight, and runs while A's pass waits before its next layer; A's pass then goes on where it stopped. B's
     results come before that batch's, no sample of A's starts in between, and every sample scores as it does alone
-    (the paused pass resumed with its own state)."""
+    (the paused pass resumed with its own state). B's batch is charged its own time, not its wait for A's pass to
+    reach that layer (A's pass is held there meanwhile): that time was A's."""
     source = cpu_model(tiny_models)
     async with pipeline_of(source, None) as pipeline:
         model, batcher = pipeline.sources[0].source, pipeline.batcher
@@ -715,6 +716,15 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
         starts = Starts(pipeline)
         done: list[str] = []
         a, b = Tenant("a"), Tenant("b")
+        batches: list[BatchInfo] = []
+        described = batcher._on_batch
+
+        def describe(info: BatchInfo) -> None:  # the batches as the batcher charges them
+            batches.append(info)
+            if described is not None:
+                described(info)
+
+        batcher._on_batch = describe
 
         def enqueue(tenant: Tenant, i: int) -> asyncio.Future[Scored]:
             fut = batcher.enqueue(varied(tenant.name, i), tenant=tenant)
@@ -726,6 +736,10 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
             await eventually(inside.is_set, "A's first batch in its forward pass")
             step = [enqueue(b, i) for i in range(STEP)]
             await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batch in flight")
+            await eventually(lambda: model._turns.waiting == 1, "B's batch waiting for A's pass to give way")
+            held_from = time.monotonic()
+            await holds_for(lambda: model._turns.waiting == 1, "B's batch waits while A's pass is held")
+            held_s = time.monotonic() - held_from
             go.set()
             scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
         finally:
@@ -742,6 +756,9 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
     assert max(starts.of("a").values()) == max(starts.of("b").values()) == 1  # none started twice
     assert starts.over == [], starts.over
     assert [r.output.score for r in scored] == pytest.approx(alone, abs=1e-4)
+    b_batch = next(info for info in batches if info.sample_ids[0].startswith("b"))
+    took_s = (b_batch.end_time_ns - b_batch.start_time_ns) / 1e9
+    assert b_batch.compute_s <= took_s - held_s + 1e-3, (b_batch.compute_s, took_s, held_s)
 
 
 @pytest.mark.parametrize(
