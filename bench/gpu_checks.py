@@ -54,6 +54,7 @@ class Step:
     limit_s: int  # its own time limit
     summarize: Callable[[str, Path], tuple[bool, str]]  # (output, its JSON file) -> (passed, what it measured)
     env: dict[str, str] = field(default_factory=dict)
+    needs_vllm: bool = True  # the test files of the CUDA IPC data plane and of the reward model run without it
 
 
 @dataclass
@@ -117,10 +118,10 @@ def steps(out: Path) -> list[Step]:
         Step("vllm-tests", "the vLLM backend's tests", [*py, "tests/server/rollout/test_vllm_backend.py"], False,
              300, pytest_summary, {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}),
         Step("cuda-ipc-tests", "the CUDA IPC tests", [*py, "tests/common/test_cuda_ipc.py"], False, 120,
-             pytest_summary),
+             pytest_summary, needs_vllm=False),
         Step("reward-model-tests", "the reward model's tests, a batch sent first going before the staged one",
              [*py, "-k", "reward_model", "tests/reward_engine/test_reward_model.py",
-              "tests/reward_engine/test_capacity.py"], False, 120, pytest_summary),
+              "tests/reward_engine/test_capacity.py"], False, 120, pytest_summary, needs_vllm=False),
         Step("rollout-tiny", "rollout throughput, tiny policy (64 prompts x n=8, 64 tokens)",
              [*rollout, "--rounds", "3", "--json-out", str(out / "rollout-tiny.json")], True, 180, rollout_summary),
         Step("rollout-1.5b", "rollout throughput, Qwen2.5-1.5B shape, bf16 (64 prompts x n=8, 128 tokens)",
@@ -159,11 +160,10 @@ def vllm_here() -> str:
 
 
 def blocker(step: Step, no_cuda: str, no_vllm: str) -> str:
-    """Why this step cannot run here ("" if it can): no CUDA GPU, or no vLLM (the CUDA IPC and reward model tests
-    need neither)."""
+    """Why this step cannot run here ("" if it can): no CUDA GPU, or no vLLM, where the step needs them."""
     if step.needs_cuda and no_cuda:
         return f"needs a CUDA GPU: {no_cuda}"
-    if no_vllm and step.name not in ("cuda-ipc-tests", "reward-model-tests"):
+    if no_vllm and step.needs_vllm:
         return no_vllm
     return ""
 

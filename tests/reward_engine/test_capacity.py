@@ -692,6 +692,36 @@ def varied(tenant: str, i: int) -> RewardInput:
     return sample(f"{tenant}{i}", tokens=3 + i % 5)
 
 
+def scored_alone(model: Any, flood: int) -> list[float]:
+    """Each of A's `flood` varied samples and of B's step, scored by `model` on its own, in that order."""
+    samples = [varied("a", i) for i in range(flood)] + [varied("b", i) for i in range(STEP)]
+    return [model.score_tokens([np.concatenate([s.prompt_ids, s.response_ids])])[0] for s in samples]
+
+
+@contextmanager
+def first_pass_held(
+    model: Any, on_start: Callable[[], None] = lambda: None
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The model's first forward pass waits before its first layer (`inside` says it is there) until `go` is set,
+    as it is on leaving; `on_start` is called as every pass starts."""
+    inside, go = threading.Event(), threading.Event()
+
+    def hold(module: Any, args: Any) -> None:
+        on_start()
+        if not inside.is_set():
+            inside.set()
+            go.wait(60)
+
+    layers = layer_stack(model._backbone)
+    assert layers is not None
+    hook = layers[0].register_forward_pre_hook(hold)
+    try:
+        yield inside, go
+    finally:
+        go.set()
+        hook.remove()
+
+
 async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight(tiny_models: TinyModelPaths) -> None:
     """B's step arrives while A's batch is in its forward pass: B's batch is handed over at once, beyond the one batch
     in flight, and runs while A's pass waits before its next layer; A's pass then goes on where it stopped. B's
@@ -703,16 +733,8 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
         model, batcher = pipeline.sources[0].source, pipeline.batcher
         assert pipeline.limits() == pipeline.limits()._replace(batches=1, overtakes=True)
         assert "gives way at its next layer), overtaken by a batch sent first" in pipeline.describe_capacity()
-        inside, go = threading.Event(), threading.Event()
-
-        def hold_first_pass(module: Any, args: Any) -> None:  # A's first pass waits here, before its first layer
-            if not inside.is_set():
-                inside.set()
-                go.wait(60)
-
         layers = layer_stack(model._backbone)
-        assert layers is not None and len(layers) >= 2
-        hook = layers[0].register_forward_pre_hook(hold_first_pass)
+        assert layers is not None and len(layers) >= 2  # a layer after the first, where A's pass gives way
         starts = Starts(pipeline)
         done: list[str] = []
         a, b = Tenant("a"), Tenant("b")
@@ -731,7 +753,7 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
             fut.add_done_callback(lambda _: done.append(f"{tenant.name}{i}"))
             return fut
 
-        try:
+        with first_pass_held(model) as (inside, go):  # A's first pass waits before its first layer
             flood = [enqueue(a, i) for i in range(100)]
             await eventually(inside.is_set, "A's first batch in its forward pass")
             step = [enqueue(b, i) for i in range(STEP)]
@@ -742,11 +764,7 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
             held_s = time.monotonic() - held_from
             go.set()
             scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
-        finally:
-            go.set()
-            hook.remove()
-        samples = [varied("a", i) for i in range(100)] + [varied("b", i) for i in range(STEP)]
-        alone = [model.score_tokens([np.concatenate([s.prompt_ids, s.response_ids])])[0] for s in samples]
+        alone = scored_alone(model, 100)
     first_a = {sid for _, sid in starts.batches[0]}
     assert {t for t, _ in starts.batches[0]} == {"a"}
     assert sorted(starts.batches[1]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[1]
@@ -777,7 +795,6 @@ async def test_a_tenant_back_from_idle_goes_before_the_reward_model_batch_staged
         model, batcher = pipeline.sources[0].source, pipeline.batcher
         assert pipeline.limits() == pipeline.limits()._replace(batches=2, overtakes=True)
         assert "overtaken by a batch sent first" in pipeline.describe_capacity()
-        inside, go = threading.Event(), threading.Event()
         passes: list[str] = []  # each forward pass as it starts and ends: the first sample of its batch
         batch_of = threading.local()
         score_batch = model._score_batch_sync
@@ -789,33 +806,25 @@ async def test_a_tenant_back_from_idle_goes_before_the_reward_model_batch_staged
         def log_pass(*_: Any) -> None:
             passes.append(batch_of.first)
 
-        def log_start(module: Any, args: Any) -> None:  # A's first pass waits here, before its first layer
-            log_pass()
-            if not inside.is_set():
-                inside.set()
-                go.wait(60)
-
         layers = layer_stack(model._backbone)
         assert layers is not None
-        hooks = [layers[0].register_forward_pre_hook(log_start), layers[-1].register_forward_hook(log_pass)]
+        ended = layers[-1].register_forward_hook(log_pass)
         model._score_batch_sync = tagged
         starts = Starts(pipeline)
         a, b = Tenant("a"), Tenant("b")
         try:
-            flood = [batcher.enqueue(varied("a", i), tenant=a) for i in range(100)]
-            await eventually(inside.is_set, "one of A's batches in its forward pass")
-            await eventually(lambda: model._turns.waiting == 1, "A's other batch staged, waiting for the model")
-            step = [batcher.enqueue(varied("b", i), tenant=b) for i in range(STEP)]
-            await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batches in flight")
-            await eventually(lambda: model._turns.waiting == 2, "B's batch staged, waiting for the model too")
-            go.set()
-            scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
+            with first_pass_held(model, log_pass) as (inside, go):  # A's first pass waits before its first layer
+                flood = [batcher.enqueue(varied("a", i), tenant=a) for i in range(100)]
+                await eventually(inside.is_set, "one of A's batches in its forward pass")
+                await eventually(lambda: model._turns.waiting == 1, "A's other batch staged, waiting for the model")
+                step = [batcher.enqueue(varied("b", i), tenant=b) for i in range(STEP)]
+                await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batches in flight")
+                await eventually(lambda: model._turns.waiting == 2, "B's batch staged, waiting for the model too")
+                go.set()
+                scored = await asyncio.wait_for(asyncio.gather(*flood, *step), 120)
         finally:
-            go.set()
-            for hook in hooks:
-                hook.remove()
-        samples = [varied("a", i) for i in range(100)] + [varied("b", i) for i in range(STEP)]
-        alone = [model.score_tokens([np.concatenate([s.prompt_ids, s.response_ids])])[0] for s in samples]
+            ended.remove()
+        alone = scored_alone(model, 100)
     assert {t for t, _ in starts.batches[0] + starts.batches[1]} == {"a"}
     assert sorted(starts.batches[2]) == [("b", f"b{i}") for i in range(STEP)], starts.batches[2]
     # The passes' starts and ends of A's batch computing when B arrived ("x"), of B's, of A's batch staged ("y"): B's
