@@ -1,6 +1,6 @@
 """One reward fleet shared by training jobs: does a job's latency hold while another floods the fleet?
 
-    python -m bench.shared_fleet [--kinds function,code,hostile,judge,model,rule --steps 40] [--sizing]
+    python -m bench.shared_fleet [--kinds function,code,hostile,judge,model,rule,rule_workers --steps 40] [--sizing]
 
 Isolation (the default): a real `rewardmesh serve reward` process with two tenants of weight 1 (job-a, job-b, each
 its own token) and, per source kind, two pipelines of real sources: the kind's default batching, and a user's
@@ -16,6 +16,7 @@ kind and batching: B's per-sample latency p50 and p99 alone, then while A floods
             answering in 50 ms; A keeps 1,000
   model     the tiny reward model on the CPU; A keeps 3,000 in flight
   rule      the gsm8k rule, inline; A keeps 3,000 in flight
+  rule_workers  the same rule in 2 worker processes (`isolation: process`); A keeps 3,000 in flight
 
 Sizing (--sizing, a few minutes more): reward servers needed when training jobs share one fleet instead of each
 having its own, and what step deadlines buy under saturation, on reward servers whose pipeline takes a fixed time
@@ -65,7 +66,7 @@ from rewardmesh.v1 import common_pb2, reward_pb2
 
 # ---------------------------------------------------------------------------------------------------- isolation
 
-KINDS = ("function", "code", "hostile", "judge", "model", "rule")
+KINDS = ("function", "code", "hostile", "judge", "model", "rule", "rule_workers")
 USER_BATCHING = {"max_batch_size": 16, "max_queue_delay_ms": 2, "max_queue_size": 4096}
 STEP = 8  # B's step: small, sent at once
 TOKENS = {"job-a": "fleet-bench-token-a", "job-b": "fleet-bench-token-b"}
@@ -145,6 +146,9 @@ def _kinds(workdir: Path, judge_url: str, reward_model: Path | None, model_batch
                                  "prompt_template": "{response}"}], 1000, _sample, _sample, gives_way=True,
                       slots=16),
         "rule": Kind("rule", [{"type": "rule", "rule": "gsm8k"}], 3000, _sample, _sample, FAST_STEPS),
+        # The same rule where its capacity is its workers, not the event loop every tenant's messages need.
+        "rule_workers": Kind("rule_workers", [{"type": "rule", "rule": "gsm8k", "isolation": "process", "workers": 2}],
+                             3000, _sample, _sample, FAST_STEPS, slots=2),
     }  # fmt: skip
     if reward_model is not None:
         # B's batch overtakes A's batches in flight: the pass computing waits before its next layer (on the CPU).
@@ -587,8 +591,9 @@ async def main_async(args: argparse.Namespace) -> None:
     if rows:
         print(
             f"\nB: closed loop of steps of {STEP} samples at once, {args.pause_ms:g} ms apart ({args.rounds} rounds of "
-            f"{args.steps} steps alone and {args.steps} while A floods, in turn; model and rule: 400%); A floods "
-            "(samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rule 3000); two "
+            f"{args.steps} steps alone and {args.steps} while A floods, in turn; model and rules: 400%); A "
+            "floods (samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rules "
+            "3000); two "
             "tenants of weight 1 on one real reward server over gRPC; user batching: "
             f"{USER_BATCHING}\n"
         )
@@ -630,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
         "--steps",
         type=int,
         default=75,
-        help="B's steps per phase and round (isolation; model and rule run 4 times as many)",
+        help="B's steps per phase and round (isolation; model and rules run 4 times as many)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (B alone, B while A floods), in turn")
     parser.add_argument(
