@@ -922,10 +922,10 @@ class DynamicBatcher:
                 return
             start_ns = time.time_ns()
             start_cpu = time.thread_time()
-            waited = 0.0  # a batch run ahead: its wait for the batches in flight to pause
+            paused_s = 0.0  # a batch run ahead: its wait for the batches in flight to pause
             try:
                 if first and self._compute_first is not None:
-                    results, waited = await self._compute_first([it.inp for it in live])
+                    results, paused_s = await self._compute_first([it.inp for it in live])
                 else:
                     results = await self._compute([it.inp for it in live])
                 if len(results) != len(live):
@@ -941,7 +941,7 @@ class DynamicBatcher:
             queued = [start - it.enqueued for it in live]
             if any(isinstance(res, asyncio.Future) for res in results):  # answered apart, each when it is done
                 triples = zip(live, results, queued, strict=True)
-                keep = [not self._answer_late(it, res, q, start) for it, res, q in triples]
+                keep = [not self._answer_late(it, res, waited, start) for it, res, waited in triples]
                 late = len(live) - sum(keep)
                 live = [it for it, k in zip(live, keep, strict=True) if k]
                 results = [res for res, k in zip(results, keep, strict=True) if k]
@@ -953,7 +953,7 @@ class DynamicBatcher:
             # A batch that paused for one run ahead of it took its own time, not that one's too, and the one run ahead
             # its own, not its wait for the other to pause (learnt and charged).
             ran = self._overtaken_s - overtaken
-            compute_s = max(end - start - (waited if first else ran), 0.0)
+            compute_s = max(end - start - (paused_s if first else ran), 0.0)
             if first:
                 self._overtaken_s += compute_s
             self._learn(compute_s)
