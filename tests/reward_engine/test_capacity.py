@@ -213,6 +213,7 @@ async def test_a_function_pipeline_starts_a_small_step_next_on_its_worker_proces
     processes: list[int] = []
     async with pipeline_of(source, batching) as pipeline:
         pool = pipeline.sources[0].source.pool
+        pool.straggler_after_s = math.inf  # A's gated calls hold their workers until the gate opens, on any load
         starts, mark, hopeless = await flood_then_step(
             pipeline,
             make,

@@ -4,6 +4,7 @@ from the trainer through the rollout server, and a fleet that scales down withou
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -204,6 +205,7 @@ async def test_a_flooding_tenant_never_puts_its_backlog_before_its_neighbours_st
     pipeline = server.engine.pipelines["fn"]
     batcher = pipeline.batcher
     pool = pipeline.sources[0].source.pool  # type: ignore[attr-defined]
+    pool.straggler_after_s = math.inf  # A's gated calls hold their workers until the gate opens, on any load
     handed: list[str] = []
     over: list[tuple[int, int]] = []  # (samples started, worker processes) whenever the first exceeds the second
 
