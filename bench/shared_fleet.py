@@ -593,9 +593,7 @@ async def main_async(args: argparse.Namespace) -> None:
             f"\nB: closed loop of steps of {STEP} samples at once, {args.pause_ms:g} ms apart ({args.rounds} rounds of "
             f"{args.steps} steps alone and {args.steps} while A floods, in turn; model and rules: 400%); A "
             "floods (samples kept in flight: function 3000, code and hostile 200, judge 1000, model 3000, rules "
-            "3000); two "
-            "tenants of weight 1 on one real reward server over gRPC; user batching: "
-            f"{USER_BATCHING}\n"
+            f"3000); two tenants of weight 1 on one real reward server over gRPC; user batching: {USER_BATCHING}\n"
         )
         header = ["kind", "batching", "B alone p50 / p99 ms", "B while A floods p50 / p99 ms", "p99 ratio",
                   "p99 ratio by round", "p50 ratio", "B queued p99 ms alone / flooded", "A's unit ms",
