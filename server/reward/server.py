@@ -96,6 +96,8 @@ class RewardServer(MeshServer):
     async def start(self, *, ready: bool = True) -> int:
         """Warm up and serve; ``ready=False``: NOT_SERVING and no port file until ``grpc.set_ready()``."""
         await self.engine.warmup()
+        if len(self.tenants.tenants) > 1:
+            self._hint_shared_loop()
         port = await self.grpc.start(ready=ready)
         log.info(
             "reward server listening on %s:%d with pipelines: %s",
@@ -104,6 +106,20 @@ class RewardServer(MeshServer):
             ", ".join(sorted(self.engine.pipelines)),
         )
         return port
+
+    def _hint_shared_loop(self) -> None:
+        """Tenants share this server, and a pipeline scoring on the event loop shares with them the loop that reads
+        every tenant's messages: fair share orders its queue, but a flood's messages still take turns of that loop,
+        which worker processes would leave to the pipeline's own samples."""
+        names = [name for name, p in sorted(self.engine.pipelines.items()) if p.limits(lent=False).inline]
+        if names:
+            log.info(
+                "pipelines scoring on the event loop, which also reads every tenant's messages: %s. Under another "
+                "tenant's flood a small step there waits for the flood's turns of the loop, beyond what fair share "
+                "decides; to hold its latency, run it in worker processes (a rule's `isolation: process`, a "
+                "function's `executor: process`), at a cost in throughput",
+                ", ".join(names),
+            )
 
     async def _drain(self) -> None:
         """Both fronts at once: the gateway stops taking work as gRPC goes NOT_SERVING, and both drain."""

@@ -186,6 +186,33 @@ def _a_before_each_b(started: list[str]) -> list[int]:
     return counts
 
 
+@pytest.mark.parametrize("tenants", [("a", "b"), ()], ids=["shared", "one-tenant"])
+async def test_a_server_shared_by_tenants_says_which_pipelines_score_on_its_event_loop(
+    tmp_path: Path, tenants: tuple[str, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An inline rule's batches take turns of the loop that reads every tenant's messages, so fair share cannot
+    hold its latency under a flood as worker processes do: where tenants share the server, one log line names those
+    pipelines and what to run instead; a pipeline in worker processes is not named, and a server of one tenant
+    says nothing of it."""
+    pipelines = {
+        "inline": {"sources": [{"type": "rule", "rule": "gsm8k", "isolation": "inline"}]},
+        "workers": {"sources": [{"type": "rule", "rule": "gsm8k", "isolation": "process", "workers": 1}]},
+    }
+    table = TenantTable.from_config(write_tokens(tmp_path, **{name: f"{name}-secret" for name in tenants}))
+    server = RewardServer(build_engine(pipelines), ServerOptions(host="127.0.0.1", port=0), tenants=table)
+    with caplog.at_level("INFO", logger="rewardmesh.server.reward.server"):
+        await server.start()
+    await server.stop(grace=1.0)
+    hints = [r.getMessage() for r in caplog.records if "scoring on the event loop" in r.getMessage()]
+    if tenants:
+        assert len(hints) == 1 and "isolation: process" in hints[0]
+        named = hints[0].split(": ", 1)[1].split(". ", 1)[0].split(", ")
+        assert "inline" in named and "gsm8k" in named  # a built-in rule's pipeline runs inline too
+        assert "workers" not in named
+    else:
+        assert hints == []
+
+
 @pytest.mark.parametrize("batching", [{}, {"max_batch_size": 16, "max_queue_delay_ms": 2}], ids=["default", "user"])
 async def test_a_flooding_tenant_never_puts_its_backlog_before_its_neighbours_step(
     tmp_path: Path, batching: dict[str, Any]
