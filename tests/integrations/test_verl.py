@@ -5,7 +5,9 @@ and through verl's naive manager with our async compute_score."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -218,11 +220,49 @@ MIXED = [
 
 @pytest.fixture(scope="module")
 def ray_local() -> Any:
+    """A local Ray instance on 127.0.0.1 (tests/integrations/conftest.py). Ray gives its raylet a fixed 30 s to
+    register and a start that misses it leaves its processes running: a missed start is cleaned up and tried
+    once more, and a second miss fails with the raylet's own last words."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
+            break
+        except Exception as exc:
+            logs = ray_log_tail()
+            ray.shutdown()
+            stop_ray_children()
+            if attempt == 2:
+                raise AssertionError(f"Ray did not start twice: {exc}\n{logs}") from exc
     yield ray
     ray.shutdown()
+
+
+def ray_log_tail(lines: int = 20) -> str:
+    """The last lines of the newest Ray session's raylet and GCS logs, where a failed start says why."""
+    logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
+    out = []
+    for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
+        path = logs / name
+        if path.is_file():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path}\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no Ray logs under {logs})"
+
+
+def stop_ray_children() -> None:
+    """Kill the Ray processes (GCS, raylet, agents, workers) this test process started."""
+    import psutil
+
+    procs = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any("/ray/" in part for part in proc.cmdline()):
+                proc.kill()
+                procs.append(proc)
+    psutil.wait_procs(procs, timeout=30)
 
 
 def mixed_batch(tokenizer: Any) -> Any:
