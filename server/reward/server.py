@@ -116,8 +116,8 @@ class RewardServer(MeshServer):
             log.info(
                 "pipelines scoring on the event loop, which also reads every tenant's messages: %s. Under another "
                 "tenant's flood a small step there waits for the flood's turns of the loop, beyond what fair share "
-                "decides; to hold its latency, run it in worker processes (a rule's `isolation: process`, a "
-                "function's `executor: process`), at a cost in throughput",
+                "decides; to keep its median latency as it is alone, run it in worker processes (a rule's "
+                "`isolation: process`, a function's `executor: process`), at a cost in throughput",
                 ", ".join(names),
             )
 
