@@ -218,6 +218,11 @@ MIXED = [
 ]
 
 
+# A hang's bound, not a speed check: Ray's actors each import verl and torch as they start, and on a machine whose
+# cores are busy many times over (the flake hunt's load) one reward-loop call has taken three minutes.
+RAY_TEST_TIMEOUT_S = 900
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Any:
     """A local Ray instance on 127.0.0.1 (tests/integrations/conftest.py). Ray gives its raylet a fixed 30 s to
@@ -271,16 +276,7 @@ def mixed_batch(tokenizer: Any) -> Any:
     return data
 
 
-def run_bounded(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` (a blocking ray.get inside), failing the test if it hangs (over 120 s: Ray's workers start
-    slowly on a loaded machine)."""
-    start = time.monotonic()
-    out = fn(*args)
-    assert time.monotonic() - start < 120
-    return out
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RAY_TEST_TIMEOUT_S)
 def test_rays_reward_loop_on_two_workers_assembles_columns_from_announced_keys(
     tiny_models: TinyModelPaths, ray_local: Any
 ) -> None:
@@ -299,7 +295,7 @@ def test_rays_reward_loop_on_two_workers_assembles_columns_from_announced_keys(
             config.reward.num_workers = 2
             manager = RewardLoopManager(config)
             data = mixed_batch(RewardLoopWorker(config).input_tokenizer)
-            out = run_bounded(manager.compute_rm_score, data)
+            out = manager.compute_rm_score(data)
             for worker in manager.reward_loop_workers:
                 ray_local.kill(worker)
             assert out.batch["rm_scores"].sum(dim=1).tolist() == [1.0, 0.0, 1.0, 0.0], route
@@ -311,7 +307,7 @@ def test_rays_reward_loop_on_two_workers_assembles_columns_from_announced_keys(
             assert np.isnan(parsed[:2].astype(float)).all() and parsed[2:].tolist() == [1.0, 1.0]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RAY_TEST_TIMEOUT_S)
 def test_rays_reward_loop_fails_the_step_naming_the_sample(tiny_models: TinyModelPaths, ray_local: Any) -> None:
     from verl.experimental.reward_loop.reward_loop import RewardLoopManager
 
@@ -323,6 +319,6 @@ def test_rays_reward_loop_fails_the_step_naming_the_sample(tiny_models: TinyMode
         data.non_tensor_batch["data_source"][3] = "unknown/source"  # auto has no rule for it
         data.non_tensor_batch["extra_info"] = np.array([{"index": i} for i in range(4)], dtype=object)
         with pytest.raises(Exception, match=r"sample 3 \(prompt 'Compute 2 \* 3.'\): NOT_FOUND.*unknown/source"):
-            run_bounded(manager.compute_rm_score, data)
+            manager.compute_rm_score(data)
         for worker in manager.reward_loop_workers:
             ray_local.kill(worker)
