@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -247,7 +246,9 @@ def ray_local() -> Any:
 
 def ray_log_tail(lines: int = 20) -> str:
     """The last lines of the newest Ray session's raylet and GCS logs, where a failed start says why."""
-    logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
+    from ray._common.utils import get_default_ray_temp_dir
+
+    logs = Path(get_default_ray_temp_dir()) / "session_latest" / "logs"
     out = []
     for name in ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err"):
         path = logs / name
