@@ -66,6 +66,10 @@ class _Pending:
             req.step_time_left.FromNanoseconds(max(0, int((self.due - now) * 1e9)))
 
 
+# How long the one call that tells a refusal from a lost stream may take (the stream's own error stands after it).
+REFUSAL_PROBE_TIMEOUT_S = 10.0
+
+
 class _TargetStream(Member):
     """The long-lived Score stream to one target, reopened on demand after a failure.
 
@@ -194,9 +198,10 @@ class _TargetStream(Member):
                     on_result(self, response.result)
         except aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
-            if exc.code() in REFUSED:  # another try or another target gets the same answer: fail at once
+            refusal = exc if exc.code() in REFUSED else await self._refusal_behind(exc)
+            if refusal is not None:  # another try or another target gets the same answer: fail at once
                 self._reset()
-                self.owner._refuse(self, exc)
+                self.owner._refuse(self, refusal)
                 return
         except asyncio.CancelledError:
             self._reset()
@@ -208,6 +213,19 @@ class _TargetStream(Member):
         self.pending.clear()
         self.owner.pool.mark_failed(self, f"{reason}; re-sending its {len(orphans)} unanswered samples")
         self.owner._reroute(orphans, self, reason)
+
+    async def _refusal_behind(self, exc: aio.AioRpcError) -> aio.AioRpcError | None:
+        """The refusal a lost status hid, if it was one. A server that refuses the caller ends the stream before
+        reading it, and when a message the client writes meanwhile fails, grpc.aio reports that write's failure
+        (INTERNAL, `Failed "execute_batch"` on a send) in place of the server's status. One unary call, which
+        has no write to race, asks the target again."""
+        if exc.code() != grpc.StatusCode.INTERNAL or "SendMessageOperation" not in (exc.debug_error_string() or ""):
+            return None
+        try:
+            await self.stub.ListRewards(reward_pb2.ListRewardsRequest(), timeout=REFUSAL_PROBE_TIMEOUT_S)
+        except aio.AioRpcError as probe:
+            return probe if probe.code() in REFUSED else None
+        return None
 
     def _reset(self) -> None:
         self._open = False

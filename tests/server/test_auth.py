@@ -3,6 +3,7 @@ and every client sends the token from the environment, the rollout server's rewa
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -153,4 +154,27 @@ async def test_a_wrong_token_is_unauthenticated_at_once_never_retried_as_a_down_
                 with pytest.raises(aio.AioRpcError) as err:
                     await client.score_batch([sample("b")], "gsm8k")
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "is down" not in caplog.text
+
+
+async def test_a_refusal_that_races_the_streams_writes_is_still_unauthenticated(
+    token_file: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that refuses a Score stream ends it before reading it, and a message the client writes meanwhile
+    fails: grpc.aio then reports that write's failure (INTERNAL) in place of the refusal. Samples submitted
+    apart, so that later writes race the refusal: each is still UNAUTHENTICATED after one attempt, none is
+    re-sent, and the target is never taken for down."""
+    from rewardmesh.client.reward_client import RewardClient
+
+    monkeypatch.setenv("REWARDMESH_AUTH_TOKEN", "wrong")
+    async with guarded_reward(token_file) as rs:
+        for i in range(60):
+            async with RewardClient(rs.address, max_attempts=5) as client:
+                futures = []
+                for j in range(4):
+                    futures.append(client.submit(sample(f"s{i}-{j}"), "gsm8k"))
+                    await asyncio.sleep(0.0005 * (i % 5))  # writes spread over the refusal's way back
+                results = await asyncio.gather(*futures)
+                assert all(r.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0] for r in results), results
+                assert client.rerouted == 0 and not client.streams[0].down
     assert "is down" not in caplog.text
