@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from rewardmesh.common.planes.grpc_chunks import DRAIN_S, drain
+
 # Open without a token: liveness and readiness probes.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
@@ -62,6 +64,12 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def unary(request: Any, context: aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
 
+    async def stream_in(requests: Any, context: aio.ServicerContext) -> Any:
+        # A client that is still writing when the refusal comes would hear of a failed write, not of the
+        # refusal (see `drain`): its stream ends by itself (UpdateWeights' last chunk), so it is read out first.
+        await drain(requests, DRAIN_S)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
     async def stream(request: Any, context: aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
@@ -73,7 +81,7 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(stream_in, **kwargs)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
     return grpc.stream_stream_rpc_method_handler(stream, **kwargs)

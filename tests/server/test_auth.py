@@ -178,3 +178,30 @@ async def test_a_refusal_that_races_the_streams_writes_is_still_unauthenticated(
                 assert all(r.error.code == grpc.StatusCode.UNAUTHENTICATED.value[0] for r in results), results
                 assert client.rerouted == 0 and not client.streams[0].down
     assert "is down" not in caplog.text
+
+
+async def test_a_refused_weight_stream_is_read_out_so_its_sender_hears_unauthenticated(
+    tok: Any, token_file: str
+) -> None:
+    """UpdateWeights refused while its sender still writes chunks: the server reads the stream out before it
+    answers, so the sender hears UNAUTHENTICATED every time, never a failed write's INTERNAL."""
+    ro = RolloutServer(
+        ScriptedBackend(tok, lambda text, turn: ("x", 0.0)), [],
+        ServerOptions(host="127.0.0.1", port=0, auth_token_file=token_file),
+    )  # fmt: skip
+    await ro.start()
+    try:
+        async with aio.insecure_channel(ro.address) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            for i in range(40):
+
+                async def chunks(pause_s: float = 0.0005 * (i % 5)) -> AsyncIterator[rollout_pb2.UpdateWeightsRequest]:
+                    for _ in range(6):
+                        yield rollout_pb2.UpdateWeightsRequest()
+                        await asyncio.sleep(pause_s)  # writes spread over the refusal's way back
+
+                with pytest.raises(aio.AioRpcError) as err:
+                    await stub.UpdateWeights(chunks(), metadata=(("authorization", "Bearer wrong"),))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+    finally:
+        await ro.stop(grace=0.5)
