@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from rewardmesh.common.planes.grpc_chunks import DRAIN_S, drain
+from rewardmesh.common.streams import DRAIN_S, drain
 
 # Open without a token: liveness and readiness probes.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)

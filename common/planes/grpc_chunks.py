@@ -8,12 +8,10 @@ Each process recycles its message buffers (`common.allocator.keep_freed_memory`)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +31,7 @@ from rewardmesh.common.planes.manifest import (
     manifest,
 )
 from rewardmesh.common.protowire import LEN, VARINT, fields, int64, read_varint, varint
+from rewardmesh.common.streams import DRAIN_S, drain
 from rewardmesh.common.tensors import dtype_name
 from rewardmesh.v1 import rollout_pb2
 
@@ -230,23 +229,6 @@ class WeightAssembler:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-
-
-DRAIN_S = 5.0  # how long a refused UpdateWeights stream is read on, so its client hears why
-
-
-async def drain(requests: AsyncIterator[Any], limit_s: float) -> None:
-    """Read (and drop) what the client still sends after a chunk was refused.
-
-    A server that answers while its client is still writing makes the client's next write fail, and grpc.aio
-    then reports that failed write (INTERNAL "Failed execute_batch SendMessageOperation") instead of the
-    status naming the bad tensor; reading the rest first lets the status through. Bounded in time and by the
-    chunk limit, so a client that never stops sending is cut off all the same.
-    """
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(limit_s):
-            async for _ in requests:
-                pass
 
 
 Message = UpdateView | rollout_pb2.UpdateWeightsRequest  # what the server reads: parsed by hand, or by protobuf
