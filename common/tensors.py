@@ -1,4 +1,4 @@
-"""The one place where protobuf Tensors become numpy arrays or torch tensors and back.
+"""The one place where protobuf Tensors become numpy arrays and back.
 
 Tensors travel as raw little-endian bytes with a dtype and a shape (KServe v2's raw contents), so
 a 4k-token response is 16 KiB of int32 rather than 4k varints. bfloat16 has no numpy dtype: it
@@ -11,15 +11,12 @@ import array
 import math
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.v1 import common_pb2
-
-if TYPE_CHECKING:
-    import torch
 
 _NUMPY: dict[int, np.dtype] = {
     common_pb2.DTYPE_INT32: np.dtype("<i4"),
@@ -120,25 +117,6 @@ def ids_checked(t: common_pb2.Tensor, field: str) -> bytes | np.ndarray:
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_IDS.flags.writeable = False
-
-
-def torch_to_tensor(value: torch.Tensor) -> common_pb2.Tensor:
-    """bf16, fp16 and fp32 tensors (weights) to the wire, without a float round trip for bf16."""
-    import torch
-
-    value = value.detach().contiguous().cpu()
-    if value.dtype == torch.bfloat16:
-        return numpy_to_tensor(value.view(torch.int16).numpy().view("<u2"), bfloat16=True)
-    return numpy_to_tensor(value.numpy())
-
-
-def tensor_to_torch(t: common_pb2.Tensor, field: str) -> torch.Tensor:
-    import torch
-
-    arr = tensor_to_numpy(t, field)
-    if t.dtype == common_pb2.DTYPE_BFLOAT16:
-        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(arr.copy())
 
 
 def duration_seconds(duration: Any) -> float:
