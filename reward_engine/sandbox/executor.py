@@ -45,10 +45,7 @@ sample never waits here: it waits in the pipeline's fair queue.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -57,180 +54,29 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import Unavailable
 from rewardmesh.reward_engine.isolation import WORKER_NICENESS
+from rewardmesh.reward_engine.sandbox.exchange import STARTUP_S, RunnerExchange
+from rewardmesh.reward_engine.sandbox.jobs import Job, JobResult, Limits, TestRun
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
 
 log = logging.getLogger(__name__)
 
-# Starting a sandbox (namespaces, mounts, the runner's interpreter) may take this long before its first test.
-STARTUP_S = 10.0
 # What starting a sandbox is taken to cost until one has been timed.
 STARTUP_GUESS_S = 0.05
 # A job past its straggler time that may not step aside yet (a slot free, the spare not up) looks again this often.
 RECHECK_S = 0.05
-# The runner's reset after a job (kill, wipe, check) may take this long.
-RESET_S = 2.0
 # What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
 STOP_GUESS_S = 0.01
 # A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
 RETRY_START_S = 30.0
-# stderr that says a test ran out of memory or processes: a limit was hit, the sandbox is retired.
-_LIMIT_MARKS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "Resource temporarily unavailable")
 
 
 class SandboxUnavailable(Unavailable):
     """The configured isolation cannot be provided on this machine; no code runs."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per test process: CPU seconds, wall seconds, address space, processes (threads count), open files,
-    bytes of stdout, bytes per written file; per sandbox: the size of its tmpfs."""
-
-    cpu_s: float = 5.0
-    wall_s: float = 10.0
-    memory_mb: int = 512
-    procs: int = 32
-    files: int = 64
-    output_bytes: int = 1 << 20
-    file_bytes: int = 16 << 20
-    tmp_mb: int = 64
-    compile_timeout_s: float = 30.0
-
-    def check(self, where: str) -> None:
-        for name in ("cpu_s", "wall_s", "memory_mb", "procs", "files", "output_bytes", "file_bytes", "tmp_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{where}: '{name}' must be a positive number, got {value!r}")
-
-    def as_job(self) -> dict[str, Any]:
-        return {
-            "cpu_s": self.cpu_s,
-            "wall_s": self.wall_s,
-            "memory_mb": self.memory_mb,
-            "procs": self.procs,
-            "files": self.files,
-            "output_bytes": self.output_bytes,
-            "file_bytes": self.file_bytes,
-        }
-
-
-@dataclass
-class Job:
-    """What one sandbox start runs: files in its work dir, an optional compile, one run per stdin."""
-
-    files: dict[str, str]
-    run: list[str]
-    stdins: list[str]
-    compile: list[str] | None = None
-    binary: str = ""
-    stop_on_error: bool = False  # skip the remaining tests after one that crashed or timed out
-    limits: Limits | None = None  # this job's own limits (the sandbox's when None)
-
-
-@dataclass
-class TestRun:
-    """One test's raw outcome; ``status``: exited | timeout | output_limit | error | compile_error |
-    sandbox_error."""
-
-    status: str
-    exit_code: int | None = None
-    signal: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-    time_s: float = 0.0
-    cpu_s: float = 0.0
-
-
-@dataclass
-class JobResult:
-    runs: list[TestRun]
-    compile_ok: bool = True
-    compile_stderr: str = ""
-    compile_time_s: float = 0.0
-    wall_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    sandbox: int = 0  # which sandbox ran it (a serial number, unique in the process)
-    nth: int = 0  # the how-manieth job of that sandbox it was (1: the sandbox was started for it or ahead)
-
-
-def _decode(value: Any) -> str:
-    try:
-        return base64.b64decode(str(value or ""), validate=True).decode(errors="replace")
-    except (binascii.Error, ValueError):
-        return ""
-
-
-def _run_of(record: dict[str, Any]) -> TestRun:
-    def num(key: str) -> float:
-        value = record.get(key)
-        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-    def opt_int(key: str) -> int | None:
-        value = record.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    status = record.get("status")
-    return TestRun(
-        status=status if isinstance(status, str) else "sandbox_error",
-        exit_code=opt_int("exit"),
-        signal=opt_int("signal"),
-        stdout=_decode(record.get("stdout")),
-        stderr=str(record.get("stderr", "")),
-        time_s=num("time"),
-        cpu_s=num("cpu"),
-    )
-
-
-def hit_limit(run: TestRun) -> bool:
-    """Whether a test ran into a limit (output, memory, processes) or was killed by a signal of its own: its sandbox
-    is retired. A test that ran out of time is not: the runner killed it, with everything else in the sandbox, and
-    reset the sandbox, as for a stopped job, and the reset's check answers for what is left."""
-    if run.status != "timeout" and (run.status not in ("exited", "skipped", "compile_error") or run.signal is not None):
-        return True
-    return any(mark in run.stderr for mark in _LIMIT_MARKS)
-
-
-def result_of(job: Job, reply: Reply, exit_status: int | None, stderr: bytes, wall_s: float) -> JobResult:
-    """The job's runs from the runner's records; every test it did not report is a failure, never a pass."""
-    compile_info: dict[str, Any] | None = None
-    records: list[dict[str, Any]] = []
-    for record in reply.records:
-        if isinstance(record.get("compile"), dict):
-            compile_info = record["compile"]
-        elif record.get("test") == len(records):
-            records.append(record)
-    notes = []
-    if reply.over:
-        notes.append("sandbox output over its cap")
-    if reply.unreadable:
-        notes.append("unreadable line from the sandbox")
-    if reply.ended and reply.final is None:
-        notes.append(f"exit {exit_status}: " + stderr.decode(errors="replace").strip()[-500:])
-    result = JobResult([_run_of(r) for r in records], wall_s=wall_s, notes=notes)
-    if compile_info is not None:
-        result.compile_ok = bool(compile_info.get("ok"))
-        result.compile_stderr = str(compile_info.get("stderr", ""))
-        result.compile_time_s = float(compile_info.get("time", 0.0) or 0.0)
-        if not result.compile_ok:
-            status = "timeout" if compile_info.get("status") == "timeout" else "compile_error"
-            why = f"{status}: {result.compile_stderr}"
-            result.runs = [TestRun("compile_error", stderr=why) for _ in job.stdins]
-            return result
-    timed_out = reply.timed_out
-    why = "sandbox wall budget exceeded" if timed_out else ("; ".join(notes) or "sandbox ended early")
-    status = "timeout" if timed_out else "sandbox_error"
-    last = result.runs[-1] if result.runs else None
-    if job.stop_on_error and last and not timed_out and (last.status != "exited" or last.exit_code != 0):
-        status, why = "skipped", "not run: an earlier test failed"
-    while len(result.runs) < len(job.stdins):
-        result.runs.append(TestRun(status, stderr=why))
-    return result
 
 
 class _Running:
@@ -743,42 +589,18 @@ class Sandbox:
         """A job in a sandbox started for it alone (the start probe), with the runner's ready record."""
         box = self._spawn(level, self._uid_of[slot], (job.limits or self.limits).tmp_mb)
         try:
-            result, reply = self._exchange(box, job, fresh=True)
+            result, reply = RunnerExchange(job, self.limits, self.samples_per_sandbox).run(box, fresh=True)
         finally:
             box.kill()
         ready = next((r for r in reply.records if "ready" in r), {})
         return result, ready
 
-    def _exchange(
-        self, box: SandboxProcess, job: Job, fresh: bool, stop: threading.Event | None = None
-    ) -> tuple[JobResult, Reply]:
-        lim = job.limits or self.limits
-        payload = {
-            "files": job.files,
-            "run": job.run,
-            "tests": job.stdins,
-            "limits": lim.as_job(),
-            "compile": job.compile,
-            "compile_timeout_s": lim.compile_timeout_s,
-            "binary": job.binary,
-            "stop_on_error": job.stop_on_error,
-        }
-        tests_s = len(job.stdins) * (lim.wall_s + 1.0) + (lim.compile_timeout_s if job.compile else 0)
-        budget = (STARTUP_S if fresh else 0.0) + RESET_S + tests_s
-        cap = len(job.stdins) * (lim.output_bytes * 4 // 3 + 65536) + 65536  # base64 stdout, 4 KiB stderr
-        start = time.monotonic()
-        reply = box.exchange(json.dumps(payload).encode() + b"\n", "done", budget, cap, stop)
-        box.served += 1
-        status = box.exit_status() if reply.ended else None
-        result = result_of(job, reply, status, bytes(box.stderr), time.monotonic() - start)
-        result.sandbox, result.nth = box.serial, box.served
-        return result, reply
-
     def _serve(self, level: Level, job: Job, run: _Running) -> JobResult:
         """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``run.stop``
         set: its caller took the job back, and its program is stopped (``_stop``) or never starts. A job that stepped
         aside meanwhile retires its sandbox, and gives its uid back once the sandbox is gone."""
-        lim = job.limits or self.limits
+        exchange = RunnerExchange(job, self.limits, self.samples_per_sandbox)
+        lim = exchange.limits
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
         slot, stop = run.slot, run.stop
         run.reuse = reuse
@@ -789,7 +611,7 @@ class Sandbox:
         if box is None:
             box = self._spawn(level, self._uid_of[slot], lim.tmp_mb)
         try:
-            result, reply = self._exchange_in(run, box, job, fresh)
+            result, reply = self._exchange_in(run, box, exchange, fresh)
             if not fresh and reply.final is None and not reply.records and not reply.timed_out and not stop.is_set():
                 # A warm sandbox that died while it waited (killed from outside) ran nothing: start one for the job.
                 box.kill()
@@ -797,19 +619,12 @@ class Sandbox:
                     self.stats["retired: died while warm"] += 1
                     uid = self._uid_of[slot] if run.uid is None else run.uid  # its own, if it stepped aside
                 box, fresh = self._spawn(level, uid, lim.tmp_mb), True
-                result, reply = self._exchange_in(run, box, job, fresh)
+                result, reply = self._exchange_in(run, box, exchange, fresh)
         except BaseException:
             box.kill()
             self._uid_back(run)
             raise
-        if stop.is_set():  # only what the runner reported counts: the rest was not run
-            if reply.final is None:
-                why: str | None = "stopped, and not reset in time"
-            else:
-                reported = [_run_of(r) for r in reply.records if "test" in r]
-                why = self._retire_reason(box, reported, reply) if reuse else "single use"
-        else:
-            why = self._retire_reason(box, result.runs, reply) if reuse else "single use"
+        why = exchange.retire_reason(box, result, reply, stop.is_set(), reuse)
         with self._lock:
             run.ended = True
             self.stats["jobs"] += 1
@@ -862,7 +677,9 @@ class Sandbox:
                 self._free_uids.append(run.uid)
                 run.uid = None
 
-    def _exchange_in(self, run: _Running, box: SandboxProcess, job: Job, fresh: bool) -> tuple[JobResult, Reply]:
+    def _exchange_in(
+        self, run: _Running, box: SandboxProcess, exchange: RunnerExchange, fresh: bool
+    ) -> tuple[JobResult, Reply]:
         """The job's exchange in its sandbox, which ``_stop`` stops meanwhile if the job is taken back; a job taken
         back before it started runs nothing (a warm sandbox stays warm)."""
         with self._lock:
@@ -876,23 +693,10 @@ class Sandbox:
             gone = JobResult([TestRun("sandbox_error", stderr="taken back before it started")])
             return gone, Reply(final=None if fresh else {"clean": True})
         try:
-            return self._exchange(box, job, fresh, run.stop)
+            return exchange.run(box, fresh, run.stop)
         finally:
             with self._lock:
                 self._running.discard(run)
-
-    def _retire_reason(self, box: SandboxProcess, runs: list[TestRun], reply: Reply) -> str | None:
-        if reply.final is None:
-            return "runner misbehaved"
-        if not reply.final.get("clean"):
-            left = reply.final.get("left")
-            log.info("code sandbox: retired sandbox %d, left after the reset: %s", box.serial, left)
-            return "left something after the reset"
-        if any(hit_limit(run) for run in runs):
-            return "a test hit a limit"
-        if box.served >= self.samples_per_sandbox:
-            return "served its samples"
-        return None
 
 
 def _kill_result(future: Future[SandboxProcess | None]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.reward_engine.sandbox.executor import Job, TestRun
+from rewardmesh.reward_engine.sandbox.jobs import Job, TestRun
 
 LANGUAGES = ("python", "cpp")
 _LANG_ALIASES = {"python": "python", "python3": "python", "py": "python", "cpp": "cpp", "c++": "cpp", "cc": "cpp"}

@@ -293,7 +293,7 @@ def test_reasons_name_what_happened(server: RunningServer) -> None:
 def test_the_sample_after_each_hostile_program_finds_its_sandbox_clean(level: str, tmp_path: Path) -> None:
     """One warm sandbox at a time: each hostile program, then a sample that looks for anything left. A sandbox
     whose test hit a limit is retired; every other one serves the next sample, which must find it as new."""
-    from rewardmesh.reward_engine.sandbox.executor import hit_limit
+    from rewardmesh.reward_engine.sandbox.exchange import hit_limit
     from rewardmesh.reward_engine.sources.code import CodeSource
     from tests.reward_engine.test_sandbox import _sample
 
