@@ -45,13 +45,12 @@ sample never waits here: it waits in the pipeline's fair queue.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import shutil
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -62,6 +61,7 @@ from rewardmesh.reward_engine.sandbox.exchange import STARTUP_S, RunnerExchange
 from rewardmesh.reward_engine.sandbox.jobs import Job, JobResult, Limits, TestRun
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
+from rewardmesh.reward_engine.sandbox.slots import Claim, Running, SlotQueue
 
 log = logging.getLogger(__name__)
 
@@ -77,38 +77,6 @@ RETRY_START_S = 30.0
 
 class SandboxUnavailable(Unavailable):
     """The configured isolation cannot be provided on this machine; no code runs."""
-
-
-class _Running:
-    """A job in a slot: its claim's place in arrival order (``seq``; None: a job from outside the pipeline), its stop,
-    its sandbox and that sandbox's uid once it runs (under the pool's lock), whether it stepped aside (its slot given
-    on, its sandbox retired when it ends) or was stopped with its slot given the spare, and whether it has ended."""
-
-    __slots__ = ("aside", "box", "ended", "handed", "holders", "reuse", "seq", "slot", "stop", "uid")
-
-    def __init__(self, slot: int, seq: int | None) -> None:
-        self.slot = slot
-        self.seq = seq
-        self.holders = 2  # its thread and its caller: an aside job leaves the stragglers when both are done
-        self.stop = threading.Event()
-        self.box: SandboxProcess | None = None
-        self.uid: int | None = None
-        self.aside = False
-        # Stopped, its slot given the spare: it stands for the next spare until its sandbox's reset ends.
-        self.handed: Future[SandboxProcess | None] | None = None
-        self.reuse = False  # its sandbox may serve another job after it
-        self.ended = False
-
-
-class Claim:
-    """A slot claimed in arrival order (``seq``): ``slot`` gives its number once one is free for it."""
-
-    __slots__ = ("seq", "settled", "slot")
-
-    def __init__(self, slot: asyncio.Future[int], seq: int) -> None:
-        self.slot = slot
-        self.seq = seq
-        self.settled = False  # its job took the slot, or the claim was dropped
 
 
 class Sandbox:
@@ -169,12 +137,7 @@ class Sandbox:
         # its next sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox
         # dies with the thread that started it (bubblewrap's --die-with-parent).
         self._threads = ThreadPoolExecutor(2 * self.workers + self.max_stragglers + 2, thread_name_prefix="sandbox")
-        self._free = list(range(self.workers))[::-1]  # slots no job holds (taken from the end)
-        self._claims: deque[asyncio.Future[int]] = deque()  # claims waiting for a slot, in arrival order
-        self._claimed = itertools.count()
-        # Jobs not claimed by the pipeline's batcher (the server's /run_code), asking for a slot or holding one.
-        self.held_outside = 0
-        self._capacity_listeners: list[Callable[[], None]] = []
+        self._slots = SlotQueue(self.workers, self.stats)
         self._lock = threading.Lock()  # guards the dicts below and the counters
         self._idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
         self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
@@ -188,7 +151,7 @@ class Sandbox:
         self._uid_of = list(range(self.workers))
         self._spare_uid = self.workers
         self._free_uids = list(range(self.workers + 1, self.workers + 1 + self.max_stragglers))
-        self._running: set[_Running] = set()  # the jobs whose sandbox runs them now
+        self._running: set[Running] = set()  # the jobs whose sandbox runs them now
         self.start_s = STARTUP_GUESS_S  # how long starting a sandbox takes (moving average of those started ahead)
         self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
@@ -291,40 +254,24 @@ class Sandbox:
         """Jobs that can run at once now: the slots, plus one for each job that stepped aside."""
         return self.workers + self.stragglers
 
+    @property
+    def held_outside(self) -> int:
+        """Jobs from outside the pipeline (the server's /run_code) asking for a slot or holding one."""
+        return self._slots.held_outside
+
     def on_capacity(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` (on the event loop) whenever a job from outside the pipeline ends or a job steps
         aside: the slots free for the pipeline grew."""
-        self._capacity_listeners.append(callback)
+        self._slots.listeners.append(callback)
 
     def claim(self, *, outside: bool = False) -> Claim:
         """A slot, claimed now: at once when one is free and no claim waits before it, else when one frees, in
         arrival order. A claim not used by ``run`` must be dropped (``drop``)."""
-        slot: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        if self._free and not self._claims:
-            slot.set_result(self._free.pop())
-        else:
-            self._claims.append(slot)
-            self.stats["outside jobs that waited for a slot" if outside else "jobs that waited for a slot"] += 1
-        return Claim(slot, next(self._claimed))
+        return self._slots.claim(outside)
 
     def drop(self, claim: Claim) -> None:
         """Give back a claim whose job will not run (nothing, once its job took the slot)."""
-        if claim.settled:
-            return
-        claim.settled = True
-        if claim.slot.done() and not claim.slot.cancelled():
-            self._give(claim.slot.result())
-        else:
-            claim.slot.cancel()  # skipped when a slot frees
-
-    def _give(self, slot: int) -> None:
-        """A freed slot goes to the oldest claim still waiting, else back to the free ones."""
-        while self._claims:
-            waiting = self._claims.popleft()
-            if not waiting.done():
-                waiting.set_result(slot)
-                return
-        self._free.append(slot)
+        self._slots.drop(claim)
 
     async def run(self, job: Job, claim: Claim | None = None) -> JobResult:
         """Run a job in the sandbox of a slot: ``claim``'s, claimed by the pipeline's batcher as it handed the job
@@ -332,7 +279,7 @@ class Sandbox:
         busy) and is counted in ``held_outside`` until it ends."""
         outside = claim is None
         if claim is None:
-            self.held_outside += 1
+            self._slots.held_outside += 1
             claim = self.claim(outside=True)
         try:
             level = await self.start()
@@ -340,7 +287,7 @@ class Sandbox:
         except BaseException:
             self.drop(claim)
             if outside:
-                self._outside_ended()
+                self._slots.outside_ended()
             raise
         claim.settled = True
         with self._lock:
@@ -348,7 +295,7 @@ class Sandbox:
         loop = asyncio.get_running_loop()
         if outside:
             self.stats["outside jobs"] += 1
-        run = _Running(slot, None if outside else claim.seq)
+        run = Running(slot, None if outside else claim.seq)
         try:
             future = loop.run_in_executor(self._threads, self._serve, level, job, run)
         except BaseException:  # the pool was closed
@@ -371,7 +318,7 @@ class Sandbox:
             # before: while it counts in ``slots`` as aside, the sample is running or done, never neither.
             self._let_go(run)
 
-    async def _watch(self, future: asyncio.Future[JobResult], run: _Running, level: Level) -> None:
+    async def _watch(self, future: asyncio.Future[JobResult], run: Running, level: Level) -> None:
         """Until the job ends or steps aside: once it has run past the straggler time, it steps aside as soon as
         it may (every slot taken, the spare up, the jobs claimed before it aside), looking again every 50 ms."""
         wait = self.straggler_after_s
@@ -382,12 +329,12 @@ class Sandbox:
             wait = min(wait, RECHECK_S)
         await asyncio.wait((future,))
 
-    def _step_aside(self, run: _Running, level: Level) -> bool:
+    def _step_aside(self, run: Running, level: Level) -> bool:
         """``run``'s job runs on beside the slots, its slot given to the next claim with the warm spare as its
         sandbox (False: a slot is free, no more stragglers may run, the job is not running, no spare is up yet, or
         one of the pipeline's claimed before it still serves in a slot: jobs step aside in their claims' order, so
         those aside are the pipeline's oldest started, which is how its batcher knows them)."""
-        if self._free or self._closed or self.stragglers >= self.max_stragglers:
+        if self._slots.free or self._closed or self.stragglers >= self.max_stragglers:
             return False
         reuse = self.samples_per_sandbox > 1
         with self._lock:
@@ -415,11 +362,11 @@ class Sandbox:
             self._start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
         if wait:
             return False
-        self._give(run.slot)
-        self._capacity_grew()
+        self._slots.give(run.slot)
+        self._slots.grew()
         return True
 
-    def _stop(self, run: _Running) -> None:
+    def _stop(self, run: Running) -> None:
         run.stop.set()
         with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
             if run not in self._running or run.box is None:
@@ -427,9 +374,9 @@ class Sandbox:
             run.box.wake()
             handed = self._hand_spare(run)
         if handed:
-            self._give(run.slot)
+            self._slots.give(run.slot)
 
-    def _hand_spare(self, run: _Running) -> bool:
+    def _hand_spare(self, run: Running) -> bool:
         """A stopped job's slot serves the next claim at once with the warm spare (under the lock), instead of after
         its sandbox's reset; that sandbox, once reset and clean, is the next spare. The two swap uids."""
         if self._closed or run.aside or not run.reuse or run.uid is None or (spare := self._warm_spare()) is None:
@@ -440,35 +387,24 @@ class Sandbox:
         self.stats["stops that gave the slot the spare"] += 1
         return True
 
-    def _let_go(self, run: _Running) -> None:
+    def _let_go(self, run: Running) -> None:
         """The job's thread or its caller is done; once both are, an aside job no longer runs beside the slots."""
         with self._lock:
             run.holders -= 1
             if run.aside and not run.holders:
                 self.stragglers -= 1
 
-    def _release(self, run: _Running, outside: bool) -> None:
+    def _release(self, run: Running, outside: bool) -> None:
         self._let_go(run)
         if not run.aside and run.handed is None:  # else its slot was given on when it stepped aside or was stopped
-            self._give(run.slot)
+            self._slots.give(run.slot)
         with self._lock:
             self._busy -= 1
             last = self._closed and self._busy == 0
         if last:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if outside:
-            self._outside_ended()
-
-    def _outside_ended(self) -> None:
-        self.held_outside -= 1
-        self._capacity_grew()
-
-    def _capacity_grew(self) -> None:
-        for callback in self._capacity_listeners:
-            try:
-                callback()
-            except Exception:  # a listener's bug must not cost the pool its slots
-                log.exception("code sandbox: a capacity listener failed")
+            self._slots.outside_ended()
 
     def close(self) -> None:
         """No new sandboxes; the warm ones end now, those running a job end within their budgets."""
@@ -595,7 +531,7 @@ class Sandbox:
         ready = next((r for r in reply.records if "ready" in r), {})
         return result, ready
 
-    def _serve(self, level: Level, job: Job, run: _Running) -> JobResult:
+    def _serve(self, level: Level, job: Job, run: Running) -> JobResult:
         """One job in the slot's warm sandbox (or one started for it), then keep, or retire and replace it. ``run.stop``
         set: its caller took the job back, and its program is stopped (``_stop``) or never starts. A job that stepped
         aside meanwhile retires its sandbox, and gives its uid back once the sandbox is gone."""
@@ -670,7 +606,7 @@ class Sandbox:
             self._start_spare(level)
         return result
 
-    def _uid_back(self, run: _Running) -> None:
+    def _uid_back(self, run: Running) -> None:
         """A job that stepped aside, its sandbox gone: its uid may serve another sandbox."""
         with self._lock:
             if run.aside and run.uid is not None:
@@ -678,7 +614,7 @@ class Sandbox:
                 run.uid = None
 
     def _exchange_in(
-        self, run: _Running, box: SandboxProcess, exchange: RunnerExchange, fresh: bool
+        self, run: Running, box: SandboxProcess, exchange: RunnerExchange, fresh: bool
     ) -> tuple[JobResult, Reply]:
         """The job's exchange in its sandbox, which ``_stop`` stops meanwhile if the job is taken back; a job taken
         back before it started runs nothing (a warm sandbox stays warm)."""
