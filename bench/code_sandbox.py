@@ -54,6 +54,7 @@ from rewardmesh.reward_engine.sandbox.executor import Job, Limits, Sandbox, Test
 from rewardmesh.reward_engine.sandbox.grading import job_of, outcome, plan
 from rewardmesh.reward_engine.sandbox.levels import default_python
 from rewardmesh.reward_engine.sources.code import CodeSource
+from rewardmesh.reward_engine.ticket import Ticket
 from rewardmesh.reward_engine.types import RewardInput
 
 MANY = 16
@@ -349,7 +350,7 @@ async def step(n: int, tests: int, generation_s: float, seed: int) -> tuple[floa
 
         async def one(at: float, inp: RewardInput) -> None:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            scored = await pipeline.score(inp)
+            scored = await pipeline.add(Ticket(inp)).future
             assert scored.output.score == 1.0, scored
 
         await asyncio.gather(*(one(at, inp) for at, inp in work))
@@ -358,7 +359,7 @@ async def step(n: int, tests: int, generation_s: float, seed: int) -> tuple[floa
     async def after() -> float:
         start = time.perf_counter()
         await asyncio.sleep(work[-1][0])
-        results = await asyncio.gather(*(pipeline.score(inp) for _, inp in work))
+        results = await asyncio.gather(*(pipeline.add(Ticket(inp)).future for _, inp in work))
         assert all(r.output.score == 1.0 for r in results)
         return time.perf_counter() - start
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
-from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, FairQueue, Lane, Queued, Tenant
+from rewardmesh.reward_engine.fair_queue import FairQueue, Lane, Queued, Tenant
+from rewardmesh.reward_engine.ticket import Scored, Ticket
 from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
 
 log = logging.getLogger(__name__)
@@ -113,21 +114,6 @@ class StartLimits(NamedTuple):
 NO_LIMITS = StartLimits()
 
 
-@dataclass(slots=True)
-class Scored:
-    """A sample's result plus where its time went on this server."""
-
-    output: RewardOutput
-    queue_s: float
-    compute_s: float
-    batch_size: int
-
-
-# Where a queued sample's outcome goes without a future: sink(token, Scored or the sample's exception),
-# called once, at once (no loop round trip per sample), unless the ticket was cancelled first.
-Sink = Callable[[Any, "Scored | BaseException"], None]
-
-
 @dataclass
 class BatchInfo:
     """What one executed batch looked like (for logs, metrics and batch spans)."""
@@ -144,73 +130,6 @@ class BatchInfo:
     # or the exception that sample raised). What per-sample metrics and spans need, handed over once per batch.
     queue_s: list[float] = field(default_factory=list)
     outcomes: BatchResult = field(default_factory=list)
-
-
-class Ticket:
-    """One queued sample (slots: thousands are created per second). Its outcome goes to a future (`enqueue`)
-    or to a sink (`put`); `cancel()` drops it if it has not been answered yet."""
-
-    __slots__ = ("context", "deadline", "done", "due", "enqueued", "future", "inp", "preempted", "sink", "started",
-                 "tenant", "token", "tokens")  # fmt: skip
-
-    def __init__(
-        self,
-        inp: RewardInput,
-        future: asyncio.Future[Scored] | None,
-        enqueued: float,
-        deadline: float | None,
-        context: object = None,  # opaque per-sample context (a trace context), handed back in BatchInfo
-        sink: Sink | None = None,
-        token: Any = None,
-        due: float | None = None,  # step deadline (time.monotonic()): scored by then, or DEADLINE_EXCEEDED early
-        tenant: Tenant = DEFAULT_TENANT,
-    ) -> None:
-        self.inp = inp
-        self.future = future
-        self.sink = sink
-        self.token = token
-        self.done = False  # answered or cancelled (sink tickets; a future keeps its own state)
-        self.enqueued = enqueued
-        self.deadline = deadline
-        self.due = due
-        self.tenant = tenant
-        self.context = context
-        self.tokens = inp.num_tokens  # (a WireInput counts its ids without making arrays)
-        self.started = False  # handed to the source (set by the batcher, which also resets it in `queue`)
-        self.preempted = False  # its work was stopped for another tenant's (again only while an older one runs)
-
-    @property
-    def finished(self) -> bool:
-        return self.done or (self.future is not None and self.future.done())
-
-    def cancel(self) -> bool:
-        """Drop the sample unless already answered; True if this call dropped it (nothing will be delivered)."""
-        if self.future is not None:
-            return self.future.cancel()
-        if self.done:
-            return False
-        self.done = True
-        self.token = None  # a token may be the ticket itself (a servicer's flight): no cycle left to collect
-        return True
-
-    def resolve(self, value: Scored | BaseException) -> None:
-        """Deliver the outcome once (a cancelled or answered ticket ignores it)."""
-        if self.future is not None:
-            if not self.future.done():
-                if isinstance(value, BaseException):
-                    self.future.set_exception(value)
-                else:
-                    self.future.set_result(value)
-            return
-        if self.done:
-            return
-        self.done = True
-        assert self.sink is not None
-        token, self.token = self.token, None  # as in cancel: refcounting frees an answered ticket, not the GC
-        try:
-            self.sink(token, value)
-        except Exception:  # a sink's bug must not strand the rest of the batch
-            log.exception("result sink failed for sample %s", self.inp.sample_id)
 
 
 class DynamicBatcher:
@@ -363,62 +282,11 @@ class DynamicBatcher:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name=f"batcher:{self.name}")
 
-    async def submit(
-        self,
-        inp: RewardInput,
-        *,
-        deadline: float | None = None,
-        context: object = None,
-        due: float | None = None,
-        tenant: Tenant = DEFAULT_TENANT,
-    ) -> Scored:
-        """Queue one sample and wait for its result; `deadline` (start computing by) and `due` (step deadline:
-        scored by) are time.monotonic() values."""
-        # Cancellation of the caller cancels the future; the scheduler then skips the item.
-        return await self.enqueue(inp, deadline=deadline, context=context, due=due, tenant=tenant)
-
-    def enqueue(
-        self,
-        inp: RewardInput,
-        *,
-        deadline: float | None = None,
-        context: object = None,
-        due: float | None = None,
-        tenant: Tenant = DEFAULT_TENANT,
-    ) -> asyncio.Future[Scored]:
-        """Queue one sample; its future resolves with the result. Cancelling the future drops the sample
-        if it has not computed yet. No task per sample: a stream can hand thousands over cheaply."""
-        loop = asyncio.get_running_loop()
-        item = Ticket(inp, loop.create_future(), time.monotonic(), deadline, context, due=due, tenant=tenant)
-        self.queue(item)
-        assert item.future is not None
-        return item.future
-
-    def put(
-        self,
-        inp: RewardInput,
-        sink: Sink,
-        token: Any = None,
-        *,
-        deadline: float | None = None,
-        context: object = None,
-        now: float | None = None,
-        due: float | None = None,
-        tenant: Tenant = DEFAULT_TENANT,
-    ) -> Ticket:
-        """Queue one sample whose outcome goes to `sink(token, outcome)` (no future, no loop hop per sample:
-        the cheapest way in for a server that handles thousands per second). `now`: its arrival time, when
-        the caller already read the clock for a whole message."""
-        arrived = time.monotonic() if now is None else now
-        item = Ticket(inp, None, arrived, deadline, context, sink, token, due=due, tenant=tenant)
-        self.queue(item)
-        return item
-
-    def queue(self, item: Ticket) -> None:
-        """Queue a ticket the caller built: a subclass may carry the caller's own per-sample fields (the reward
-        servicer's flight record is its sample's ticket), one object per sample instead of two. Raises (and
-        queues nothing) when the pipeline, the tenant's share or its in-flight limit is full, or the sample's
-        step deadline cannot be met."""
+    def add(self, item: Ticket) -> Ticket:
+        """Queue one sample: the batcher's one way in. The ticket carries all the sample brings (tenant, deadline,
+        step deadline, context) and where its outcome goes; it is returned, so a caller may await its `future`.
+        Raises (and queues nothing) when the pipeline, the tenant's share or its in-flight limit is full, or the
+        sample's step deadline cannot be met."""
         self._admit(item)
         item.started = False
         item.inp.tenant = item.tenant.name
@@ -431,6 +299,7 @@ class DynamicBatcher:
             heapq.heappush(self._dues, (item.due, next(self._seq), item))
             self._expire_at(item.due - self.service_s)
         self._wake.set()
+        return item
 
     def _expire_at(self, at: float) -> None:
         """Answer the queued samples that expire (deadline passed, or step deadline hopeless) when the first of

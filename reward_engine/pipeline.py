@@ -9,15 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rewardmesh.reward_engine.batcher import (
-    BatcherConfig,
-    BatchInfo,
-    DynamicBatcher,
-    Scored,
-    Sink,
-    StartLimits,
-    Ticket,
-)
+from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, StartLimits
+from rewardmesh.reward_engine.ticket import Ticket
 from rewardmesh.reward_engine.types import ApartResult, Outcome, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)
@@ -122,25 +115,9 @@ class RewardPipeline:
             keys += [f"{name}/score", *(f"{name}/{k}" for k in ws.source.extra_keys)]
         return keys
 
-    async def score(self, inp: RewardInput, *, deadline: float | None = None, context: object = None) -> Scored:
-        return await self.batcher.submit(inp, deadline=deadline, context=context)
-
-    def put(
-        self,
-        inp: RewardInput,
-        sink: Sink,
-        token: Any = None,
-        *,
-        deadline: float | None = None,
-        context: object = None,
-        now: float | None = None,
-    ) -> Ticket:
-        """Queue one sample, its outcome to `sink(token, outcome)` (see DynamicBatcher.put)."""
-        return self.batcher.put(inp, sink, token, deadline=deadline, context=context, now=now)
-
-    def queue(self, item: Ticket) -> None:
-        """Queue a ticket the caller built (see DynamicBatcher.queue)."""
-        self.batcher.queue(item)
+    def add(self, item: Ticket) -> Ticket:
+        """Queue one sample on this pipeline (its batcher's one way in: `DynamicBatcher.add`)."""
+        return self.batcher.add(item)
 
     def start_each(self, batch: list[RewardInput]) -> list[asyncio.Future[Outcome]] | None:
         """Each sample's weighted score as a future, its work started now, where the pipeline is one source that

@@ -38,6 +38,7 @@ from rewardmesh.client.integrations.scoring import label_fields
 from rewardmesh.common.channels import auth_token, read_token
 from rewardmesh.common.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.ticket import Ticket
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, check, depth
 from rewardmesh.server.reward.run_code import RunCode
@@ -357,7 +358,7 @@ class HttpGateway:
             if isinstance(inp, _Outcome):
                 return inp
             try:
-                scored = await pipeline.score(inp, deadline=deadline)
+                scored = await pipeline.add(Ticket(inp, deadline=deadline)).future
             except SAMPLE_ERRORS as exc:  # any failure is this sample's error (an unexpected one: INTERNAL)
                 code, message = status_of(exc)
                 return _Outcome(code=code, message=message, busy=isinstance(exc, _BUSY))

@@ -3,8 +3,8 @@ queued on the engine's pipelines, each answered exactly once; a stream's results
 message; flow control (a stream is not read past its bound of unanswered samples); sample ids scoped to their
 stream or call; drain.
 
-A sample in flight is one object, its batcher ticket (`_Flight`, a Ticket): the batcher hands the outcome back
-to `Scoring._settle` itself, with no future per sample."""
+A sample in flight is one object, its batcher ticket (`_Flight`, a Ticket, made once the sample is decoded): the
+batcher hands the outcome back to `Scoring._settle` itself, with no future per sample."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 
 from rewardmesh.common.errors import Cancelled, InvalidInput, Unavailable
 from rewardmesh.common.tensors import duration_seconds
-from rewardmesh.reward_engine.batcher import Scored, Sink, Ticket
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import DEFAULT_TENANT, Tenant
+from rewardmesh.reward_engine.ticket import Scored, Sink, Ticket
 from rewardmesh.reward_engine.types import RewardInput
 from rewardmesh.server.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check
 from rewardmesh.server.reward.reward_input import to_reward_input
@@ -94,34 +94,57 @@ class _Outbox:
 
 
 class _Flight(Ticket):
-    """A sample between arrival and result: who asked (its stream's outbox, where its result is built, or an
-    `owner` with a `deliver` callback), and, once queued, its own batcher ticket (a Ticket subclass: one object
-    per sample, not a record plus a ticket)."""
+    """A sample between arrival and result, once decoded: its batcher ticket (one object per sample, not a record
+    plus a ticket), with who asked: its stream's outbox, where its result is built, or an `owner` with a
+    `deliver` callback. Its outcome comes back through `sink(self, outcome)`, with no future."""
 
-    __slots__ = ("arrival_ns", "arrived", "deliver", "owner", "parent", "reward", "sid")
+    __slots__ = ("arrival_ns", "deliver", "owner", "reward", "sid")
 
-    def __init__(  # the ticket's own fields are set by arm once the sample is decoded
+    def __init__(
+        self,
+        inp: RewardInput,
+        sink: Sink,
+        *,
+        sid: str,
+        reward: str,
+        deliver: Callable[[reward_pb2.RewardResult], None] | None,
+        owner: _Outbox | _Owner,
+        arrived: tuple[float, int],
+        tenant: Tenant,
+        deadline: float | None,
+        due: float | None,
+        parent: str | None,
+    ) -> None:
+        super().__init__(inp, tenant=tenant, deadline=deadline, due=due, context=parent, sink=sink, token=self,
+                         arrived=arrived[0])  # fmt: skip
+        self.sid = sid
+        self.reward = reward
+        self.deliver = deliver
+        self.owner = owner  # the stream (or ScoreBatch call) it came on
+        self.arrival_ns = arrived[1]
+
+
+class _Refused:
+    """A sample answered before its ticket was made (refused, or not decodable): who asked, as a `_Flight` has
+    it, so that a sample refused early costs no ticket."""
+
+    __slots__ = ("arrival_ns", "context", "deliver", "enqueued", "owner", "reward", "sid")
+
+    def __init__(
         self,
         sid: str,
         reward: str,
         deliver: Callable[[reward_pb2.RewardResult], None] | None,
         owner: _Outbox | _Owner,
-        parent: Any,
-        arrived: float,
-        arrival_ns: int,
+        context: str | None,
+        arrived: tuple[float, int],
     ) -> None:
         self.sid = sid
         self.reward = reward
         self.deliver = deliver
-        self.owner = owner  # the stream (or ScoreBatch call) it came on
-        self.arrived = arrived
-        self.arrival_ns = arrival_ns
-        self.parent = parent
-
-    def arm(self, inp: RewardInput, sink: Sink, deadline: float | None, due: float | None, tenant: Tenant) -> None:
-        """Become the sample's ticket, answered through `sink(self, outcome)` (no future): set once its sample is
-        decoded, so a sample refused before that costs no ticket."""
-        Ticket.__init__(self, inp, None, self.arrived, deadline, self.parent, sink, self, due, tenant)
+        self.owner = owner
+        self.context = context  # its traceparent when tracing
+        self.enqueued, self.arrival_ns = arrived
 
 
 class Scoring:
@@ -176,26 +199,28 @@ class Scoring:
         self,
         sample: common_pb2.Sample,
         reward: str,
-        timeout_s: float | None,
-        parent: str | None,
-        deliver: Callable[[reward_pb2.RewardResult], None] | None,
         owner: _Outbox | _Owner,
+        *,
+        tenant: Tenant = DEFAULT_TENANT,
+        timeout_s: float | None = None,
+        step_left_s: float | None = None,
+        parent: str | None = None,
+        deliver: Callable[[reward_pb2.RewardResult], None] | None = None,
         refused: BaseException | None = None,
         arrived: tuple[float, int] | None = None,
-        step_left_s: float | None = None,
-        tenant: Tenant = DEFAULT_TENANT,
     ) -> None:
         """Validate, decode and queue one sample; its result is made exactly once, whatever happens: in its
         stream's next message when `owner` is a stream's outbox, else handed to `deliver`. Its id is scoped to
         `owner`: the same id on another stream or call is another sample.
-        ``refused``: answer the sample with this error without looking at it (its message was over a limit).
-        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items.
-        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch.
-        ``step_left_s``: time left until its step must be scored (ScoreRequest.step_time_left); ``tenant``: whose
-        it is (the call's token)."""
+        ``tenant``: whose it is (the call's token); ``timeout_s``: start computing within;
+        ``step_left_s``: time left until its step must be scored (ScoreRequest.step_time_left);
+        ``parent``: its traceparent when tracing (`RewardTelemetry.begin`), carried through its batch;
+        ``refused``: answer the sample with this error without looking at it (its message was over a limit);
+        ``arrived``: (time.monotonic(), time.time_ns()) of its message, read once for all of the message's items."""
         sid = sample.sample_id
-        mono, wall_ns = arrived if arrived is not None else (time.monotonic(), time.time_ns())
-        f = _Flight(sid, reward, deliver, owner, parent, mono, wall_ns)
+        if arrived is None:
+            arrived = (time.monotonic(), time.time_ns())
+        f: _Flight | None = None
         try:
             if refused is not None:
                 raise refused
@@ -209,13 +234,24 @@ class Scoring:
                 raise InvalidInput(f"sample.sample_id '{sid}' is already in flight on this {where}; ids must be unique")
             pipeline = self.engine.get(reward)
             inp = to_reward_input(sample, self.tokenizer, self.limits)
-            deadline = mono + timeout_s if timeout_s is not None else None
-            due = mono + step_left_s if step_left_s is not None else None
+            mono = arrived[0]
             # No future per sample: the batcher calls _settle(f, outcome) itself when the batch is done.
-            f.arm(inp, self._sink, deadline, due, tenant)
-            pipeline.queue(f)
+            f = _Flight(
+                inp,
+                self._sink,
+                sid=sid,
+                reward=reward,
+                deliver=deliver,
+                owner=owner,
+                arrived=arrived,
+                tenant=tenant,
+                deadline=mono + timeout_s if timeout_s is not None else None,
+                due=mono + step_left_s if step_left_s is not None else None,
+                parent=parent,
+            )
+            pipeline.add(f)
         except SAMPLE_ERRORS as exc:
-            self._finish(f, error=exc)
+            self._finish(f if f is not None else _Refused(sid, reward, deliver, owner, parent, arrived), error=exc)
             return
         flights[sid] = f
         self._in_flight += 1
@@ -238,7 +274,9 @@ class Scoring:
         if f.cancel():  # every flight in an owner's flights is queued (armed)
             self._finish(f, error=Cancelled(why))
 
-    def _finish(self, f: _Flight, *, scored: Scored | None = None, error: BaseException | None = None) -> None:
+    def _finish(
+        self, f: _Flight | _Refused, *, scored: Scored | None = None, error: BaseException | None = None
+    ) -> None:
         owner = f.owner
         new = owner.add if owner.__class__ is _Outbox else _RESULT
         result = None
@@ -251,7 +289,7 @@ class Scoring:
                 timing = result.timing
                 timing.queue = scored.queue_s
                 timing.compute = scored.compute_s
-                timing.total = time.monotonic() - f.arrived
+                timing.total = time.monotonic() - f.enqueued
             except SAMPLE_ERRORS as exc:  # e.g. a source's extras that are not numbers
                 error = exc
         if error is not None or result is None:
@@ -262,8 +300,8 @@ class Scoring:
                 result.Clear()
                 result.sample_id, result.reward = f.sid, f.reward
                 result.error.CopyFrom(failure)
-            result.timing.total = time.monotonic() - f.arrived
-            self.telemetry.on_failure(result, f.parent, f.arrival_ns)  # a scored sample's telemetry: its batch's
+            result.timing.total = time.monotonic() - f.enqueued
+            self.telemetry.on_failure(result, f.context, f.arrival_ns)  # a scored sample's telemetry: its batch's
         if f.deliver is not None:
             f.deliver(result)
 
@@ -344,14 +382,13 @@ class Scoring:
                             begin(
                                 item.sample,
                                 item.reward,
-                                timeout(item),
-                                telemetry.begin(item.trace_context) if traced else None,
-                                None,
                                 box,
-                                refused or (unparsed.get(k) if unparsed else None),
-                                arrived,
-                                step_left(item),
-                                tenant,
+                                tenant=tenant,
+                                timeout_s=timeout(item),
+                                step_left_s=step_left(item),
+                                parent=telemetry.begin(item.trace_context) if traced else None,
+                                refused=refused or (unparsed.get(k) if unparsed else None),
+                                arrived=arrived,
                             )
                     elif req.HasField("sample"):
                         unanswered += 1
@@ -360,14 +397,12 @@ class Scoring:
                         begin(
                             req.sample,
                             req.reward,
-                            timeout(req),
-                            parent,
-                            None,
                             box,
-                            unparsed.get(-1) if unparsed else None,
-                            None,
-                            step_left(req),
-                            tenant,
+                            tenant=tenant,
+                            timeout_s=timeout(req),
+                            step_left_s=step_left(req),
+                            parent=parent,
+                            refused=unparsed.get(-1) if unparsed else None,
                         )
                     if req.cancel_sample_ids:  # after the items: a message may cancel its own
                         self._cancel_ids(box, req.cancel_sample_ids)
@@ -459,7 +494,8 @@ class Scoring:
 
         for i, s in enumerate(request.samples):
             refused = unparsed.get(i)
-            self.begin(s, request.reward, timeout, None, deliver_to(i), owner, refused, None, step_left, tenant)
+            self.begin(s, request.reward, owner, tenant=tenant, timeout_s=timeout, step_left_s=step_left,
+                       deliver=deliver_to(i), refused=refused)  # fmt: skip
         try:
             if left:
                 await done

@@ -12,6 +12,7 @@ import pytest
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, SourceFailed, Unavailable
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo, DynamicBatcher, StartLimits
 from rewardmesh.reward_engine.fair_queue import Tenant
+from rewardmesh.reward_engine.ticket import Ticket
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually, holds_for
 
@@ -50,7 +51,7 @@ class Recorder:
 async def test_collects_concurrent_samples_up_to_max_batch_size() -> None:
     rec = Recorder()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50))
-    results = await asyncio.gather(*(b.submit(inp(f"s{i}")) for i in range(10)))
+    results = await asyncio.gather(*(b.add(Ticket(inp(f"s{i}"))).future for i in range(10)))
     assert [len(x) for x in rec.batches] == [4, 4, 2]
     assert sorted(sum(rec.batches, [])) == sorted(f"s{i}" for i in range(10))  # each exactly once
     assert [r.batch_size for r in results] == [4] * 8 + [2] * 2
@@ -62,9 +63,9 @@ async def test_waits_at_most_max_queue_delay_for_a_fuller_batch() -> None:
     # A delay far longer than a loaded machine takes to queue the second sample after the first.
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_queue_delay_ms=1000))
     t0 = time.monotonic()
-    first = asyncio.create_task(b.submit(inp("a")))
+    first = b.add(Ticket(inp("a"))).future
     await eventually(lambda: b.queue_depth == 1, "the first sample waits in the queue")
-    second = asyncio.create_task(b.submit(inp("b")))  # the scenario: it arrives while the first waits
+    second = b.add(Ticket(inp("b"))).future  # the scenario: it arrives while the first waits
     r1, r2 = await asyncio.gather(first, second)
     elapsed = time.monotonic() - t0
     assert rec.batches == [["a", "b"]]  # the second arrived within the delay and joined
@@ -78,7 +79,7 @@ async def test_max_batch_tokens_counts_padding() -> None:
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=64, max_batch_tokens=40, max_queue_delay_ms=20))
     # Longest 20 tokens: at most 2 per batch (2 x 20 = 40); the short ones pack 10 to a batch of 4-token samples.
     samples = [inp("long0", 20), inp("long1", 20), inp("long2", 20)] + [inp(f"short{i}", 4) for i in range(10)]
-    await asyncio.gather(*(b.submit(s) for s in samples))
+    await asyncio.gather(*(b.add(Ticket(s)).future for s in samples))
     for batch in rec.batches:
         longest = max(20 if sid.startswith("long") else 4 for sid in batch)
         assert longest * len(batch) <= 40, batch
@@ -90,10 +91,10 @@ async def test_length_aware_grouping_keeps_oldest_and_groups_similar_lengths() -
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=3, max_queue_delay_ms=0))
-    blocker = asyncio.create_task(b.submit(inp("blocker")))
+    blocker = b.add(Ticket(inp("blocker"))).future
     await eventually(lambda: rec.active == 1, "the blocker computes; the queue now fills")
     lengths = {"x10": 10, "y100": 100, "x11": 11, "y101": 101, "x12": 12, "y102": 102}
-    tasks = [asyncio.create_task(b.submit(inp(k, v))) for k, v in lengths.items()]
+    tasks = [b.add(Ticket(inp(k, v))).future for k, v in lengths.items()]
     await eventually(lambda: b.queue_depth == 6, "all six queued behind the blocker")
     rec.gate.set()
     await asyncio.gather(blocker, *tasks)
@@ -108,13 +109,15 @@ async def test_a_small_step_that_comes_first_in_fair_order_is_a_batch_of_its_own
     rec = Recorder()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
     flooder, step = Tenant("flooder"), Tenant("step")
-    await asyncio.gather(*(b.enqueue(inp(f"w{i}", 10), tenant=flooder) for i in range(40)))  # the flooder has had 40
+    await asyncio.gather(
+        *(b.add(Ticket(inp(f"w{i}", 10), tenant=flooder)).future for i in range(40))
+    )  # the flooder has had 40
     rec.gate, rec.batches = asyncio.Event(), []
-    blocker = b.enqueue(inp("blocker"), tenant=flooder)
+    blocker = b.add(Ticket(inp("blocker"), tenant=flooder)).future
     await eventually(lambda: rec.active == 1, "the flooder's first batch computes; the queue now fills")
-    flood = [b.enqueue(inp(f"a{i}", 10), tenant=flooder) for i in range(40)]
+    flood = [b.add(Ticket(inp(f"a{i}", 10), tenant=flooder)).future for i in range(40)]
     lengths = {"b0": 10, "b1": 50, "b2": 60, "b3": 70}  # b0 is nearer in length to the flood than to b1-b3
-    small = [b.enqueue(inp(sid, tokens), tenant=step) for sid, tokens in lengths.items()]
+    small = [b.add(Ticket(inp(sid, tokens), tenant=step)).future for sid, tokens in lengths.items()]
     rec.gate.set()
     await asyncio.gather(blocker, *flood, *small)
     assert rec.batches[1] == ["b0", "b1", "b2", "b3"]
@@ -126,9 +129,9 @@ async def test_next_batch_forms_while_one_computes() -> None:
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0, max_concurrent_batches=1))
-    first = asyncio.create_task(b.submit(inp("first")))
+    first = b.add(Ticket(inp("first"))).future
     await eventually(lambda: rec.active == 1, "the first batch computes")
-    rest = [asyncio.create_task(b.submit(inp(f"r{i}"))) for i in range(5)]
+    rest = [b.add(Ticket(inp(f"r{i}"))).future for i in range(5)]
     await eventually(lambda: b.queue_depth == 5, "the rest queued meanwhile")
     assert rec.batches == [["first"]] and rec.peak == 1
     rec.gate.set()
@@ -140,7 +143,7 @@ async def test_next_batch_forms_while_one_computes() -> None:
 async def test_concurrent_batches_run_in_parallel() -> None:
     rec = Recorder(delay=0.05)
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=2, max_queue_delay_ms=0, max_concurrent_batches=3))
-    await asyncio.gather(*(b.submit(inp(f"s{i}")) for i in range(6)))
+    await asyncio.gather(*(b.add(Ticket(inp(f"s{i}"))).future for i in range(6)))
     assert rec.peak == 3
     await b.close()
 
@@ -149,12 +152,12 @@ async def test_full_queue_rejects_at_once() -> None:
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=2))
-    running = asyncio.create_task(b.submit(inp("running")))
+    running = b.add(Ticket(inp("running"))).future
     await eventually(lambda: rec.active == 1, "one sample computes")
-    queued = [asyncio.create_task(b.submit(inp(f"q{i}"))) for i in range(2)]
+    queued = [b.add(Ticket(inp(f"q{i}"))).future for i in range(2)]
     await eventually(lambda: b.queue_depth == 2, "the queue is full")
     with pytest.raises(QueueFull, match="queue is full"):
-        await b.submit(inp("overflow"))
+        await b.add(Ticket(inp("overflow"))).future
     rec.gate.set()
     await asyncio.gather(running, *queued)
     assert "overflow" not in sum(rec.batches, [])
@@ -165,11 +168,11 @@ async def test_expired_samples_are_dropped_before_compute() -> None:
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
-    running = asyncio.create_task(b.submit(inp("running")))
+    running = b.add(Ticket(inp("running"))).future
     await eventually(lambda: rec.active == 1, "one sample computes")
     late_deadline = time.monotonic() + 0.02
-    late = asyncio.create_task(b.submit(inp("late"), deadline=late_deadline))
-    ok = asyncio.create_task(b.submit(inp("ok"), deadline=time.monotonic() + 30))
+    late = b.add(Ticket(inp("late"), deadline=late_deadline)).future
+    ok = b.add(Ticket(inp("ok"), deadline=time.monotonic() + 30)).future
     # Answered at its deadline, while the batch slot is still busy: not when the next batch forms.
     with pytest.raises(DeadlineExceeded, match="sample deadline passed"):
         await late
@@ -184,10 +187,10 @@ async def test_cancelled_samples_are_skipped() -> None:
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
-    running = asyncio.create_task(b.submit(inp("running")))
+    running = b.add(Ticket(inp("running"))).future
     await eventually(lambda: rec.active == 1, "one sample computes")
-    gone = asyncio.create_task(b.submit(inp("gone")))
-    kept = asyncio.create_task(b.submit(inp("kept")))
+    gone = b.add(Ticket(inp("gone"))).future
+    kept = b.add(Ticket(inp("kept"))).future
     await eventually(lambda: b.queue_depth == 2, "both queued behind it")
     gone.cancel()
     rec.gate.set()
@@ -199,7 +202,9 @@ async def test_cancelled_samples_are_skipped() -> None:
 
 async def test_one_bad_sample_does_not_fail_its_batch_mates() -> None:
     b = DynamicBatcher(Recorder(), BatcherConfig(max_batch_size=8, max_queue_delay_ms=20))
-    results = await asyncio.gather(b.submit(inp("good")), b.submit(inp("bad")), return_exceptions=True)
+    results = await asyncio.gather(
+        b.add(Ticket(inp("good"))).future, b.add(Ticket(inp("bad"))).future, return_exceptions=True
+    )
     assert not isinstance(results[0], BaseException) and results[0].output.score == 1.0
     assert isinstance(results[1], SourceFailed)
     await b.close()
@@ -217,22 +222,24 @@ async def test_whole_batch_exception_fails_each_sample_and_batcher_lives_on() ->
 
     b = DynamicBatcher(flaky, BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
     with pytest.raises(SourceFailed, match="model exploded"):
-        await b.submit(inp("a"))
-    assert (await b.submit(inp("b"))).output.score == 2.0
+        await b.add(Ticket(inp("a"))).future
+    assert (await b.add(Ticket(inp("b"))).future).output.score == 2.0
     await b.close()
 
 
 async def test_batch_info_hook_and_close() -> None:
     seen: list[BatchInfo] = []
     b = DynamicBatcher(Recorder(), BatcherConfig(max_batch_size=8, max_queue_delay_ms=10), on_batch=seen.append)
-    await asyncio.gather(b.submit(inp("a", 3), context="ctx-a"), b.submit(inp("b", 7), context="ctx-b"))
+    await asyncio.gather(
+        b.add(Ticket(inp("a", 3), context="ctx-a")).future, b.add(Ticket(inp("b", 7), context="ctx-b")).future
+    )
     assert len(seen) == 1
     info = seen[0]
     assert info.size == 2 and info.padded_tokens == 14 and info.real_tokens == 10
     assert info.sample_ids == ["a", "b"] and info.contexts == ["ctx-a", "ctx-b"]
     await b.close()
     with pytest.raises(Unavailable, match="shutting down"):
-        await b.submit(inp("after"))
+        await b.add(Ticket(inp("after"))).future
 
 
 def test_config_validation_names_the_knob() -> None:
@@ -255,10 +262,10 @@ async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> N
     def sink(token: object, outcome: object) -> None:
         events.append((token, outcome if isinstance(outcome, BaseException) else outcome.batch_size))  # type: ignore[attr-defined]
 
-    first = b.put(inp("a"), sink, "tok-a")  # computes alone, held at the gate
+    first = b.add(Ticket(inp("a"), sink=sink, token="tok-a"))  # computes alone, held at the gate
     await eventually(lambda: rec.active == 1, "the first sample computes")
-    queued = [b.put(inp(sid), sink, f"tok-{sid}") for sid in ("b", "bad1", "c")]
-    expired = b.put(inp("late"), sink, "tok-late", deadline=time.monotonic() - 1)
+    queued = [b.add(Ticket(inp(sid), sink=sink, token=f"tok-{sid}")) for sid in ("b", "bad1", "c")]
+    expired = b.add(Ticket(inp("late"), sink=sink, token="tok-late", deadline=time.monotonic() - 1))
     assert queued[2].cancel() and not queued[2].cancel()  # the first cancel drops it, a second is a no-op
     rec.gate.set()
     await eventually(lambda: len(events) >= 6, "every outcome delivered")
@@ -309,7 +316,7 @@ async def test_a_batch_holds_at_most_the_free_slots_and_a_sample_its_slot_until_
         peak[0] = max(peak[0], b.in_flight_samples)
 
     b.on_start = on_start
-    futures = [b.enqueue(inp(f"s{i}")) for i in range(6)]
+    futures = [b.add(Ticket(inp(f"s{i}"))).future for i in range(6)]
     await eventually(lambda: len(source.started) == 2, "two samples start")
     await holds_for(lambda: len(source.started) == 2 and b.in_flight_samples == 2, "no third sample starts")
     source.finish("s1")  # one slot frees: exactly one more starts (the queue delay does not apply per sample)
@@ -334,7 +341,7 @@ async def test_a_paced_source_gets_one_sample_at_a_time_when_its_delay_allows() 
         start_delay=lambda: max(0.0, allowed[0] - time.monotonic()),
     )
     allowed[0] = time.monotonic() + 3600  # the next start is an hour away
-    futures = [b.enqueue(inp(f"s{i}")) for i in range(3)]
+    futures = [b.add(Ticket(inp(f"s{i}"))).future for i in range(3)]
     await holds_for(lambda: not rec.batches, "nothing starts before the source allows it")
     allowed[0] = 0.0
     b.wake()
@@ -348,9 +355,9 @@ async def test_a_sample_that_can_no_longer_make_its_step_deadline_when_it_would_
     rec = Recorder()
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
-    running = asyncio.create_task(b.submit(inp("running")))
+    running = b.add(Ticket(inp("running"))).future
     await eventually(lambda: rec.active == 1, "one sample computes")
-    later = b.enqueue(inp("later"), due=time.monotonic() + 30)  # fine when it comes: scoring took ~0 so far
+    later = b.add(Ticket(inp("later"), due=time.monotonic() + 30)).future  # fine when it comes: scoring took ~0 so far
     b.service_s = 60.0  # scoring has come to take a minute
     rec.gate.set()
     with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
@@ -365,11 +372,13 @@ async def test_a_sample_answered_apart_teaches_its_time_before_its_slot_frees() 
     queued behind it, whose step deadline is nearer than that, is answered DEADLINE_EXCEEDED and never starts."""
     source = Apart()
     b = DynamicBatcher(source, BatcherConfig(max_batch_size=1), limits=lambda: StartLimits(samples=1))
-    first = b.enqueue(inp("first"))
+    first = b.add(Ticket(inp("first"))).future
     await eventually(lambda: source.started == ["first"], "the first sample starts")
     held = time.monotonic()
     await eventually(lambda: time.monotonic() - held >= 0.6, "the first sample has held its slot 0.6 s")
-    hopeless = b.enqueue(inp("hopeless"), due=time.monotonic() + 0.5)  # nothing has ended yet: scoring took ~0
+    hopeless = b.add(
+        Ticket(inp("hopeless"), due=time.monotonic() + 0.5)
+    ).future  # nothing has ended yet: scoring took ~0
     source.finish("first")
     await first
     await eventually(lambda: hopeless.done() or len(source.started) > 1, "the next sample answered or started")

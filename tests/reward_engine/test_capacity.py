@@ -31,12 +31,13 @@ import torch
 
 from rewardmesh.common.errors import DeadlineExceeded
 from rewardmesh.demo.tiny_models import TinyModelPaths
-from rewardmesh.reward_engine.batcher import BatchInfo, Scored, Ticket
+from rewardmesh.reward_engine.batcher import BatchInfo
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.fair_queue import BURST, Tenant
 from rewardmesh.reward_engine.pipeline import RewardPipeline
 from rewardmesh.reward_engine.sources.reward_model import layer_stack
 from rewardmesh.reward_engine.sources.rules import RULES, register_rule
+from rewardmesh.reward_engine.ticket import Scored, Ticket
 from rewardmesh.reward_engine.types import Capacity, RewardInput
 from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.support.sandbox import held_uids, needs_bwrap
@@ -153,7 +154,7 @@ async def flood_then_step(
     starts = Starts(pipeline, workers)
     batcher = pipeline.batcher
     a, b = Tenant("a"), Tenant("b")
-    flooding = [batcher.enqueue(make("a", i), tenant=a) for i in range(flood)]
+    flooding = [batcher.add(Ticket(make("a", i), tenant=a)).future for i in range(flood)]
     lim = pipeline.limits()
 
     def full() -> bool:
@@ -166,14 +167,14 @@ async def flood_then_step(
         "A's flood holds every slot, the rest queued",
     )
     now = time.monotonic()
-    late = batcher.enqueue(make("a", flood), tenant=a, deadline=now + 0.05)
-    hopeless = batcher.enqueue(make("a", flood + 1), tenant=a, due=now + 0.2)
+    late = batcher.add(Ticket(make("a", flood), tenant=a, deadline=now + 0.05)).future
+    hopeless = batcher.add(Ticket(make("a", flood + 1), tenant=a, due=now + 0.2)).future
     for fut in (late, hopeless):
         with pytest.raises(DeadlineExceeded):
             await fut
     mark = len(starts.order)
     on_arrival()
-    step = [batcher.enqueue(make("b", i), tenant=b) for i in range(STEP)]
+    step = [batcher.add(Ticket(make("b", i), tenant=b)).future for i in range(STEP)]
     release()
     results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
     assert all(r.output.score is not None for r in results)
@@ -242,8 +243,8 @@ async def test_tenants_share_worker_time_not_sample_counts(share: str) -> None:
     a, b = Tenant("a"), Tenant("b")
     async with pipeline_of(source, {"fair_share": share}) as pipeline:
         batcher = pipeline.batcher
-        heavy = [batcher.enqueue(sample(f"a{i}", sleep_s=0.2), tenant=a) for i in range(40)]
-        light = [batcher.enqueue(sample(f"b{i}", sleep_s=0.002), tenant=b) for i in range(400)]
+        heavy = [batcher.add(Ticket(sample(f"a{i}", sleep_s=0.2), tenant=a)).future for i in range(40)]
+        light = [batcher.add(Ticket(sample(f"b{i}", sleep_s=0.002), tenant=b)).future for i in range(400)]
         await eventually(lambda: sum(f.done() for f in heavy) >= 8, "8 of A's scored", timeout_s=120)
         a_done, b_done = sum(f.done() for f in heavy), sum(f.done() for f in light)
         await batcher.close(drain=False)
@@ -287,12 +288,12 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
         starts = Starts(pipeline, workers=lambda: sandbox.workers)
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
         # A has flooded a while (ten programs scored) before its programs hang.
-        flooding = [batcher.enqueue(sample(f"a{i}", ECHO if i < 10 else sleeping(200), ONE_TEST), tenant=a)
+        flooding = [batcher.add(Ticket(sample(f"a{i}", ECHO if i < 10 else sleeping(200), ONE_TEST), tenant=a)).future
                     for i in range(16)]  # fmt: skip
         await eventually(lambda: sum(f.done() for f in flooding) == 10 and len(sandbox._running) == 2,
                          "A's first programs scored, and its next run in both slots")  # fmt: skip
         started = sandbox.stats["started"]
-        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
         assert not any(f.done() for f in flooding[10:])  # scored while A's programs still run
@@ -321,7 +322,7 @@ async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_st
         sandbox = pipeline.sources[0].source.sandbox
         starts = Starts(pipeline, workers=lambda: sandbox.slots)
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
-        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(200), ONE_TEST), tenant=a) for i in range(12)]
+        flooding = [batcher.add(Ticket(sample(f"a{i}", sleeping(200), ONE_TEST), tenant=a)).future for i in range(12)]
         most = sandbox.max_stragglers
         await eventually(lambda: sandbox.stragglers == most and len(sandbox._running) == most + 2,
                          "A's programs stepped aside, and A's next run in both slots")  # fmt: skip
@@ -329,7 +330,7 @@ async def test_programs_that_step_aside_run_on_beside_the_slots_and_are_never_st
         aside = [run for run in sandbox._running if run.aside]
         uids = held_uids(sandbox, *(run.uid for run in aside))
         assert uids == list(range(2 + 1 + most)), uids  # every uid held once, none shared
-        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
         assert batcher.preemptions == 2 and sandbox.stats["jobs stopped"] == 2  # the two serving slots, once each
@@ -352,11 +353,11 @@ async def test_a_sandbox_program_expected_to_end_soon_is_not_stopped_for_another
     async with pipeline_of(source, None) as pipeline:
         sandbox = pipeline.sources[0].source.sandbox
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
-        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(0.3), ONE_TEST), tenant=a) for i in range(12)]
+        flooding = [batcher.add(Ticket(sample(f"a{i}", sleeping(0.3), ONE_TEST), tenant=a)).future for i in range(12)]
         await eventually(lambda: sum(f.done() for f in flooding) >= 4 and len(sandbox._running) == 2,
                          "A's usual time is known, and its programs run in both slots")  # fmt: skip
         sandbox.stop_s = 600.0  # a stop that takes this long: no program of A's is worth stopping
-        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(STEP)]
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
         assert [r.output.score for r in results] == [1.0] * STEP
         assert batcher.preemptions == 0 and sandbox.stats["jobs stopped"] == 0
@@ -379,17 +380,19 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
             return len(runs) == 2 and (all if every else any)(ran_s(r) for r in runs)
 
         async def b_step(tag: str) -> None:
-            step = [batcher.enqueue(sample(f"{tag}{i}", ECHO, ONE_TEST), tenant=b) for i in range(STEP)]
+            step = [batcher.add(Ticket(sample(f"{tag}{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(STEP)]
             results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 120)
             assert [r.output.score for r in results] == [1.0] * STEP
 
-        await asyncio.wait_for(asyncio.gather(*[batcher.enqueue(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a)
-                                                for i in range(2)]), 120)  # fmt: skip
+        first = [batcher.add(Ticket(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a)).future for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*first), 120)
         for k in range(4):  # the pipeline's mean sample: B's echoes
             await b_step(f"warm{k}-")
         assert batcher.service_s < 0.5
         sandbox.stop_s = 0.6
-        flooding = [batcher.enqueue(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a) for i in range(2, 12)]
+        flooding = [
+            batcher.add(Ticket(sample(f"a{i}", sleeping(1.0), ONE_TEST), tenant=a)).future for i in range(2, 12)
+        ]
         await eventually(lambda: a_running(lambda r: r >= 0.75), "A's programs 0.75 s into their usual second")
         await b_step("late-")
         assert batcher.preemptions == 0
@@ -413,12 +416,12 @@ async def test_a_running_program_is_charged_to_its_tenant_while_it_runs() -> Non
     source = {"type": "code", "workers": 2, "timeout_s": 300}
     async with pipeline_of(source, None) as pipeline:
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
-        hanging = batcher.enqueue(sample("a0", sleeping(200), ONE_TEST), tenant=a)
+        hanging = batcher.add(Ticket(sample("a0", sleeping(200), ONE_TEST), tenant=a)).future
         await eventually(lambda: len(batcher._apart) == 1, "A's program runs")
         queue = batcher._queue
         started_at = queue.lane(a).vtime  # its start's charge: 1
         for k in range(6):
-            step = [batcher.enqueue(sample(f"b{k}-{i}", ECHO, ONE_TEST), tenant=b) for i in range(4)]
+            step = [batcher.add(Ticket(sample(f"b{k}-{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*step), 120)
         # B's 24 echoes ran in the other slot meanwhile, charged about 1 each: A's slot held as long is more than 5
         a_charged, b_charged = queue.lane(a).vtime - started_at, queue.lane(b).vtime
@@ -451,12 +454,14 @@ async def test_run_code_holds_slots_the_code_pipeline_counts() -> None:
         # /run_code holds both slots: a step of the pipeline's waits in its fair queue.
         calls = [asyncio.ensure_future(run_code()) for _ in range(2)]
         await eventually(lambda: sandbox.held_outside == 2, "/run_code holds both slots")
-        step = [batcher.enqueue(sample(f"b{i}", ECHO, ONE_TEST), tenant=b) for i in range(4)]
+        step = [batcher.add(Ticket(sample(f"b{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(4)]
         queued_while_held = (sandbox.held_outside, batcher.queue_depth)
         assert [r["status"] for r in await asyncio.gather(*calls)] == ["Success", "Success"]
         assert all(r.output.score == 1.0 for r in await asyncio.gather(*step))
         # The pipeline holds both slots: a /run_code call waits in the pool for one, and gets the first to free.
-        slow = [batcher.enqueue(sample(f"a{i}", f"```python\n{held}```", ONE_TEST), tenant=b) for i in range(2)]
+        slow = [
+            batcher.add(Ticket(sample(f"a{i}", f"```python\n{held}```", ONE_TEST), tenant=b)).future for i in range(2)
+        ]
         await eventually(lambda: batcher.in_flight_samples == 2, "the pipeline holds both slots")
         late_call = asyncio.ensure_future(run_code())
         assert (await late_call)["status"] == "Success"
@@ -548,12 +553,12 @@ async def test_a_tenant_under_its_share_takes_judge_slots_from_a_flooder_at_once
     async with judge_of(reply, connections, {"fair_share": "samples"}) as (server, pipeline):
         batcher = pipeline.batcher
         a, b = Tenant("a"), Tenant("b")
-        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(flood)]
+        flooding = [batcher.add(Ticket(sample(f"a{i}"), tenant=a)).future for i in range(flood)]
         await eventually(
             lambda: len(server.requests) == scored_first + connections and batcher.in_flight_samples == connections,
             "A's first samples scored, and its next hold every slot",
         )
-        step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(STEP)]
         # scored while every request of A's still hangs: as many of B's as slots were taken, the rest after A's
         await eventually(lambda: sum(f.done() for f in step) == stopped, "B's samples scored on the slots taken")
         assert batcher.preemptions == stopped
@@ -578,13 +583,13 @@ async def test_a_tenant_takes_judge_slots_on_connections_of_its_own() -> None:
     async with judge_of(reply, connections, {"fair_share": "samples"}) as (server, pipeline):
         batcher = pipeline.batcher
         a, b = Tenant("a"), Tenant("b")
-        await asyncio.gather(*(batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)))
+        await asyncio.gather(*(batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(STEP)))
         b_connections = {r.connection for r in server.requests}
-        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(100)]
+        flooding = [batcher.add(Ticket(sample(f"a{i}"), tenant=a)).future for i in range(100)]
         await eventually(
             lambda: len(server.requests) == STEP + scored_first + connections, "A's next requests hold every slot"
         )
-        step = [batcher.enqueue(sample(f"b{STEP + i}"), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{STEP + i}"), tenant=b)).future for i in range(STEP)]
         await eventually(lambda: batcher.preemptions and any(f.done() for f in step), "B scored on slots taken")
         gate.set()
         await asyncio.wait_for(asyncio.gather(*step, *flooding), 60)
@@ -608,11 +613,13 @@ async def test_a_started_sample_near_its_step_deadline_is_not_stopped_for_anothe
     async with judge_of(reply, connections) as (server, pipeline):
         batcher = pipeline.batcher
         a, b = Tenant("a"), Tenant("b")
-        await asyncio.gather(*(batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(connections)))
+        await asyncio.gather(*(batcher.add(Ticket(sample(f"a{i}"), tenant=a)).future for i in range(connections)))
         due = time.monotonic() + 1.5 * batcher.service_s  # makeable now, not after a restart
-        held = [batcher.enqueue(sample(f"a{connections + i}"), tenant=a, due=due) for i in range(connections)]
+        held = [
+            batcher.add(Ticket(sample(f"a{connections + i}"), tenant=a, due=due)).future for i in range(connections)
+        ]
         await eventually(lambda: len(server.requests) == 2 * connections, "A's requests hold every slot")
-        step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+        step = [batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(STEP)]
         await holds_for(lambda: batcher.preemptions == 0 and not server.dropped, "none of A's requests is stopped")
         gate.set()
         await asyncio.wait_for(asyncio.gather(*held, *step), 60)
@@ -629,11 +636,13 @@ async def test_tenants_that_both_flood_a_judge_do_not_stop_each_others_requests(
     async with judge_of(reply, connections) as (server, pipeline):
         batcher = pipeline.batcher
         a, b = Tenant("a"), Tenant("b")
-        flooding = [batcher.enqueue(sample(f"a{i}"), tenant=a) for i in range(3 * flood)]  # still queued when B comes
+        flooding = [
+            batcher.add(Ticket(sample(f"a{i}"), tenant=a)).future for i in range(3 * flood)
+        ]  # still queued when B comes
         await eventually(  # however many of A's requests were answered by then
             lambda: batcher.in_flight_samples == connections and batcher.queue_depth, "A holds every slot"
         )
-        flooding += [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(flood)]
+        flooding += [batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(flood)]
         scored: list[Scored] = await asyncio.wait_for(asyncio.gather(*flooding), 120)
     assert len(scored) == 4 * flood
     # As B arrived, its half, or every slot if A had had enough more (B's credit), and then no more than a half once
@@ -750,7 +759,7 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
         batcher._on_batch = describe
 
         def enqueue(tenant: Tenant, i: int) -> asyncio.Future[Scored]:
-            fut = batcher.enqueue(varied(tenant.name, i), tenant=tenant)
+            fut = batcher.add(Ticket(varied(tenant.name, i), tenant=tenant)).future
             fut.add_done_callback(lambda _: done.append(f"{tenant.name}{i}"))
             return fut
 
@@ -815,10 +824,10 @@ async def test_a_tenant_back_from_idle_goes_before_the_reward_model_batch_staged
         a, b = Tenant("a"), Tenant("b")
         try:
             with first_pass_held(model, log_pass) as (inside, go):  # A's first pass waits before its first layer
-                flood = [batcher.enqueue(varied("a", i), tenant=a) for i in range(100)]
+                flood = [batcher.add(Ticket(varied("a", i), tenant=a)).future for i in range(100)]
                 await eventually(inside.is_set, "one of A's batches in its forward pass")
                 await eventually(lambda: model._turns.waiting == 1, "A's other batch staged, waiting for the model")
-                step = [batcher.enqueue(varied("b", i), tenant=b) for i in range(STEP)]
+                step = [batcher.add(Ticket(varied("b", i), tenant=b)).future for i in range(STEP)]
                 await eventually(lambda: batcher.overtakes == 1, "B's step handed over ahead of A's batches in flight")
                 await eventually(lambda: model._turns.waiting == 2, "B's batch staged, waiting for the model too")
                 go.set()
@@ -854,8 +863,8 @@ async def test_tenants_that_both_flood_a_reward_model_never_overtake_each_other(
         a, b = Tenant("a"), Tenant("b")
 
         def both(i: int) -> list[asyncio.Future[Scored]]:
-            return [batcher.enqueue(sample(f"a{i}", tokens=4), tenant=a),
-                    batcher.enqueue(sample(f"b{i}", tokens=12), tenant=b)]  # fmt: skip
+            return [batcher.add(Ticket(sample(f"a{i}", tokens=4), tenant=a)).future,
+                    batcher.add(Ticket(sample(f"b{i}", tokens=12), tenant=b)).future]  # fmt: skip
 
         with model_held(pipeline) as release:
             futures = [fut for i in range(100) for fut in both(i)]
@@ -879,10 +888,10 @@ async def test_a_reward_model_batch_near_its_step_deadline_is_not_overtaken(tiny
         a, b = Tenant("a"), Tenant("b")
         with model_held(pipeline) as release:
             due = time.monotonic() + 15
-            flood = [batcher.enqueue(sample(f"a{i}"), tenant=a, due=due) for i in range(100)]
+            flood = [batcher.add(Ticket(sample(f"a{i}"), tenant=a, due=due)).future for i in range(100)]
             await eventually(lambda: batcher.in_flight_batches == 1, "A's batch handed over, waiting for the model")
             batcher.service_s = 10.0  # scoring takes 10 s: A's step deadline is nearer than two of that
-            step = [batcher.enqueue(sample(f"b{i}"), tenant=b) for i in range(STEP)]
+            step = [batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(STEP)]
             await holds_for(lambda: batcher.in_flight_batches == 1, "B's step waits for A's batch near its deadline")
             release()
             await asyncio.wait_for(asyncio.gather(*step, *flood, return_exceptions=True), 120)
@@ -913,7 +922,7 @@ async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_ne
 
         def b_arrives() -> None:
             arrival.append((len(starts.batches), batcher.in_flight_batches))
-            step.extend(batcher.enqueue(sample(f"b{i}", "#### 4", "4"), tenant=b) for i in range(STEP))
+            step.extend(batcher.add(Ticket(sample(f"b{i}", "#### 4", "4"), tenant=b)).future for i in range(STEP))
 
         def on_start(batch: list[Ticket]) -> None:
             bounds.append(batcher.inline_bound())
@@ -926,7 +935,7 @@ async def test_an_inline_rule_runs_one_short_batch_at_a_time_and_a_small_step_ne
                 asyncio.get_running_loop().call_soon(b_arrives)
 
         batcher.on_start = on_start
-        flooding = [batcher.enqueue(sample(f"a{i}", "#### 4", "4"), tenant=a) for i in range(3000)]
+        flooding = [batcher.add(Ticket(sample(f"a{i}", "#### 4", "4"), tenant=a)).future for i in range(3000)]
         await eventually(lambda: len(step) == STEP, "B's step arrives during A's flood")
         results: list[Scored] = await asyncio.wait_for(asyncio.gather(*step), 60)
         assert all(r.output.score == 1.0 for r in results)
@@ -965,7 +974,7 @@ async def test_an_inline_batch_is_bounded_by_its_measured_loop_time() -> None:
         async with pipeline_of({"type": "rule", "rule": "test_capacity_burn"}, None) as pipeline:
             assert pipeline.limits().inline
             starts = Starts(pipeline)
-            results = await asyncio.gather(*(pipeline.batcher.enqueue(sample(f"a{i}")) for i in range(200)))
+            results = await asyncio.gather(*(pipeline.batcher.add(Ticket(sample(f"a{i}"))).future for i in range(200)))
     finally:
         RULES.pop("test_capacity_burn", None)
     assert all(r.output.score == 1.0 for r in results)
@@ -985,7 +994,7 @@ async def test_an_inline_batch_counts_the_loop_time_its_results_cost_while_backl
 
     async with pipeline_of({"type": "rule", "rule": "gsm8k"}, None) as pipeline:
         starts = Starts(pipeline)
-        futures = [pipeline.batcher.enqueue(sample(f"a{i}", "#### 4", "4")) for i in range(400)]
+        futures = [pipeline.batcher.add(Ticket(sample(f"a{i}", "#### 4", "4"))).future for i in range(400)]
         for fut in futures:
             fut.add_done_callback(spend)
         results = await asyncio.gather(*futures)

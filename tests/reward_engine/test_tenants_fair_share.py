@@ -12,20 +12,21 @@ from collections import Counter
 import pytest
 
 from rewardmesh.common.errors import DeadlineExceeded, QueueFull, Unavailable
-from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher, Scored
+from rewardmesh.reward_engine.batcher import BatcherConfig, DynamicBatcher
 from rewardmesh.reward_engine.fair_queue import BURST, FairQueue, Tenant
+from rewardmesh.reward_engine.ticket import Scored, Ticket
 from rewardmesh.reward_engine.types import BatchResult, RewardInput, RewardOutput
 from tests.support.waiting import eventually
 
 from .test_batcher import Recorder, inp
 
 
-async def held_batcher(rec: Recorder, **config: float | str) -> tuple[DynamicBatcher, asyncio.Task[Scored]]:
+async def held_batcher(rec: Recorder, **config: float | str) -> tuple[DynamicBatcher, asyncio.Future[Scored]]:
     """A batcher whose first batch (one 'blocker' sample) holds the model until rec.gate is set: whatever is
     queued meanwhile is ordered by the queue alone."""
     rec.gate = asyncio.Event()
     b = DynamicBatcher(rec, BatcherConfig(**{"max_queue_delay_ms": 0, "fair_share": "samples", **config}))  # type: ignore[arg-type]
-    blocker = asyncio.create_task(b.submit(inp("blocker")))
+    blocker = b.add(Ticket(inp("blocker"))).future
     await eventually(lambda: rec.batches, "the blocker computes")
     return b, blocker
 
@@ -38,8 +39,8 @@ async def test_a_saturated_pipeline_gives_tenants_batch_slots_by_weight() -> Non
     rec = Recorder()
     b, blocker = await held_batcher(rec, max_batch_size=8)
     a, c = Tenant("a", weight=3), Tenant("c", weight=1)
-    futures = [b.enqueue(inp(f"a-{i}"), tenant=a) for i in range(200)]
-    futures += [b.enqueue(inp(f"c-{i}"), tenant=c) for i in range(200)]
+    futures = [b.add(Ticket(inp(f"a-{i}"), tenant=a)).future for i in range(200)]
+    futures += [b.add(Ticket(inp(f"c-{i}"), tenant=c)).future for i in range(200)]
     rec.gate.set()  # type: ignore[union-attr]
     await asyncio.gather(blocker, *futures)
     both_backlogged = rec.batches[1:21]  # 20 batches of 8: both tenants still had samples queued
@@ -69,11 +70,11 @@ async def test_a_tenant_that_arrives_behind_a_flood_is_served_in_the_next_batch(
     turnstile = Turnstile()
     b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, fair_share="samples"))
     flood, late = Tenant("flood"), Tenant("late")
-    futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(400)]
+    futures = [b.add(Ticket(inp(f"flood-{i}"), tenant=flood)).future for i in range(400)]
     for _ in range(10):  # the flood has been served a while: ten batches done, the eleventh computing
         turnstile.permits.release()
     await eventually(lambda: len(turnstile.batches) == 11, "ten flood batches done, the eleventh computing")
-    futures += [b.enqueue(inp(f"late-{i}"), tenant=late) for i in range(2)]
+    futures += [b.add(Ticket(inp(f"late-{i}"), tenant=late)).future for i in range(2)]
     for _ in range(200):
         turnstile.permits.release()
     await asyncio.gather(*futures)
@@ -90,11 +91,11 @@ async def test_a_tenant_back_from_idle_goes_ahead_of_a_backlog_up_to_its_credit_
     turnstile = Turnstile()
     b = DynamicBatcher(turnstile, BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, fair_share="samples"))
     flood, small = Tenant("flood"), Tenant("small")
-    futures = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(600)]
+    futures = [b.add(Ticket(inp(f"flood-{i}"), tenant=flood)).future for i in range(600)]
     for _ in range(10):
         turnstile.permits.release()
     await eventually(lambda: len(turnstile.batches) == 11, "ten flood batches done, the eleventh computing")
-    futures += [b.enqueue(inp(f"small-{i}"), tenant=small) for i in range(BURST + 16)]
+    futures += [b.add(Ticket(inp(f"small-{i}"), tenant=small)).future for i in range(BURST + 16)]
     for _ in range(400):
         turnstile.permits.release()
     await asyncio.gather(*futures)
@@ -110,9 +111,9 @@ async def test_within_a_tenant_the_earliest_step_deadline_goes_first() -> None:
     rec = Recorder()
     b, blocker = await held_batcher(rec, max_batch_size=2)
     now = time.monotonic()
-    futures = [b.enqueue(inp("none-0"))]
-    futures += [b.enqueue(inp(f"due{s}"), due=now + s) for s in (50, 10, 30, 20)]
-    futures += [b.enqueue(inp("none-1"))]
+    futures = [b.add(Ticket(inp("none-0"))).future]
+    futures += [b.add(Ticket(inp(f"due{s}"), due=now + s)).future for s in (50, 10, 30, 20)]
+    futures += [b.add(Ticket(inp("none-1"))).future]
     rec.gate.set()  # type: ignore[union-attr]
     await asyncio.gather(blocker, *futures)
     # Each batch lists its samples in arrival order; the batches themselves follow the deadlines, and samples
@@ -125,13 +126,13 @@ async def test_a_full_queue_refuses_the_flooder_and_admits_its_neighbour() -> No
     rec = Recorder()
     b, blocker = await held_batcher(rec, max_batch_size=4, max_queue_size=10)
     flood, neighbour = Tenant("flood"), Tenant("neighbour")
-    flooded = [b.enqueue(inp(f"flood-{i}"), tenant=flood) for i in range(10)]
+    flooded = [b.add(Ticket(inp(f"flood-{i}"), tenant=flood)).future for i in range(10)]
     with pytest.raises(QueueFull, match="queue is full"):
-        b.enqueue(inp("flood-10"), tenant=flood)
+        b.add(Ticket(inp("flood-10"), tenant=flood))
     # The neighbour is under its share (half of 10): each of its samples pushes out the flooder's newest.
-    mine = [b.enqueue(inp(f"neighbour-{i}"), tenant=neighbour) for i in range(5)]
+    mine = [b.add(Ticket(inp(f"neighbour-{i}"), tenant=neighbour)).future for i in range(5)]
     with pytest.raises(QueueFull, match="tenant 'neighbour' holds its share"):
-        b.enqueue(inp("neighbour-5"), tenant=neighbour)
+        b.add(Ticket(inp("neighbour-5"), tenant=neighbour))
     pushed_out = [f for f in flooded if f.done()]
     assert len(pushed_out) == 5 and all(isinstance(f.exception(), QueueFull) for f in pushed_out)
     assert "tenant 'flood' holds more than its weighted share" in str(pushed_out[0].exception())
@@ -148,32 +149,34 @@ async def test_queue_share_and_in_flight_limits_refuse_only_their_tenant() -> No
     capped = Tenant("capped", max_queue_share=0.1)
     counted = Tenant("counted", max_in_flight=3)
     other = Tenant("other")
-    futures = [b.enqueue(inp(f"capped-{i}"), tenant=capped) for i in range(10)]
+    futures = [b.add(Ticket(inp(f"capped-{i}"), tenant=capped)).future for i in range(10)]
     with pytest.raises(QueueFull, match=r"tenant 'capped' holds 10 samples .*max_queue_share 0.1 of 100"):
-        b.enqueue(inp("capped-10"), tenant=capped)
-    futures += [b.enqueue(inp(f"counted-{i}"), tenant=counted) for i in range(3)]
+        b.add(Ticket(inp("capped-10"), tenant=capped))
+    futures += [b.add(Ticket(inp(f"counted-{i}"), tenant=counted)).future for i in range(3)]
     with pytest.raises(QueueFull, match=r"tenant 'counted' has 3 samples in flight .*max_in_flight"):
-        b.enqueue(inp("counted-3"), tenant=counted)
-    futures += [b.enqueue(inp(f"other-{i}"), tenant=other) for i in range(50)]
+        b.add(Ticket(inp("counted-3"), tenant=counted))
+    futures += [b.add(Ticket(inp(f"other-{i}"), tenant=other)).future for i in range(50)]
     rec.gate.set()  # type: ignore[union-attr]
     await asyncio.gather(blocker, *futures)
     assert counted.in_flight == 0
-    await b.submit(inp("counted-again"), tenant=counted)  # room again once answered
+    await b.add(Ticket(inp("counted-again"), tenant=counted)).future  # room again once answered
     await b.close()
 
 
 async def test_a_sample_that_cannot_make_its_step_deadline_is_failed_early_and_never_computed() -> None:
     rec = Recorder(delay=0.5)
     b = DynamicBatcher(rec, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, fair_share="samples"))
-    await b.submit(inp("first"))  # teaches the batcher that a batch takes about 0.5 s
+    await b.add(Ticket(inp("first"))).future  # teaches the batcher that a batch takes about 0.5 s
     assert b.service_s >= 0.5
     with pytest.raises(DeadlineExceeded, match=r"step deadline cannot be met: .* takes about"):
-        b.enqueue(inp("hopeless"), due=time.monotonic() + 0.2)
+        b.add(Ticket(inp("hopeless"), due=time.monotonic() + 0.2))
     # Queued behind a slow batch: dropped as soon as its time left is less than a batch, not computed late.
-    busy = b.enqueue(inp("busy"))
+    busy = b.add(Ticket(inp("busy"))).future
     await eventually(lambda: rec.active, "the busy batch computes")
     started = time.monotonic()
-    late = b.enqueue(inp("late"), due=started + 0.8)  # hopeless from started + 0.3 on: less than a batch left
+    late = b.add(
+        Ticket(inp("late"), due=started + 0.8)
+    ).future  # hopeless from started + 0.3 on: less than a batch left
     with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
         await late
     assert time.monotonic() < started + 0.8  # reported before the deadline itself, while the model is busy
@@ -186,9 +189,9 @@ async def test_cancelled_expired_and_shut_down_samples_leave_their_tenants_count
     rec = Recorder()
     b, blocker = await held_batcher(rec, max_batch_size=2)
     t = Tenant("t", max_in_flight=10)
-    cancelled = [b.enqueue(inp(f"c{i}"), tenant=t) for i in range(3)]
-    expired = b.enqueue(inp("x"), tenant=t, deadline=time.monotonic())
-    left = [b.enqueue(inp(f"l{i}"), tenant=t) for i in range(3)]
+    cancelled = [b.add(Ticket(inp(f"c{i}"), tenant=t)).future for i in range(3)]
+    expired = b.add(Ticket(inp("x"), tenant=t, deadline=time.monotonic())).future
+    left = [b.add(Ticket(inp(f"l{i}"), tenant=t)).future for i in range(3)]
     for f in cancelled:
         f.cancel()
     assert t.in_flight == 7
@@ -206,7 +209,7 @@ async def test_a_sample_answered_apart_from_its_batch_stays_in_its_tenants_count
 
     b = DynamicBatcher(compute, BatcherConfig(max_batch_size=4, max_queue_delay_ms=50, fair_share="samples"))
     t = Tenant("t")
-    fast, late = b.enqueue(inp("fast"), tenant=t), b.enqueue(inp("slow"), tenant=t)
+    fast, late = b.add(Ticket(inp("fast"), tenant=t)).future, b.add(Ticket(inp("slow"), tenant=t)).future
     await fast
     assert t.in_flight == 1 and not late.done()  # its batch is done; the sample is not
     slow.set_result(RewardOutput(2.0))
@@ -220,7 +223,7 @@ async def test_samples_of_one_step_deadline_keep_their_arrival_order() -> None:
     rec = Recorder()
     b, blocker = await held_batcher(rec, max_batch_size=2)
     due = time.monotonic() + 10
-    futures = [b.enqueue(inp(f"s{i}"), due=due - i * 1e-6) for i in range(6)]
+    futures = [b.add(Ticket(inp(f"s{i}"), due=due - i * 1e-6)).future for i in range(6)]
     rec.gate.set()  # type: ignore[union-attr]
     await asyncio.gather(blocker, *futures)
     assert rec.batches[1:] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"]]

@@ -320,9 +320,9 @@ async def test_a_big_message_is_queued_over_several_turns_of_the_event_loop() ->
         queued: list[str] = []
         begin = scoring.begin
 
-        def counting(s: common_pb2.Sample, *args: Any) -> None:
+        def counting(s: common_pb2.Sample, *args: Any, **kwargs: Any) -> None:
             queued.append(s.sample_id)
-            begin(s, *args)
+            begin(s, *args, **kwargs)
 
         scoring.begin = counting  # type: ignore[method-assign,assignment]
         big = reward_pb2.ScoreRequest(items=[req(sample(f"a{i}"), "noop") for i in range(256)])
