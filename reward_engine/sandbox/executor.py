@@ -1,13 +1,10 @@
-"""A pool of warm sandboxes sized to the machine: each slot keeps a sandbox started ahead of need, and a job (one
-sample's program and all its tests) holds one slot, and so one sandbox, for its time budget.
+"""A pool of warm sandboxes sized to the machine, for the code pipeline and the server's ``/run_code``: a job (one
+sample's program and all its tests) holds one slot, and so one sandbox, for its time budget. ``Sandbox`` is the
+pool's face: it proves the isolation level, runs jobs, stops them and closes. Its parts keep one concern each:
 
-A sandbox serves up to ``samples_per_sandbox`` jobs. Between two jobs its runner resets it as between two tests
-(every process but the runner killed, /tmp wiped, IPC objects and keys removed, limits fresh per test) and checks
-that nothing is left; the pool retires it at once on any anomaly: something left after the reset, a runner that
-misbehaves (garbage, silence past the budget, an exit), or a test that hit a limit other than its time (a test
-that runs out of time is killed with the rest, as a stopped job is). A retired or used-up sandbox
-is replaced in the background, so the next job of its slot finds one warm; a job that comes before its slot's
-replacement is up takes the pool's one spare warm sandbox instead, and the replacement becomes the spare.
+- slots.py: the slots, claimed in arrival order, and the jobs in them;
+- warm.py: the sandboxes started ahead (one per slot, one spare), when they serve on or retire, and their uids;
+- exchange.py: one sandbox's exchange with its runner, and why the sandbox retires after it.
 
 A pipeline's job whose caller is cancelled (the batcher stops it for another tenant's sample, or shuts down) is
 stopped at once: the runner kills its program and resets the sandbox as after any job. While the spare is warm, the
@@ -26,20 +23,6 @@ serving, each holding one sandbox, its own, and the pool's capacity (``slots``) 
 (``on_capacity`` listeners hear of it). A sandbox whose job stepped aside, reset and clean when the job ends, is
 kept for the next spare (at most one per slot, each under its uid), so a steady stream of stragglers costs resets,
 not sandbox starts.
-
-The host never trusts what comes back beyond its size: the runner's lines are parsed, capped, and a sandbox that
-dies, hangs or prints garbage fails its job's remaining tests as sandbox errors, never as passes. When the server
-runs as root, each sandbox runs as an unprivileged uid of its own (``uid_base + n``, with n below
-``workers + 1 + max_stragglers``, set with util-linux ``setpriv``), so a program cannot signal or read anything of
-the server's or of another sandbox's even outside the namespaces. A uid belongs to a sandbox, not to a slot: when
-a slot takes the spare, the two swap uids, and a job that steps aside keeps its sandbox's uid while the next spare
-takes one of the ``max_stragglers`` more, so no two live sandboxes ever share one.
-
-Slots are claimed in arrival order and handed from a finished job straight to the next claim. A code pipeline's
-batcher claims its samples' slots as it hands them over (``claim``), within the slots free for it; any other job
-(the server's ``/run_code``) is counted in ``held_outside`` from when it asks until it ends, and the pipeline
-hands over that much less (``on_capacity`` wakes it when such a job ends, or a job steps aside), so a pipeline's
-sample never waits here: it waits in the pipeline's fair queue.
 """
 
 from __future__ import annotations
@@ -47,26 +30,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rewardmesh.common.errors import Unavailable
-from rewardmesh.reward_engine.isolation import WORKER_NICENESS
-from rewardmesh.reward_engine.sandbox.exchange import STARTUP_S, RunnerExchange
+from rewardmesh.reward_engine.sandbox.exchange import RunnerExchange
 from rewardmesh.reward_engine.sandbox.jobs import Job, JobResult, Limits, TestRun
-from rewardmesh.reward_engine.sandbox.levels import LEVELS, PATH, RANK, Level, default_python
+from rewardmesh.reward_engine.sandbox.levels import LEVELS, RANK, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
 from rewardmesh.reward_engine.sandbox.slots import Claim, Running, SlotQueue
+from rewardmesh.reward_engine.sandbox.warm import WarmPool
+
+__all__ = ["Claim", "Job", "JobResult", "Limits", "Sandbox", "SandboxUnavailable", "TestRun"]
 
 log = logging.getLogger(__name__)
 
-# What starting a sandbox is taken to cost until one has been timed.
-STARTUP_GUESS_S = 0.05
 # A job past its straggler time that may not step aside yet (a slot free, the spare not up) looks again this often.
 RECHECK_S = 0.05
 # What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
@@ -128,8 +110,6 @@ class Sandbox:
         self.level: Level | None = None
         self.filter = "?"  # the system-call filter the runner installs ("seccomp", or why none), once proven
         self.stats: Counter[str] = Counter()
-        self._setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
-        self._nice = shutil.which("nice", path=PATH)
         self._failure: str | None = None
         self._retry_at = 0.0
         self._start_lock = asyncio.Lock()
@@ -138,24 +118,20 @@ class Sandbox:
         # dies with the thread that started it (bubblewrap's --die-with-parent).
         self._threads = ThreadPoolExecutor(2 * self.workers + self.max_stragglers + 2, thread_name_prefix="sandbox")
         self._slots = SlotQueue(self.workers, self.stats)
-        self._lock = threading.Lock()  # guards the dicts below and the counters
-        self._idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
-        self._starting: dict[int, Future[SandboxProcess | None]] = {}  # the next sandbox of a slot, starting
-        self._spare: SandboxProcess | None = None  # warm, for a slot whose next sandbox is not up yet
-        self._spare_starting: Future[SandboxProcess | None] | None = None
-        # Sandboxes whose job stepped aside, reset and clean, each with its uid: the next spares.
-        self._kept: list[tuple[SandboxProcess, int]] = []
-        # Each slot's sandbox runs as uid_base + _uid_of[slot], the spare as uid_base + _spare_uid. When a job steps
-        # aside, the next spare (with a sandbox per job, the slot) takes one of _free_uids; the job's sandbox keeps its
-        # own, given back once that sandbox is gone.
-        self._uid_of = list(range(self.workers))
-        self._spare_uid = self.workers
-        self._free_uids = list(range(self.workers + 1, self.workers + 1 + self.max_stragglers))
+        self._lock = threading.Lock()  # guards the warm pool, the jobs running, the stragglers and the counters
+        self.warm = WarmPool(
+            workers=self.workers,
+            max_stragglers=self.max_stragglers,
+            limits=self.limits,
+            python=self.python,
+            uid_base=uid_base,
+            lock=self._lock,
+            threads=self._threads,
+            stats=self.stats,
+        )
         self._running: set[Running] = set()  # the jobs whose sandbox runs them now
-        self.start_s = STARTUP_GUESS_S  # how long starting a sandbox takes (moving average of those started ahead)
         self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
-        self._closed = False
 
     @property
     def description(self) -> str:
@@ -203,7 +179,7 @@ class Sandbox:
                         name,
                     )
                 log.info("code sandbox: isolation level %s", self.description)
-                if os.geteuid() == 0 and not self._setpriv:
+                if os.geteuid() == 0 and not self.warm.setpriv:
                     log.warning("code sandbox: running as root without setpriv: sandboxes keep uid 0 outside")
                 return level
             hint = "" if self.allow_weaker else " (set allow_weaker_isolation to accept a lower level)"
@@ -219,9 +195,10 @@ class Sandbox:
         """Prove the level, then start a sandbox for every slot that has none, and wait until they are ready."""
         level = await self.start()
         if self.samples_per_sandbox > 1:
-            starting = [self._start_ahead(level, slot) for slot in range(self.workers)] + [self._start_spare(level)]
+            warm = self.warm
+            starting = [warm.start_ahead(level, slot) for slot in range(self.workers)] + [warm.start_spare(level)]
             await asyncio.gather(*(asyncio.wrap_future(f) for f in starting if f is not None))
-            log.info("code sandbox: %d sandboxes started ahead (one spare)", len(self._idle) + len(self._starting))
+            log.info("code sandbox: %d sandboxes started ahead (one spare)", len(warm.idle) + len(warm.starting))
         return level
 
     async def _probe(self, level: Level) -> str | None:
@@ -334,57 +311,28 @@ class Sandbox:
         sandbox (False: a slot is free, no more stragglers may run, the job is not running, no spare is up yet, or
         one of the pipeline's claimed before it still serves in a slot: jobs step aside in their claims' order, so
         those aside are the pipeline's oldest started, which is how its batcher knows them)."""
-        if self._slots.free or self._closed or self.stragglers >= self.max_stragglers:
+        if self._slots.free or self.warm.closed or self.stragglers >= self.max_stragglers:
             return False
         reuse = self.samples_per_sandbox > 1
         with self._lock:
-            if run.uid is None or run.ended or run.stop.is_set() or not (self._free_uids or self._kept):
+            if run.uid is None or run.ended or run.stop.is_set() or not (self.warm.free_uids or self.warm.kept):
                 return False
             if any(other.seq is not None and run.seq is not None and other.seq < run.seq and not other.aside
                    and not other.ended and not other.stop.is_set() for other in self._running):  # fmt: skip
                 return False
-            spare = self._warm_spare() if reuse else None
+            spare = self.warm.warm_spare() if reuse else None
             wait = reuse and spare is None  # the slot's next sample would wait for a sandbox to start: not yet
             if not wait:
                 run.aside = True
                 self.stragglers += 1
                 self.stats["jobs that stepped aside"] += 1
-                if spare is None:  # a sandbox per job: the slot's next starts under a free uid
-                    self._uid_of[run.slot] = self._free_uids.pop()
-                else:  # the spare becomes the slot's, with its uid; the next spare is a kept sandbox, or starts
-                    self._idle[run.slot], self._spare = spare, None  # under a free uid
-                    self._uid_of[run.slot] = self._spare_uid
-                    if self._free_uids:
-                        self._spare_uid = self._free_uids.pop()
-                    else:
-                        self._spare, self._spare_uid = self._kept.pop()
+                self.warm.step_aside(run.slot, spare)
         if reuse:
-            self._start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
+            self.warm.start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
         if wait:
             return False
         self._slots.give(run.slot)
         self._slots.grew()
-        return True
-
-    def _stop(self, run: Running) -> None:
-        run.stop.set()
-        with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
-            if run not in self._running or run.box is None:
-                return
-            run.box.wake()
-            handed = self._hand_spare(run)
-        if handed:
-            self._slots.give(run.slot)
-
-    def _hand_spare(self, run: Running) -> bool:
-        """A stopped job's slot serves the next claim at once with the warm spare (under the lock), instead of after
-        its sandbox's reset; that sandbox, once reset and clean, is the next spare. The two swap uids."""
-        if self._closed or run.aside or not run.reuse or run.uid is None or (spare := self._warm_spare()) is None:
-            return False
-        run.handed = Future()
-        self._idle[run.slot], self._spare, self._spare_starting = spare, None, run.handed
-        self._uid_of[run.slot], self._spare_uid = self._spare_uid, run.uid
-        self.stats["stops that gave the slot the spare"] += 1
         return True
 
     def _let_go(self, run: Running) -> None:
@@ -394,13 +342,23 @@ class Sandbox:
             if run.aside and not run.holders:
                 self.stragglers -= 1
 
+    def _stop(self, run: Running) -> None:
+        run.stop.set()
+        with self._lock:  # held, the exchange cannot end and its sandbox (and its wake pipe) cannot close meanwhile
+            if run not in self._running or run.box is None:
+                return
+            run.box.wake()
+            handed = self.warm.hand_spare(run)
+        if handed:
+            self._slots.give(run.slot)
+
     def _release(self, run: Running, outside: bool) -> None:
         self._let_go(run)
         if not run.aside and run.handed is None:  # else its slot was given on when it stepped aside or was stopped
             self._slots.give(run.slot)
         with self._lock:
             self._busy -= 1
-            last = self._closed and self._busy == 0
+            last = self.warm.closed and self._busy == 0
         if last:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if outside:
@@ -408,122 +366,18 @@ class Sandbox:
 
     def close(self) -> None:
         """No new sandboxes; the warm ones end now, those running a job end within their budgets."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = list(self._idle.values()), {}
-            starting, self._starting = list(self._starting.values()), {}
+        with self._lock:  # closed as the jobs running are counted: the last to end, or this, ends the threads
+            self.warm.closed = True
             quiet = self._busy == 0
-        for box in idle:
-            box.kill()
-        for future in starting:
-            future.add_done_callback(_kill_result)
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.kill()
-        with self._lock:
-            kept, self._kept = self._kept, []
-        for box, _ in kept:
-            box.kill()
-        if self._spare_starting is not None:
-            self._spare_starting.add_done_callback(_kill_result)
+        self.warm.close()
         if quiet:
             self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ blocking, in the pool's threads
 
-    def _spawn(self, level: Level, uid_of: int, tmp_mb: int) -> SandboxProcess:
-        argv = level.command(self.python, tmp_mb << 20)
-        if os.geteuid() == 0 and self._setpriv:
-            # Through setpriv, not Popen(user=...): that makes CPython fork instead of vfork, and a fork of a
-            # process running gRPC's threads runs gRPC's fork handlers in the child, which can crash it.
-            uid = str(self.uid_base + uid_of)
-            argv = [self._setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--", *argv]
-        if self._nice:
-            # The whole sandbox (its start, its resets, its programs) runs nicer than the server, as the reward
-            # worker processes do: busy programs never starve the event loop that answers every tenant, and a
-            # sandbox starting in the background never outranks the programs of those already started.
-            argv = [self._nice, "-n", str(WORKER_NICENESS), *argv]
-        with self._lock:
-            self.stats["started"] += 1
-        return SandboxProcess(argv)
-
-    def _start_ahead(self, level: Level, slot: int) -> Future[SandboxProcess | None] | None:
-        """Start the next sandbox of a slot in the background (None: it has one, or the pool is closed)."""
-        with self._lock:
-            if self._closed or slot in self._idle or slot in self._starting:
-                return None
-            future = self._threads.submit(self._start_ready, level, self._uid_of[slot])
-            self._starting[slot] = future
-            return future
-
-    def _start_spare(self, level: Level) -> Future[SandboxProcess | None] | None:
-        """Start the pool's spare in the background, unless a kept sandbox can be the spare (None: it has one, or the
-        pool is closed)."""
-        with self._lock:
-            if self._closed or self._warm_spare() is not None or self._spare_starting is not None:
-                return None  # a spare that died, or whose start failed, is replaced
-            while self._kept:  # the spare's uid, held by no sandbox now, is free; the kept one's is the spare's
-                box, uid = self._kept.pop()
-                self._free_uids.append(self._spare_uid)
-                self._spare, self._spare_uid = box, uid
-                if self._warm_spare() is not None:
-                    self.stats["spares that were kept"] += 1
-                    return None
-            self._spare_starting = self._threads.submit(self._start_ready, level, self._spare_uid)
-            return self._spare_starting
-
-    def _start_ready(self, level: Level, uid_of: int) -> SandboxProcess | None:
-        began = time.monotonic()
-        try:
-            box = self._spawn(level, uid_of, self.limits.tmp_mb)
-        except OSError as exc:
-            log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
-            return None
-        reply = box.exchange(b"", "ready", STARTUP_S, 1 << 16)
-        if reply.final is None or self._closed:
-            if reply.final is None:
-                why = box.stderr.decode(errors="replace").strip()[-300:] or "no ready line"
-                log.warning("code sandbox: a sandbox started ahead did not come up: %s", why)
-            box.kill()
-            return None
-        self.start_s += 0.2 * (time.monotonic() - began - self.start_s)
-        return box
-
-    def _take(self, slot: int) -> SandboxProcess | None:
-        """The slot's warm sandbox; while the slot has none up (its last retired), the spare if it is warm, the slot's
-        next becoming the spare; else the one starting, waited for; None when there is none that lives."""
-        with self._lock:
-            box = self._idle.pop(slot, None)
-            starting = self._starting.pop(slot, None) if box is None else None  # else it stays the slot's next
-            if box is None and (starting is None or not starting.done()) and (spare := self._warm_spare()):
-                box, self._spare, self._spare_starting = spare, None, starting
-                self._uid_of[slot], self._spare_uid = self._spare_uid, self._uid_of[slot]
-                starting = None
-                self.stats["jobs in the spare sandbox"] += 1
-        if box is None and starting is not None:
-            try:
-                box = starting.result()
-            except Exception as exc:  # its start failed: the job starts one of its own
-                log.warning("code sandbox: starting a sandbox ahead failed: %s", exc)
-        if box is not None and not box.alive():
-            box.kill()
-            return None
-        return box
-
-    def _warm_spare(self) -> SandboxProcess | None:
-        """The spare, if it is up and alive (under the lock)."""
-        starting = self._spare_starting
-        if self._spare is None and starting is not None and starting.done():
-            self._spare_starting = None
-            self._spare = None if starting.cancelled() or starting.exception() else starting.result()
-        if self._spare is not None and not self._spare.alive():
-            self._spare.kill()
-            self._spare = None
-        return self._spare
-
     def _run_once(self, level: Level, job: Job, slot: int) -> tuple[JobResult, dict[str, Any]]:
         """A job in a sandbox started for it alone (the start probe), with the runner's ready record."""
-        box = self._spawn(level, self._uid_of[slot], (job.limits or self.limits).tmp_mb)
+        box = self.warm.spawn(level, self.warm.uid_of[slot], (job.limits or self.limits).tmp_mb)
         try:
             result, reply = RunnerExchange(job, self.limits, self.samples_per_sandbox).run(box, fresh=True)
         finally:
@@ -536,16 +390,16 @@ class Sandbox:
         set: its caller took the job back, and its program is stopped (``_stop``) or never starts. A job that stepped
         aside meanwhile retires its sandbox, and gives its uid back once the sandbox is gone."""
         exchange = RunnerExchange(job, self.limits, self.samples_per_sandbox)
-        lim = exchange.limits
+        lim, warm = exchange.limits, self.warm
         reuse = self.samples_per_sandbox > 1 and lim.tmp_mb == self.limits.tmp_mb
         slot, stop = run.slot, run.stop
         run.reuse = reuse
-        box = self._take(slot) if reuse else None
+        box = warm.take(slot) if reuse else None
         if reuse:
-            self._start_spare(level)  # the spare taken (or never up) is replaced now, not when a job ends
+            warm.start_spare(level)  # the spare taken (or never up) is replaced now, not when a job ends
         fresh = box is None
         if box is None:
-            box = self._spawn(level, self._uid_of[slot], lim.tmp_mb)
+            box = warm.spawn(level, warm.uid_of[slot], lim.tmp_mb)
         try:
             result, reply = self._exchange_in(run, box, exchange, fresh)
             if not fresh and reply.final is None and not reply.records and not reply.timed_out and not stop.is_set():
@@ -553,65 +407,33 @@ class Sandbox:
                 box.kill()
                 with self._lock:
                     self.stats["retired: died while warm"] += 1
-                    uid = self._uid_of[slot] if run.uid is None else run.uid  # its own, if it stepped aside
-                box, fresh = self._spawn(level, uid, lim.tmp_mb), True
+                    uid = warm.uid_of[slot] if run.uid is None else run.uid  # its own, if it stepped aside
+                box, fresh = warm.spawn(level, uid, lim.tmp_mb), True
                 result, reply = self._exchange_in(run, box, exchange, fresh)
         except BaseException:
             box.kill()
-            self._uid_back(run)
+            warm.uid_back(run)
             raise
         why = exchange.retire_reason(box, result, reply, stop.is_set(), reuse)
+        self._ended(level, run, box, why, fresh, reply)
+        return result
+
+    def _ended(
+        self, level: Level, run: Running, box: SandboxProcess, why: str | None, fresh: bool, reply: Reply
+    ) -> None:
+        """The job has ended: it is counted, its sandbox serves on or retires (``why``), a stop's cost is learned."""
         with self._lock:
             run.ended = True
             self.stats["jobs"] += 1
             self.stats["jobs in a warm sandbox"] += not fresh
-            keep = why is None and not self._closed and not run.aside
-            if run.handed is not None:
-                # Its slot took the spare: kept, this sandbox is the spare now; retired, the next spare starts below,
-                # under its uid. It stands for the spare until now (nothing else replaces that while it resets).
-                mine = self._spare_starting is run.handed
-                keep = keep and mine
-                if mine:
-                    self._spare, self._spare_starting = box if keep else None, None
-            elif keep:
-                self._idle[slot] = box
-            elif (
-                run.aside
-                and why is None
-                and not self._closed
-                and run.uid is not None
-                and len(self._kept) < self.workers
-            ):
-                keep = True  # kept, with its uid, for the next spare
-                self._kept.append((box, run.uid))
-                run.uid = None
-                self.stats["sandboxes kept when their job that stepped aside ended"] += 1
-            if not keep:
-                self.stats[f"retired: {why or ('stepped aside' if run.aside else 'pool closed')}"] += 1
+            keep = self.warm.keep(run, box, why)
             if reply.stop_s is not None:
                 self.stats["jobs stopped"] += 1
                 # A slot that took the spare served on at once, but the next stop may find none warm: the reset
                 # is what a stop is taken to cost.
-                cost = reply.stop_s + (0.0 if keep or run.aside or run.handed is not None else self.start_s)
+                cost = reply.stop_s + (0.0 if keep or run.aside or run.handed is not None else self.warm.start_s)
                 self.stop_s += 0.2 * (cost - self.stop_s)
-        if run.handed is not None:
-            run.handed.set_result(None)
-        if not keep:
-            box.kill()
-            if run.aside:
-                self._uid_back(run)
-            elif reuse and run.handed is None:
-                self._start_ahead(level, slot)
-        if reuse:
-            self._start_spare(level)
-        return result
-
-    def _uid_back(self, run: Running) -> None:
-        """A job that stepped aside, its sandbox gone: its uid may serve another sandbox."""
-        with self._lock:
-            if run.aside and run.uid is not None:
-                self._free_uids.append(run.uid)
-                run.uid = None
+        self.warm.after(level, run, box, keep, run.reuse)
 
     def _exchange_in(
         self, run: Running, box: SandboxProcess, exchange: RunnerExchange, fresh: bool
@@ -623,7 +445,7 @@ class Sandbox:
             if not stopped:
                 run.box = box
                 if run.uid is None:  # the slot's uid is its sandbox's until the job steps aside
-                    run.uid = self._uid_of[run.slot]
+                    run.uid = self.warm.uid_of[run.slot]
                 self._running.add(run)
         if stopped:
             gone = JobResult([TestRun("sandbox_error", stderr="taken back before it started")])
@@ -633,8 +455,3 @@ class Sandbox:
         finally:
             with self._lock:
                 self._running.discard(run)
-
-
-def _kill_result(future: Future[SandboxProcess | None]) -> None:
-    if not future.cancelled() and future.exception() is None and (box := future.result()) is not None:
-        box.kill()

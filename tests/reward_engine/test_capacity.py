@@ -302,7 +302,7 @@ async def test_a_tenant_back_from_idle_takes_the_sandbox_slots_from_a_flooder_at
         assert sandbox.stats["stops that gave the slot the spare"] >= 1  # the spare was warm: taken at the first
         await eventually(lambda: sorted(starts.of("a").values()) == [1] * 10 + [2] * 2, "the stopped samples restarted")
         await eventually(lambda: len(sandbox._running) == 2, "A's programs run again in both slots")
-        assert sandbox.stats["started"] == started and sandbox._spare is not None  # the stopped sandbox is the spare
+        assert sandbox.stats["started"] == started and sandbox.warm.spare is not None  # the stopped one is the spare
         assert not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
         await batcher.close(drain=False)
         await asyncio.gather(*flooding, return_exceptions=True)

@@ -334,7 +334,7 @@ async def test_nothing_a_sample_leaves_is_seen_by_the_next_in_the_same_sandbox(
 
 def _warm_spare(sandbox: Sandbox) -> SandboxProcess | None:
     with sandbox._lock:
-        return sandbox._warm_spare()
+        return sandbox.warm.warm_spare()
 
 
 def _processes_with(argv: list[str]) -> list[int]:
@@ -387,17 +387,17 @@ async def test_a_stopped_sample_leaves_nothing_and_its_sandbox_serves_the_next(
     assert sandbox.stats["stops that gave the slot the spare"] == 1
     looked, outcomes = await _sample(src, LOOKER, NOTHING)  # in the former spare
     assert outcomes == ["passed"] and looked.sandbox == spare.serial, looked.runs[0].stderr
-    await eventually(lambda: sandbox._spare is first, "the stopped sandbox, reset, is the spare")
-    assert sandbox._uid_of[0] != sandbox._spare_uid
+    await eventually(lambda: sandbox.warm.spare is first, "the stopped sandbox, reset, is the spare")
+    assert sandbox.warm.uid_of[0] != sandbox.warm.spare_uid
     second = await stopped(2)  # the slot takes the first stopped sandbox
     assert second is spare and sandbox.stats["stops that gave the slot the spare"] == 2
     looked, outcomes = await _sample(src, LOOKER, NOTHING)
     assert outcomes == ["passed"], looked.runs[0].stdout + looked.runs[0].stderr
     assert looked.sandbox == first.serial, "not the first stopped sample's sandbox"
-    await eventually(lambda: sandbox._spare is second, "the second stopped sandbox, reset, is the spare")
+    await eventually(lambda: sandbox.warm.spare is second, "the second stopped sandbox, reset, is the spare")
     starting: Future[SandboxProcess | None] = Future()
     with sandbox._lock:  # as if the spare were still starting: the next stop finds none warm, and waits for its reset
-        sandbox._spare, sandbox._spare_starting = None, starting
+        sandbox.warm.spare, sandbox.warm.spare_starting = None, starting
     third = await stopped(3)
     assert third is first and sandbox.stats["stops that gave the slot the spare"] == 2
     starting.set_result(second)  # up now
@@ -434,7 +434,7 @@ async def test_a_stopped_sandbox_that_gave_its_slot_the_spare_and_is_retired_giv
     await eventually(lambda: sandbox.stats["retired: served its samples"] == 1, "the stopped sandbox is retired")
     assert sandbox.stats["stops that gave the slot the spare"] == 1
     await eventually(lambda: _warm_spare(sandbox) is not None, "the next spare is up")
-    assert sandbox._spare_uid == stopped_uid and sandbox._uid_of[0] != stopped_uid
+    assert sandbox.warm.spare_uid == stopped_uid and sandbox.warm.uid_of[0] != stopped_uid
     looked, outcomes = await _sample(src, LOOKER, NOTHING)  # in the former spare, now the slot's
     assert outcomes == ["passed"] and looked.sandbox != first.sandbox, looked.runs[0].stderr
 
@@ -506,13 +506,13 @@ async def test_a_job_past_its_straggler_time_steps_aside_and_its_sandbox_is_the_
     assert hung[0].sandbox != echoed.sandbox
     await eventually(lambda: sandbox.stragglers == 0, "the stragglers ended")
     assert sandbox.slots == 2 and not [k for k in sandbox.stats if k.startswith("retired")], sandbox.stats
-    assert [box.serial for box, _ in sandbox._kept] == [hung[0].sandbox]
+    assert [box.serial for box, _ in sandbox.warm.kept] == [hung[0].sandbox]
     assert held_uids(sandbox) == every_uid
     started = sandbox.stats["started"]
     more = [asyncio.create_task(sandbox.run(job(hang), sandbox.claim())) for _ in range(2)]
     await eventually(lambda: sandbox.stragglers == 1, "one of the next two stepped aside")
     [aside] = [run for run in sandbox._running if run.aside]
-    assert _warm_spare(sandbox) is not None and not sandbox._kept  # the kept sandbox is the spare
+    assert _warm_spare(sandbox) is not None and not sandbox.warm.kept  # the kept sandbox is the spare
     assert sandbox.stats["started"] == started and sandbox.stats["spares that were kept"] == 1
     assert held_uids(sandbox, aside.uid) == every_uid
     for task in more:
@@ -574,7 +574,7 @@ async def test_a_sandbox_that_died_while_warm_is_replaced(code_source: MakeSourc
     src = code_source(workers=1)
     await src.warmup()
     first, _ = await _sample(src, LOOKER, NOTHING)
-    [box] = src.sandbox._idle.values()
+    [box] = src.sandbox.warm.idle.values()
     os.kill(box.proc.pid, signal.SIGKILL)  # as the kernel's OOM killer would
     again, outcomes = await _sample(src, LOOKER, NOTHING)
     assert outcomes == ["passed"] and again.sandbox != first.sandbox

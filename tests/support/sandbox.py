@@ -15,5 +15,6 @@ def held_uids(sandbox: Sandbox, *aside: int | None) -> list[int]:
     """Every uid the pool holds, sorted: the slots', the spare's, the kept sandboxes', the free ones, and ``aside``
     (those of jobs that stepped aside). Each uid held once means no two live sandboxes share one."""
     with sandbox._lock:
-        kept = [uid for _, uid in sandbox._kept]
-        return sorted([*aside, *sandbox._uid_of, sandbox._spare_uid, *kept, *sandbox._free_uids])  # type: ignore[list-item]
+        warm = sandbox.warm
+        kept = [uid for _, uid in warm.kept]
+        return sorted([*aside, *warm.uid_of, warm.spare_uid, *kept, *warm.free_uids])  # type: ignore[list-item]
