@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from rewardmesh.common.errors import Cancelled, InvalidInput, Unavailable
@@ -91,6 +91,24 @@ class _Outbox:
                 await self.waiter
             finally:
                 self.waiter = None
+
+
+class _Stream:
+    """One Score stream's state, shared by its reader and its writer: its outbox, how many of its samples are
+    read and not yet answered (bounded by `limit`: flow control), the client's max_results_per_message, and
+    what has ended it."""
+
+    __slots__ = ("box", "draining", "limit", "per_message", "reader_done", "room", "tenant", "unanswered")
+
+    def __init__(self, tenant: Tenant, limit: int) -> None:
+        self.box = _Outbox()
+        self.tenant = tenant
+        self.limit = limit
+        self.unanswered = 0  # samples read and not yet written back
+        self.per_message = 1  # the client's max_results_per_message
+        self.room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
+        self.reader_done = False  # the client half-closed the stream (END)
+        self.draining = False  # the server is draining (DRAIN)
 
 
 class _Flight(Ticket):
@@ -340,130 +358,145 @@ class Scoring:
     async def stream(
         self, requests: AsyncIterator[ParsedScore], tenant: Tenant
     ) -> AsyncIterator[reward_pb2.ScoreResponse]:
-        """One Score stream: one reader task feeds one outbox (results, END, DRAIN or the reader's exception); this
-        loop writes. The reader stops reading at `max_stream_unanswered` unanswered samples (flow control)."""
-        box = _Outbox()
-        unanswered = 0  # samples read and not yet written back
-        per_message = 1  # the client's max_results_per_message
-        room: asyncio.Future[None] | None = None  # the reader waits here while the stream is at its bound
-        limit = self.max_stream_unanswered
-
-        begin = self.begin
-        timeout = self._timeout
-        step_left = self._step_left
-        telemetry = self.telemetry
-
-        async def read() -> None:
-            nonlocal per_message, room, unanswered
-            try:
-                async for parsed in requests:
-                    self.messages_in += 1
-                    unparsed = None  # samples of the message that did not parse (server/reward/sample_split.py)
-                    if isinstance(parsed, tuple):
-                        req, unparsed = parsed
-                    else:
-                        req = parsed
-                    if req.max_results_per_message > 0:
-                        per_message = req.max_results_per_message
-                    items = req.items
-                    if items:
-                        n = len(items)
-                        refused = self._over_limit(n, "ScoreRequest.items count")
-                        arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
-                        unanswered += n
-                        self.held += n
-                        # once per message: each item's trace context is read only if one may carry it
-                        traced = telemetry.tracing and not req.items_untraced
-                        turn = arrived[0] + READ_TURN_S
-                        for k, item in enumerate(items):
-                            if k and time.monotonic() > turn:  # a big message is not one long turn of the loop
-                                await asyncio.sleep(0)
-                                turn = time.monotonic() + READ_TURN_S
-                            begin(
-                                item.sample,
-                                item.reward,
-                                box,
-                                tenant=tenant,
-                                timeout_s=timeout(item),
-                                step_left_s=step_left(item),
-                                parent=telemetry.begin(item.trace_context) if traced else None,
-                                refused=refused or (unparsed.get(k) if unparsed else None),
-                                arrived=arrived,
-                            )
-                    elif req.HasField("sample"):
-                        unanswered += 1
-                        self.held += 1
-                        parent = telemetry.begin(req.trace_context)
-                        begin(
-                            req.sample,
-                            req.reward,
-                            box,
-                            tenant=tenant,
-                            timeout_s=timeout(req),
-                            step_left_s=step_left(req),
-                            parent=parent,
-                            refused=unparsed.get(-1) if unparsed else None,
-                        )
-                    if req.cancel_sample_ids:  # after the items: a message may cancel its own
-                        self._cancel_ids(box, req.cancel_sample_ids)
-                    if req.keep_traces:  # a keep decision, as KeepTraces without a call
-                        self._keep_on_stream(req.keep_traces)
-                    while unanswered >= limit:  # stop reading: flow control pushes back on the writer
-                        room = asyncio.get_running_loop().create_future()
-                        await room
-                box.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:  # the stream broke: the writer re-raises it
-                box.put(exc)
-
-        self._outboxes.add(box)
+        """One Score stream: one reader task (`_read`) feeds its outbox (results, END, DRAIN or the reader's
+        exception); this loop writes. The reader stops reading at `max_stream_unanswered` unanswered samples
+        (flow control)."""
+        st = _Stream(tenant, self.max_stream_unanswered)
+        self._outboxes.add(st.box)
         if self._draining.is_set():
-            box.put(_DRAIN)
-        reader = asyncio.create_task(read())
-        reader_done = draining = False
+            st.box.put(_DRAIN)
+        reader = asyncio.create_task(self._read(requests, st))
         try:
-            while True:
-                if not unanswered and (reader_done or draining):
-                    break  # half-closed and answered, or draining: end with OK; the client resends elsewhere
-                if not box.items and not box.response.results:
-                    await box.wait()
-                items = box.items
-                while items:
-                    item = items.popleft()
-                    if item is _END:
-                        reader_done = True
-                    elif item is _DRAIN:
-                        draining = True
-                    else:
-                        raise item
-                response = box.take()
+            # half-closed and answered, or draining: end with OK; the client resends elsewhere
+            while st.unanswered or not (st.reader_done or st.draining):
+                response = await self._gathered(st)
                 if response is None:
                     continue
-                results = response.results
-                n = len(results)
-                if per_message > 1 and n <= per_message:
-                    messages: Any = (response,)  # as gathered: no copy
-                elif per_message > 1:
-                    messages = (reward_pb2.ScoreResponse(results=results[lo : lo + per_message])
-                                for lo in range(0, n, per_message))  # fmt: skip
-                else:  # a client that takes one result per message
-                    messages = (reward_pb2.ScoreResponse(result=r) for r in results)
-                for message in messages:
+                for message in self._messages(response, st.per_message):
                     yield message
-                    sent = len(message.results) or 1
-                    unanswered -= sent
-                    self.held -= sent
-                    self.results_sent += sent
-                    self.messages_out += 1
-                    if room is not None and not room.done() and unanswered < limit:
-                        room.set_result(None)
+                    self._written(st, len(message.results) or 1)
         finally:
-            self.held -= unanswered
-            self._outboxes.discard(box)
+            self.held -= st.unanswered
+            self._outboxes.discard(st.box)
             reader.cancel()
-            for f in list(box.flights.values()):
+            for f in list(st.box.flights.values()):
                 self._cancel(f, "the stream ended")
+
+    async def _read(self, requests: AsyncIterator[ParsedScore], st: _Stream) -> None:
+        """The stream's reader: each message's samples queued, its cancellations and keep decisions applied; not
+        read further while the stream is at its bound of unanswered samples. Ends the outbox with END, or with
+        the exception that broke the stream."""
+        try:
+            async for parsed in requests:
+                self.messages_in += 1
+                await self._read_message(parsed, st)
+                while st.unanswered >= st.limit:  # stop reading: flow control pushes back on the writer
+                    st.room = asyncio.get_running_loop().create_future()
+                    await st.room
+            st.box.put(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the stream broke: the writer re-raises it
+            st.box.put(exc)
+
+    async def _read_message(self, parsed: ParsedScore, st: _Stream) -> None:
+        """One ScoreRequest: its items (or its one sample) queued, then its cancellations and keep decisions."""
+        unparsed = None  # samples of the message that did not parse (server/reward/sample_split.py)
+        if isinstance(parsed, tuple):
+            req, unparsed = parsed
+        else:
+            req = parsed
+        if req.max_results_per_message > 0:
+            st.per_message = req.max_results_per_message
+        if req.items:
+            await self._begin_items(req, unparsed, st)
+        elif req.HasField("sample"):
+            st.unanswered += 1
+            self.held += 1
+            self.begin(
+                req.sample,
+                req.reward,
+                st.box,
+                tenant=st.tenant,
+                timeout_s=self._timeout(req),
+                step_left_s=self._step_left(req),
+                parent=self.telemetry.begin(req.trace_context),
+                refused=unparsed.get(-1) if unparsed else None,
+            )
+        if req.cancel_sample_ids:  # after the items: a message may cancel its own
+            self._cancel_ids(st.box, req.cancel_sample_ids)
+        if req.keep_traces:  # a keep decision, as KeepTraces without a call
+            self._keep_on_stream(req.keep_traces)
+
+    async def _begin_items(self, req: reward_pb2.ScoreRequest, unparsed: Refusals | None, st: _Stream) -> None:
+        """A message's items queued, READ_TURN_S of loop time at a time (a big message is not one long turn of
+        the loop: every other stream's messages are read on it too)."""
+        items = req.items
+        n = len(items)
+        refused = self._over_limit(n, "ScoreRequest.items count")
+        arrived = (time.monotonic(), time.time_ns())  # one clock read for the whole message
+        st.unanswered += n
+        self.held += n
+        begin, timeout, step_left, telemetry, box, tenant = (
+            self.begin, self._timeout, self._step_left, self.telemetry, st.box, st.tenant
+        )  # fmt: skip
+        # once per message: each item's trace context is read only if one may carry it
+        traced = telemetry.tracing and not req.items_untraced
+        turn = arrived[0] + READ_TURN_S
+        for k, item in enumerate(items):
+            if k and time.monotonic() > turn:
+                await asyncio.sleep(0)
+                turn = time.monotonic() + READ_TURN_S
+            begin(
+                item.sample,
+                item.reward,
+                box,
+                tenant=tenant,
+                timeout_s=timeout(item),
+                step_left_s=step_left(item),
+                parent=telemetry.begin(item.trace_context) if traced else None,
+                refused=refused or (unparsed.get(k) if unparsed else None),
+                arrived=arrived,
+            )
+
+    @staticmethod
+    async def _gathered(st: _Stream) -> reward_pb2.ScoreResponse | None:
+        """The results gathered since the last write (None: only sentinels came: END or DRAIN noted on `st`);
+        re-raises the reader's exception."""
+        box = st.box
+        if not box.items and not box.response.results:
+            await box.wait()
+        items = box.items
+        while items:
+            item = items.popleft()
+            if item is _END:
+                st.reader_done = True
+            elif item is _DRAIN:
+                st.draining = True
+            else:
+                raise item
+        return box.take()
+
+    @staticmethod
+    def _messages(response: reward_pb2.ScoreResponse, per_message: int) -> Iterable[reward_pb2.ScoreResponse]:
+        """The gathered results in messages of at most the client's `max_results_per_message`."""
+        results = response.results
+        n = len(results)
+        if per_message > 1 and n <= per_message:
+            return (response,)  # as gathered: no copy
+        if per_message > 1:
+            return (reward_pb2.ScoreResponse(results=results[lo : lo + per_message]) for lo in range(0, n, per_message))
+        return (reward_pb2.ScoreResponse(result=r) for r in results)  # a client that takes one result per message
+
+    def _written(self, st: _Stream, sent: int) -> None:
+        """`sent` results written: counted, and the reader let go on once the stream is under its bound."""
+        st.unanswered -= sent
+        self.held -= sent
+        self.results_sent += sent
+        self.messages_out += 1
+        room = st.room
+        if room is not None and not room.done() and st.unanswered < st.limit:
+            room.set_result(None)
 
     async def batch(self, parsed: ParsedBatch, tenant: Tenant) -> reward_pb2.ScoreBatchResponse:
         """One ScoreBatch call: every sample queued at once, the response once each has its result."""
