@@ -41,3 +41,11 @@ class ResourceExhausted(RewardError):
 class DependencyFailed(RewardError):
     """A dependency the sample needs (a judge endpoint) is failing; another reward server would fail it
     the same way, so clients must not re-route it (UNAVAILABLE means only "try another server")."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """'ValueError: message' (message shortened) for error texts that name what a function raised."""
+    text = str(exc)
+    if len(text) > 500:
+        text = text[:500] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

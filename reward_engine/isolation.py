@@ -55,9 +55,9 @@ from rewardmesh.common.errors import (
     SourceFailed,
     Unavailable,
     UnknownReward,
+    describe_exception,
 )
 from rewardmesh.reward_engine.loading import load_function, parse_spec
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 
 log = logging.getLogger(__name__)
 

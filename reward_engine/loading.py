@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception
+from rewardmesh.common.errors import describe_exception
 
 _file_counter = itertools.count()
 

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable
+from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable, describe_exception
 from rewardmesh.reward_engine.sandbox.executor import Claim, Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)

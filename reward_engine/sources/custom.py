@@ -13,10 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rewardmesh.common.errors import DeadlineExceeded, RewardError, SourceFailed, Unavailable
+from rewardmesh.common.errors import DeadlineExceeded, RewardError, SourceFailed, Unavailable, describe_exception
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, run_call
 from rewardmesh.reward_engine.loading import load_function, parse_spec
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output, verl_kwargs
+from rewardmesh.reward_engine.sources.verl_compat import to_output, verl_kwargs
 from rewardmesh.reward_engine.types import (
     BatchResult,
     Capacity,

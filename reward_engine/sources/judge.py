@@ -26,10 +26,10 @@ from rewardmesh.common.errors import (
     RewardError,
     SourceFailed,
     Unavailable,
+    describe_exception,
 )
 from rewardmesh.common.rate_limit import RateLimiter
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 DEFAULT_PROMPT_TEMPLATE = """\

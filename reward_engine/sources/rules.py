@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward
+from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward, describe_exception
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
-from rewardmesh.reward_engine.sources.verl_compat import describe_exception, to_output
+from rewardmesh.reward_engine.sources.verl_compat import to_output
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]

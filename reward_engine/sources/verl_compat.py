@@ -85,11 +85,3 @@ def verl_kwargs(sample: RewardInput) -> dict[str, Any]:
         "ground_truth": sample.ground_truth,
         "extra_info": sample.extra_info,
     }
-
-
-def describe_exception(exc: BaseException) -> str:
-    """'ValueError: message' (message shortened) for error texts that name what a function raised."""
-    text = str(exc)
-    if len(text) > 500:
-        text = text[:500] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
