@@ -3,21 +3,34 @@ Rust tokenizer runs; for a fast tokenizer we call the Rust one directly (same te
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 Decode = Callable[[Sequence[int]], str]
 
-_CACHE: dict[int, tuple[Any, Decode]] = {}  # id(tokenizer) -> (tokenizer kept alive, its decoder)
+CACHE_SIZE = 8  # tokenizers whose decoders are kept; a process serves one or two, a test run builds many
+# id(tokenizer) -> (tokenizer kept alive, its decoder), least recently used first: the entry keeps its tokenizer
+# alive (so its id is not reused by another object), hence the bound.
+_CACHE: OrderedDict[int, tuple[Any, Decode]] = OrderedDict()
+_LOCK = threading.Lock()  # decoders are asked for from executor threads too
 
 
 def decoder(tokenizer: Any) -> Decode:
     """`ids -> text` with special tokens skipped, as `tokenizer.decode(ids, skip_special_tokens=True)`."""
-    hit = _CACHE.get(id(tokenizer))
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
+    key = id(tokenizer)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] is tokenizer:
+            _CACHE.move_to_end(key)
+            return hit[1]
     fn = _build(tokenizer)
-    _CACHE[id(tokenizer)] = (tokenizer, fn)
+    with _LOCK:
+        _CACHE[key] = (tokenizer, fn)
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
     return fn
 
 
