@@ -4,6 +4,7 @@ pool's face: it proves the isolation level, runs jobs, stops them and closes. It
 
 - slots.py: the slots, claimed in arrival order, and the jobs in them;
 - warm.py: the sandboxes started ahead (one per slot, one spare), when they serve on or retire, and their uids;
+- stragglers.py: slow jobs stepping aside to run on beside the slots;
 - exchange.py: one sandbox's exchange with its runner, and why the sandbox retires after it.
 
 A pipeline's job whose caller is cancelled (the batcher stops it for another tenant's sample, or shuts down) is
@@ -13,16 +14,6 @@ else the slot, with its sandbox, serves the next job once reset. A stop thus cos
 (``stop_s``, timed), not a sandbox start; a sandbox whose runner does not reset in time (``process.STOP_S``), or is
 not clean after it, is retired as usual. A job from outside the pipeline runs on within its budget when its caller
 goes away.
-
-A pipeline's job that has run past the straggler time (a tenth of its time limit per test, at most 1 s) while
-every slot is taken steps aside: it runs on in its sandbox, under its uid, to its end or its budget, and gives its
-slot to the next claim with the warm spare as the slot's sandbox (a job steps aside only once the spare is up, so
-the next job never waits for a sandbox to start; the next spare starts at once). Jobs step aside in the order
-their slots were claimed. So at most ``max_stragglers`` slow programs run beside the ``workers`` slots that keep
-serving, each holding one sandbox, its own, and the pool's capacity (``slots``) grows by one while each runs
-(``on_capacity`` listeners hear of it). A sandbox whose job stepped aside, reset and clean when the job ends, is
-kept for the next spare (at most one per slot, each under its uid), so a steady stream of stragglers costs resets,
-not sandbox starts.
 """
 
 from __future__ import annotations
@@ -43,14 +34,13 @@ from rewardmesh.reward_engine.sandbox.jobs import Job, JobResult, Limits, TestRu
 from rewardmesh.reward_engine.sandbox.levels import LEVELS, RANK, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
 from rewardmesh.reward_engine.sandbox.slots import Claim, Running, SlotQueue
+from rewardmesh.reward_engine.sandbox.stragglers import Stragglers
 from rewardmesh.reward_engine.sandbox.warm import WarmPool
 
 __all__ = ["Claim", "Job", "JobResult", "Limits", "Sandbox", "SandboxUnavailable", "TestRun"]
 
 log = logging.getLogger(__name__)
 
-# A job past its straggler time that may not step aside yet (a slot free, the spare not up) looks again this often.
-RECHECK_S = 0.05
 # What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
 STOP_GUESS_S = 0.01
 # A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
@@ -100,11 +90,10 @@ class Sandbox:
         self.samples_per_sandbox = reuse
         self.limits = limits or Limits()
         self.limits.check("sandbox")
-        self.straggler_after_s = min(1.0, self.limits.wall_s / 10) if straggler_after_s is None else straggler_after_s
-        self.max_stragglers = 2 * self.workers if max_stragglers is None else max_stragglers
-        if not self.straggler_after_s > 0 or self.max_stragglers < 0:
+        after_s = min(1.0, self.limits.wall_s / 10) if straggler_after_s is None else straggler_after_s
+        most = 2 * self.workers if max_stragglers is None else max_stragglers
+        if not after_s > 0 or most < 0:
             raise ValueError("sandbox: 'straggler_after_s' must be > 0 and 'max_stragglers' >= 0")
-        self.stragglers = 0  # jobs running beside the slots, each in its own sandbox
         self.python = python or default_python()
         self.uid_base = uid_base
         self.level: Level | None = None
@@ -116,12 +105,12 @@ class Sandbox:
         # Threads block on the sandboxes' pipes: one per slot serving a job, one per straggler, one per slot starting
         # its next sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox
         # dies with the thread that started it (bubblewrap's --die-with-parent).
-        self._threads = ThreadPoolExecutor(2 * self.workers + self.max_stragglers + 2, thread_name_prefix="sandbox")
+        self._threads = ThreadPoolExecutor(2 * self.workers + most + 2, thread_name_prefix="sandbox")
         self._slots = SlotQueue(self.workers, self.stats)
         self._lock = threading.Lock()  # guards the warm pool, the jobs running, the stragglers and the counters
         self.warm = WarmPool(
             workers=self.workers,
-            max_stragglers=self.max_stragglers,
+            max_stragglers=most,
             limits=self.limits,
             python=self.python,
             uid_base=uid_base,
@@ -130,6 +119,16 @@ class Sandbox:
             stats=self.stats,
         )
         self._running: set[Running] = set()  # the jobs whose sandbox runs them now
+        self._aside = Stragglers(
+            after_s=after_s,
+            most=most,
+            reuse=reuse > 1,
+            lock=self._lock,
+            running=self._running,
+            slots=self._slots,
+            warm=self.warm,
+            stats=self.stats,
+        )
         self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
 
@@ -229,7 +228,30 @@ class Sandbox:
     @property
     def slots(self) -> int:
         """Jobs that can run at once now: the slots, plus one for each job that stepped aside."""
-        return self.workers + self.stragglers
+        return self.workers + self._aside.count
+
+    @property
+    def stragglers(self) -> int:
+        """Jobs that stepped aside and run now beside the slots, each in its own sandbox."""
+        return self._aside.count
+
+    @property
+    def straggler_after_s(self) -> float:
+        """How long a pipeline's job runs while every slot is taken before it steps aside."""
+        return self._aside.after_s
+
+    @straggler_after_s.setter
+    def straggler_after_s(self, value: float) -> None:
+        self._aside.after_s = value
+
+    @property
+    def max_stragglers(self) -> int:
+        """How many jobs may run aside at once."""
+        return self._aside.most
+
+    @max_stragglers.setter
+    def max_stragglers(self, value: int) -> None:
+        self._aside.most = value
 
     @property
     def held_outside(self) -> int:
@@ -281,7 +303,7 @@ class Sandbox:
         future.add_done_callback(lambda _: self._release(run, outside))
         try:
             if not outside:
-                await self._watch(future, run, level)
+                await self._aside.watch(future, run, level)
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             # The pipeline takes its sample back (for another tenant's, or shutting down): its program ends now and
@@ -293,54 +315,7 @@ class Sandbox:
         finally:
             # An aside job leaves the stragglers with its caller (its pipeline sample ends in the same step), not
             # before: while it counts in ``slots`` as aside, the sample is running or done, never neither.
-            self._let_go(run)
-
-    async def _watch(self, future: asyncio.Future[JobResult], run: Running, level: Level) -> None:
-        """Until the job ends or steps aside: once it has run past the straggler time, it steps aside as soon as
-        it may (every slot taken, the spare up, the jobs claimed before it aside), looking again every 50 ms."""
-        wait = self.straggler_after_s
-        while wait < float("inf"):
-            await asyncio.wait((future,), timeout=wait)
-            if future.done() or self._step_aside(run, level):
-                return
-            wait = min(wait, RECHECK_S)
-        await asyncio.wait((future,))
-
-    def _step_aside(self, run: Running, level: Level) -> bool:
-        """``run``'s job runs on beside the slots, its slot given to the next claim with the warm spare as its
-        sandbox (False: a slot is free, no more stragglers may run, the job is not running, no spare is up yet, or
-        one of the pipeline's claimed before it still serves in a slot: jobs step aside in their claims' order, so
-        those aside are the pipeline's oldest started, which is how its batcher knows them)."""
-        if self._slots.free or self.warm.closed or self.stragglers >= self.max_stragglers:
-            return False
-        reuse = self.samples_per_sandbox > 1
-        with self._lock:
-            if run.uid is None or run.ended or run.stop.is_set() or not (self.warm.free_uids or self.warm.kept):
-                return False
-            if any(other.seq is not None and run.seq is not None and other.seq < run.seq and not other.aside
-                   and not other.ended and not other.stop.is_set() for other in self._running):  # fmt: skip
-                return False
-            spare = self.warm.warm_spare() if reuse else None
-            wait = reuse and spare is None  # the slot's next sample would wait for a sandbox to start: not yet
-            if not wait:
-                run.aside = True
-                self.stragglers += 1
-                self.stats["jobs that stepped aside"] += 1
-                self.warm.step_aside(run.slot, spare)
-        if reuse:
-            self.warm.start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
-        if wait:
-            return False
-        self._slots.give(run.slot)
-        self._slots.grew()
-        return True
-
-    def _let_go(self, run: Running) -> None:
-        """The job's thread or its caller is done; once both are, an aside job no longer runs beside the slots."""
-        with self._lock:
-            run.holders -= 1
-            if run.aside and not run.holders:
-                self.stragglers -= 1
+            self._aside.let_go(run)
 
     def _stop(self, run: Running) -> None:
         run.stop.set()
@@ -353,7 +328,7 @@ class Sandbox:
             self._slots.give(run.slot)
 
     def _release(self, run: Running, outside: bool) -> None:
-        self._let_go(run)
+        self._aside.let_go(run)
         if not run.aside and run.handed is None:  # else its slot was given on when it stepped aside or was stopped
             self._slots.give(run.slot)
         with self._lock:
