@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import logging
 import math
 import time
@@ -36,7 +34,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
-from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.common.errors import InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.reward_engine.deadlines import Deadlines
 from rewardmesh.reward_engine.fair_queue import FairQueue, Lane, Queued, Tenant
 from rewardmesh.reward_engine.ticket import Scored, Ticket
 from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
@@ -180,10 +179,7 @@ class DynamicBatcher:
         # own work) (moving average): what bounds an inline batch's size (inline_bound).
         self.inline_cost_s = 0.0
         self._inline_mark: float | None = None  # the loop's CPU time when a backlogged inline batch ended
-        self._expiry_timer: asyncio.TimerHandle | None = None  # when the next queued sample expires or is hopeless
-        self._deadlines: list[tuple[float, int, Ticket]] = []  # queued samples' deadlines (heap; stale entries skipped)
-        self._dues: list[tuple[float, int, Ticket]] = []  # queued samples' step deadlines (heap; likewise)
-        self._seq = itertools.count()
+        self._deadlines = Deadlines(name, lambda: self.service_s, self._expire)
         self._wake = asyncio.Event()
         self._batches = 0  # batches handed over and not yet returned
         self._held = 0  # samples handed over whose results are not in yet
@@ -292,55 +288,15 @@ class DynamicBatcher:
         item.inp.tenant = item.tenant.name
         self._queue.push(item)
         item.tenant.in_flight += 1
-        if item.deadline is not None:
-            heapq.heappush(self._deadlines, (item.deadline, next(self._seq), item))
-            self._expire_at(item.deadline)
-        if item.due is not None:
-            heapq.heappush(self._dues, (item.due, next(self._seq), item))
-            self._expire_at(item.due - self.service_s)
+        self._deadlines.watch(item)
         self._wake.set()
         return item
 
-    def _expire_at(self, at: float) -> None:
-        """Answer the queued samples that expire (deadline passed, or step deadline hopeless) when the first of
-        them does, even while every slot is busy; one timer, at the earliest such moment."""
-        timer = self._expiry_timer
-        if timer is not None and timer.when() <= at:
-            return
-        if timer is not None:
-            timer.cancel()
-        self._expiry_timer = asyncio.get_running_loop().call_at(at, self._on_expiry_timer)
-
-    def _on_expiry_timer(self) -> None:
-        self._expiry_timer = None
-        now = time.monotonic()
-        drop: dict[int, BaseException] = {}
-        deadlines, dues = self._deadlines, self._dues
-        while deadlines and deadlines[0][0] <= now:
-            _, _, item = heapq.heappop(deadlines)
-            if not item.started and not item.finished:
-                drop[id(item)] = DeadlineExceeded(self._expired(item, now))
-        soon = now + self.service_s
-        while dues and dues[0][0] <= soon:
-            _, _, item = heapq.heappop(dues)
-            if not item.started and not item.finished and id(item) not in drop:
-                drop[id(item)] = DeadlineExceeded(self._hopeless(item, now))
-        if drop:
-            for item in self._queue.remove(set(drop)):
-                self._leave(item)
-                item.resolve(drop[id(item)])
-        self._skip_stale()
-        nxt = [deadlines[0][0]] if deadlines else []
-        if dues:
-            nxt.append(dues[0][0] - self.service_s)
-        if nxt and not self._closed:
-            self._expire_at(max(min(nxt), now + 0.001))
-
-    def _skip_stale(self) -> None:
-        """Drop heap entries of samples no longer queued (started or answered), so the timer follows live ones."""
-        for heap in (self._deadlines, self._dues):
-            while heap and (heap[0][2].started or heap[0][2].finished):
-                heapq.heappop(heap)
+    def _expire(self, drop: dict[int, BaseException]) -> None:
+        """Answer queued samples (by id()) whose deadlines ended their wait."""
+        for item in self._queue.remove(set(drop)):
+            self._leave(item)
+            item.resolve(drop[id(item)])
 
     def _admit(self, item: Ticket) -> None:
         if self._closed:
@@ -351,8 +307,7 @@ class DynamicBatcher:
                 f"tenant '{tenant.name}' has {tenant.in_flight} samples in flight on this server, its limit "
                 "(max_in_flight); wait for results before sending more"
             )
-        if item.due is not None and item.due - self.service_s <= item.enqueued:
-            raise DeadlineExceeded(self._hopeless(item, item.enqueued))
+        self._deadlines.check_arrival(item)
         size = self.config.max_queue_size
         queue = self._queue
         if tenant.max_queue_share < 1:
@@ -394,19 +349,6 @@ class DynamicBatcher:
             self.start()
         return True
 
-    def _hopeless(self, item: Queued, now: float) -> str:
-        left = item.due - now  # type: ignore[operator]
-        if left <= 0:
-            return f"step deadline passed {-left:.3f}s ago, after {now - item.enqueued:.3f}s in the reward queue"
-        return (
-            f"step deadline cannot be met: {left:.3f}s left, and scoring in reward pipeline '{self.name}' takes "
-            f"about {self.service_s:.3f}s"
-        )
-
-    @staticmethod
-    def _expired(item: Ticket, now: float) -> str:
-        return f"sample deadline passed after {now - item.enqueued:.3f}s in the reward queue"
-
     @staticmethod
     def _leave(item: Queued) -> None:
         item.tenant.in_flight -= 1
@@ -414,10 +356,10 @@ class DynamicBatcher:
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
-        for timer in (self._expiry_timer, self._preempt_timer):
-            if timer is not None:
-                timer.cancel()
-        self._expiry_timer = self._preempt_timer = None
+        self._deadlines.close()
+        if self._preempt_timer is not None:
+            self._preempt_timer.cancel()
+        self._preempt_timer = None
         if drain:
             while self._queue.depth or self._running or self._apart:
                 self._wake.set()
@@ -466,8 +408,7 @@ class DynamicBatcher:
                 self.on_start(batch)
             except Exception:  # an observer's bug must not stop the pipeline
                 log.exception("pipeline %s: start listener failed", self.name)
-        if self._deadlines or self._dues:
-            self._skip_stale()
+        self._deadlines.started()
 
     def _start_inline(self) -> None:
         """The next inline batch, taken from the queue when its turn of the loop comes, not now: a small step that
@@ -597,17 +538,13 @@ class DynamicBatcher:
         else:
             taken = self._take_grouped(room)
         now = time.monotonic()
-        soon = now + self.service_s
         out = []
         for item in taken:
             if item.finished:
                 self._leave(item)
-            elif item.deadline is not None and now >= item.deadline:
+            elif (overdue := self._deadlines.overdue(item, now)) is not None:
                 self._leave(item)
-                item.resolve(DeadlineExceeded(self._expired(item, now)))
-            elif item.due is not None and item.due <= soon:
-                self._leave(item)
-                item.resolve(DeadlineExceeded(self._hopeless(item, now)))
+                item.resolve(overdue)
             else:
                 out.append(item)
         return out
@@ -757,9 +694,7 @@ class DynamicBatcher:
         self._accrued.pop(it, None)  # the time it ran stays charged: its tenant held the slot
         self._queue.requeue(it)
         it.tenant.in_flight += 1
-        if it.due is not None:
-            heapq.heappush(self._dues, (it.due, next(self._seq), it))
-            self._expire_at(it.due - self.service_s)
+        self._deadlines.watch(it)
         self.preemptions += 1
 
     def _release(self, samples: int, *, dispatch: bool = True) -> None:
