@@ -11,12 +11,12 @@ import grpc
 import numpy as np
 import torch
 
+from rewardmesh.common.status_codes import code_name
 from rewardmesh.common.tensors import ids_from, tensor_to_numpy
 from rewardmesh.v1 import common_pb2, rollout_pb2
 
 TIMING_KEYS = ("generate_sequences", "tool_calls", "reward", "reward_queue", "reward_compute", "num_preempted")
 SLOWEST_KEYS = ("generate_sequences", "tool_calls", "reward", "num_preempted", "prompt_length", "response_length")
-_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ScoredSample:
         t = s.timing
         failed = r.HasField("result") and r.result.HasField("error")
         code = (r.result.error.code or grpc.StatusCode.UNKNOWN.value[0]) if failed else 0
-        error = (r.result.error.message or _CODE_NAMES.get(code, str(code))) if failed else ""
+        error = (r.result.error.message or code_name(code)) if failed else ""
         logprobs = None
         if s.HasField("response_logprobs"):
             logprobs = tensor_to_numpy(s.response_logprobs, "sample.response_logprobs", dtype=common_pb2.DTYPE_FLOAT32,
@@ -90,7 +90,7 @@ class ScoredSample:
 
     @property
     def error_name(self) -> str:
-        return _CODE_NAMES.get(self.error_code, str(self.error_code)) if self.error_code else "UNKNOWN"
+        return code_name(self.error_code) if self.error_code else "UNKNOWN"
 
     @property
     def total_time(self) -> float:

@@ -22,11 +22,15 @@ import os
 from typing import Any
 
 from rewardmesh.client.integrations.scoring import (
+    ERROR_KEY,
+    ERROR_SCORE_ENV,
     PIPELINE_ENV,
     SERVICE_ERRORS,
     TARGET_ENV,
     MeshScorer,
     describe,
+    env_error_score,
+    env_timeout_s,
     failure,
     label_fields,
     make_sample,
@@ -36,9 +40,6 @@ try:  # OpenRLHF is optional: this module imports without it
     from openrlhf.utils.agent import SingleTurnAgentExecutor
 except ImportError:  # pragma: no cover - exercised where OpenRLHF is absent
     SingleTurnAgentExecutor = object
-
-ERROR_SCORE_ENV = "REWARDMESH_ERROR_SCORE"
-ERROR_KEY = "rewardmesh_error"
 
 
 class AgentExecutor(SingleTurnAgentExecutor):
@@ -56,11 +57,9 @@ class AgentExecutor(SingleTurnAgentExecutor):
         self.scorer = MeshScorer(
             target or os.environ.get(TARGET_ENV, ""),
             pipeline or os.environ.get(PIPELINE_ENV, ""),
-            timeout_s=float(timeout_s if timeout_s is not None else os.environ.get("REWARDMESH_TIMEOUT_S", "300")),
+            timeout_s=float(timeout_s) if timeout_s is not None else env_timeout_s(),
         )
-        if error_score is None and os.environ.get(ERROR_SCORE_ENV):
-            error_score = float(os.environ[ERROR_SCORE_ENV])
-        self.error_score = error_score
+        self.error_score = error_score if error_score is not None else env_error_score()
 
     async def execute(
         self,

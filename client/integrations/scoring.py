@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -20,15 +21,19 @@ from typing import Any
 import grpc
 
 from rewardmesh.client.reward_client import RewardClient
+from rewardmesh.common.status_codes import code_name
 from rewardmesh.common.tensors import ids_tensor
 from rewardmesh.v1 import common_pb2, reward_pb2
 
 log = logging.getLogger(__name__)
 
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
-# Where the adapters whose framework has no config slot for them read the target and pipeline.
+# Where the adapters whose framework has no config slot for them read the target and pipeline, the per-sample
+# deadline, and the opt-in score of a failed sample (unset: a failed sample fails the step).
 TARGET_ENV, PIPELINE_ENV = "REWARDMESH_REWARD_TARGET", "REWARDMESH_PIPELINE"
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S = "REWARDMESH_TIMEOUT_S", 300.0
+ERROR_SCORE_ENV = "REWARDMESH_ERROR_SCORE"
+ERROR_KEY = "rewardmesh_error"  # 1.0 on a sample scored the error score after an error, else 0.0
 
 
 class RewardMeshError(RuntimeError):
@@ -47,6 +52,17 @@ SERVICE_ERRORS = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     )
 )
+
+
+def env_timeout_s() -> float:
+    """The per-sample deadline from REWARDMESH_TIMEOUT_S (seconds; 300 when unset)."""
+    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+
+
+def env_error_score() -> float | None:
+    """The score for a failed sample from REWARDMESH_ERROR_SCORE; None (failures fail the step) when unset or empty."""
+    value = os.environ.get(ERROR_SCORE_ENV)
+    return float(value) if value else None
 
 
 def failure(pipeline: str, what: str, result: reward_pb2.RewardResult, hint: str = "") -> RewardMeshError:
@@ -179,7 +195,7 @@ class MeshScorer:
 
 def error_text(result: reward_pb2.RewardResult) -> str:
     """'CODE: message' of a failed result."""
-    return f"{_CODE_NAMES.get(result.error.code, str(result.error.code))}: {result.error.message}"
+    return f"{code_name(result.error.code)}: {result.error.message}"
 
 
 def label_fields(label: Any, where: str = "label") -> tuple[str, str, dict[str, Any]]:

@@ -22,18 +22,21 @@ import os
 from typing import Any
 
 from rewardmesh.client.integrations.scoring import (
+    ERROR_KEY,
+    ERROR_SCORE_ENV,
     PIPELINE_ENV,
     SERVICE_ERRORS,
     TARGET_ENV,
     MeshScorer,
     describe,
+    env_error_score,
+    env_timeout_s,
     error_text,
     failure,
     make_sample,
 )
 
 log = logging.getLogger(__name__)
-ERROR_SCORE_ENV = "REWARDMESH_ERROR_SCORE"
 
 _scorers: dict[tuple[str, str, float], MeshScorer] = {}
 
@@ -41,7 +44,7 @@ _scorers: dict[tuple[str, str, float], MeshScorer] = {}
 def _scorer(args: Any) -> MeshScorer:
     target = getattr(args, "rewardmesh_target", None) or os.environ.get(TARGET_ENV, "")
     pipeline = getattr(args, "rewardmesh_pipeline", None) or os.environ.get(PIPELINE_ENV, "")
-    timeout_s = float(os.environ.get("REWARDMESH_TIMEOUT_S", "300"))
+    timeout_s = env_timeout_s()
     key = (target, pipeline, timeout_s)
     if key not in _scorers:
         _scorers[key] = MeshScorer(target, pipeline, timeout_s=timeout_s)
@@ -77,9 +80,7 @@ def _sample(scorer: MeshScorer, s: Any) -> Any:
 
 def _error_score(args: Any) -> float | None:
     value = getattr(args, "rewardmesh_error_score", None)
-    if value is None:
-        value = os.environ.get(ERROR_SCORE_ENV) or None
-    return None if value is None else float(value)
+    return env_error_score() if value is None else float(value)
 
 
 async def custom_rm(args: Any, samples: Any, **_: Any) -> Any:
@@ -99,7 +100,7 @@ async def custom_rm(args: Any, samples: Any, **_: Any) -> Any:
             raise failure(scorer.pipeline, what, result, f"set {ERROR_SCORE_ENV} to mask failed samples instead")
         log.warning("rewardmesh: %s masked, scored %s: %s", what, error_score, error_text(result))
         s.remove_sample = True  # slime zeroes its loss mask
-        rewards.append({"score": error_score, "rewardmesh_error": 1.0} if keyed else error_score)
+        rewards.append({"score": error_score, ERROR_KEY: 1.0} if keyed else error_score)
     return rewards if isinstance(samples, list) else rewards[0]
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from rewardmesh.client.integrations.scoring import label_fields
+from rewardmesh.client.integrations.scoring import ERROR_KEY, label_fields
 from rewardmesh.common.channels import auth_token, read_token
 from rewardmesh.common.errors import InvalidInput, QueueFull, RewardError, Unavailable
 from rewardmesh.reward_engine.engine import RewardEngine
@@ -78,7 +78,6 @@ _BUSY = (QueueFull, Unavailable)
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 # Every scoring route is also served under this prefix, for clients that can send a URL but no header.
 TOKEN_PREFIX = "/t/{rm_token}"
-ERROR_KEY = "rewardmesh_error"  # 1.0 on a sample scored `error_score` after an error, else 0.0
 
 
 def load_token(path: str = "", env: str = TOKEN_ENV) -> str | None:
