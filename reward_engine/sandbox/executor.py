@@ -2,6 +2,7 @@
 sample's program and all its tests) holds one slot, and so one sandbox, for its time budget. ``Sandbox`` is the
 pool's face: it proves the isolation level, runs jobs, stops them and closes. Its parts keep one concern each:
 
+- proof.py: the isolation level the sandboxes run under, proven by a probe program before any job;
 - slots.py: the slots, claimed in arrival order, and the jobs in them;
 - warm.py: the sandboxes started ahead (one per slot, one spare), when they serve on or retire, and their uids;
 - stragglers.py: slow jobs stepping aside to run on beside the slots;
@@ -22,17 +23,16 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rewardmesh.common.errors import Unavailable
 from rewardmesh.reward_engine.sandbox.exchange import RunnerExchange
 from rewardmesh.reward_engine.sandbox.jobs import Job, JobResult, Limits, TestRun
-from rewardmesh.reward_engine.sandbox.levels import LEVELS, RANK, Level, default_python
+from rewardmesh.reward_engine.sandbox.levels import LEVELS, Level, default_python
 from rewardmesh.reward_engine.sandbox.process import Reply, SandboxProcess
+from rewardmesh.reward_engine.sandbox.proof import IsolationProof, SandboxUnavailable
 from rewardmesh.reward_engine.sandbox.slots import Claim, Running, SlotQueue
 from rewardmesh.reward_engine.sandbox.stragglers import Stragglers
 from rewardmesh.reward_engine.sandbox.warm import WarmPool
@@ -43,12 +43,6 @@ log = logging.getLogger(__name__)
 
 # What stopping a job is taken to cost until one has been timed: its runner's kill and reset.
 STOP_GUESS_S = 0.01
-# A level that failed its probe (missing tool, a probe slowed past its budget) is tried again this much later.
-RETRY_START_S = 30.0
-
-
-class SandboxUnavailable(Unavailable):
-    """The configured isolation cannot be provided on this machine; no code runs."""
 
 
 class Sandbox:
@@ -77,15 +71,8 @@ class Sandbox:
         straggler_after_s: float | None = None,
         max_stragglers: int | None = None,
     ) -> None:
-        if isolation not in LEVELS:
-            raise ValueError(f"sandbox: 'isolation' must be one of {', '.join(LEVELS)}, got {isolation!r}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"sandbox: 'workers' must be an integer >= 0 (0: one per CPU), got {workers!r}")
+        _check(isolation, workers, samples_per_sandbox)
         reuse = samples_per_sandbox
-        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
-            raise ValueError(f"sandbox: 'samples_per_sandbox' must be an integer >= 1, got {reuse!r}")
-        self.requested = isolation
-        self.allow_weaker = bool(allow_weaker_isolation)
         self.workers = workers or max(1, len(os.sched_getaffinity(0)))
         self.samples_per_sandbox = reuse
         self.limits = limits or Limits()
@@ -96,12 +83,8 @@ class Sandbox:
             raise ValueError("sandbox: 'straggler_after_s' must be > 0 and 'max_stragglers' >= 0")
         self.python = python or default_python()
         self.uid_base = uid_base
-        self.level: Level | None = None
-        self.filter = "?"  # the system-call filter the runner installs ("seccomp", or why none), once proven
         self.stats: Counter[str] = Counter()
-        self._failure: str | None = None
-        self._retry_at = 0.0
-        self._start_lock = asyncio.Lock()
+        self._proof = IsolationProof(isolation, bool(allow_weaker_isolation), self.python, self._run_alone)
         # Threads block on the sandboxes' pipes: one per slot serving a job, one per straggler, one per slot starting
         # its next sandbox, one starting the spare, one for the start probe. They live as long as the pool: a sandbox
         # dies with the thread that started it (bubblewrap's --die-with-parent).
@@ -133,9 +116,20 @@ class Sandbox:
         self._busy = 0
 
     @property
+    def level(self) -> Level | None:
+        """The isolation level in use, once proven."""
+        return self._proof.level
+
+    @property
+    def filter(self) -> str:
+        """The system-call filter the runner installs ("seccomp", or why none), once proven."""
+        return self._proof.filter
+
+    @property
     def description(self) -> str:
         if self.level is None:
-            return f"unavailable ({self._failure})" if self._failure else "not started"
+            failure = self._proof.failure
+            return f"unavailable ({failure})" if failure else "not started"
         reuse = self.samples_per_sandbox
         kept = f"each serving up to {reuse} samples, one spare" if reuse > 1 else "a fresh one per sample"
         filtered = "system-call filter on" if self.filter == "seccomp" else f"system-call filter: {self.filter}"
@@ -143,52 +137,16 @@ class Sandbox:
 
     def outlook(self) -> str:
         """Which isolation this sandbox asks for and which tools are installed, without starting anything."""
-        found = [name for name in LEVELS if Level.find(name) is not None]
-        weaker = " (weaker levels allowed)" if self.allow_weaker else ""
-        return f"isolation '{self.requested}'{weaker}, tools found: {', '.join(found) or 'none'}"
+        return self._proof.outlook()
 
     async def start(self) -> Level:
         """Find and prove the isolation level (once it works); raises SandboxUnavailable when none is acceptable."""
-        async with self._start_lock:
-            if self.level is not None:
-                return self.level
-            if self._failure is not None and time.monotonic() < self._retry_at:
-                raise SandboxUnavailable(self._failure)
-            tried: list[str] = []
-            candidates = [n for n in LEVELS if RANK[n] <= RANK[self.requested]]
-            for name in candidates:
-                weaker = RANK[name] < RANK[self.requested]
-                if weaker and not self.allow_weaker:
-                    break
-                level = Level.find(name)
-                if level is None:
-                    tried.append(f"{name}: not installed")
-                    continue
-                problem = await self._probe(level)
-                if problem:
-                    tried.append(f"{name}: {problem}")
-                    continue
-                self.level = level
-                if weaker:
-                    log.warning(
-                        "code sandbox: %s unavailable (%s); running with the weaker level %s as allowed by "
-                        "allow_weaker_isolation",
-                        self.requested,
-                        "; ".join(tried),
-                        name,
-                    )
-                log.info("code sandbox: isolation level %s", self.description)
-                if os.geteuid() == 0 and not self.warm.setpriv:
-                    log.warning("code sandbox: running as root without setpriv: sandboxes keep uid 0 outside")
-                return level
-            hint = "" if self.allow_weaker else " (set allow_weaker_isolation to accept a lower level)"
-            self._failure = (
-                f"isolation level '{self.requested}' is not available: {'; '.join(tried) or 'nothing tried'}{hint};"
-                " no code is executed"
-            )
-            self._retry_at = time.monotonic() + RETRY_START_S
-            log.error("code sandbox: %s (tried again in %gs when asked)", self._failure, RETRY_START_S)
-            raise SandboxUnavailable(self._failure)
+        level, proven = await self._proof.prove()
+        if proven:
+            log.info("code sandbox: isolation level %s", self.description)
+            if os.geteuid() == 0 and not self.warm.setpriv:
+                log.warning("code sandbox: running as root without setpriv: sandboxes keep uid 0 outside")
+        return level
 
     async def prestart(self) -> Level:
         """Prove the level, then start a sandbox for every slot that has none, and wait until they are ready."""
@@ -200,30 +158,8 @@ class Sandbox:
             log.info("code sandbox: %d sandboxes started ahead (one spare)", len(warm.idle) + len(warm.starting))
         return level
 
-    async def _probe(self, level: Level) -> str | None:
-        """None if a program runs in the level's sandbox with its network, tmp, root and filter as promised."""
-        probe = (
-            "import os, socket\n"
-            "s = socket.socket()\n"
-            "try:\n    s.connect(('127.0.0.1', 1)); print('net')\n"
-            "except OSError:\n    pass\n"
-            "seccomp = [line.split()[1] for line in open('/proc/self/status') if line.startswith('Seccomp:')]\n"
-            "print(len(socket.if_nameindex()) <= 1, os.access('/usr', os.W_OK), os.getpid() < 100, *seccomp)\n"
-        )
-        job = Job({"probe.py": probe}, [self.python, "-I", "-S", "probe.py"], [""])
-        loop = asyncio.get_running_loop()
-        try:
-            result, ready = await loop.run_in_executor(self._threads, self._run_once, level, job, 0)
-        except OSError as exc:
-            return str(exc)
-        run = result.runs[0]
-        if run.status != "exited" or run.exit_code != 0:
-            return f"a probe program did not run ({run.status}: {(run.stderr or '').strip()[-300:]})"
-        self.filter = str(ready.get("filter", "?"))
-        filtered = "2" if self.filter == "seccomp" else "0"
-        if run.stdout.split() != ["True", "False", "True", filtered]:
-            return f"the probe saw a leaky sandbox: {run.stdout.strip()!r}"
-        return None
+    async def _run_alone(self, level: Level, job: Job) -> tuple[JobResult, dict[str, Any]]:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run_once, level, job, 0)
 
     @property
     def slots(self) -> int:
@@ -430,3 +366,14 @@ class Sandbox:
         finally:
             with self._lock:
                 self._running.discard(run)
+
+
+def _check(isolation: str, workers: int, samples_per_sandbox: int) -> None:
+    """Refuse a pool that cannot be, naming the field, before anything starts."""
+    if isolation not in LEVELS:
+        raise ValueError(f"sandbox: 'isolation' must be one of {', '.join(LEVELS)}, got {isolation!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"sandbox: 'workers' must be an integer >= 0 (0: one per CPU), got {workers!r}")
+    reuse = samples_per_sandbox
+    if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
+        raise ValueError(f"sandbox: 'samples_per_sandbox' must be an integer >= 1, got {reuse!r}")
