@@ -21,7 +21,7 @@ from grpc import aio
 from rewardmesh.common.allocator import keep_freed_memory
 from rewardmesh.common.planes import cuda_ipc
 from rewardmesh.common.planes import delta as weight_delta
-from rewardmesh.common.planes.base import Outcome, Outcomes, Sender, Target, Update
+from rewardmesh.common.planes.base import Sender, Target, TransferResult, TransferResults, Update
 from rewardmesh.common.planes.cuda_ipc import IpcSender
 from rewardmesh.common.planes.digests import digest
 from rewardmesh.common.planes.dist import DistSender, dist_available
@@ -58,7 +58,7 @@ class SyncResult:
     changed: float = -1.0
 
 
-def _stale(outcome: Outcome) -> bool:
+def _stale(outcome: TransferResult) -> bool:
     """The server refused a delta: it serves another version than the one the delta was made against."""
     return isinstance(outcome, aio.AioRpcError) and outcome.code() == grpc.StatusCode.FAILED_PRECONDITION
 
@@ -199,7 +199,7 @@ class WeightSync:
         transport: str,
         chunk_bytes: int,
         infos: Sequence[rollout_pb2.GetInfoResponse],
-    ) -> Outcomes:
+    ) -> TransferResults:
         """The chosen plane's sender carries the bytes; each server's outcome comes back, failures included."""
         sender: Sender
         if transport == "grpc":

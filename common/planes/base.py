@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from rewardmesh.common.planes.manifest import Entry
 
 Target = tuple[str, aio.Channel]  # a server's address and the channel to it
-Outcome = rollout_pb2.TransferWeightsResponse | BaseException  # a server's answer, or what its call ended in
-Outcomes = dict[str, Outcome]  # by the server's address
+TransferResult = rollout_pb2.TransferWeightsResponse | BaseException  # a server's answer, or what its call ended in
+TransferResults = dict[str, TransferResult]  # by the server's address
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Sender(Protocol):
 
     async def send(
         self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
-    ) -> Outcomes:
+    ) -> TransferResults:
         """Send `update` as `version` to every target; never raises for a server's failure (it is its outcome)."""
         ...
 
@@ -152,7 +152,7 @@ def by_source(receivers: Iterable[Receiver]) -> dict[str, Receiver]:
 
 async def gather(
     targets: Sequence[Target], call: Callable[[str, aio.Channel], Awaitable[rollout_pb2.TransferWeightsResponse]]
-) -> Outcomes:
+) -> TransferResults:
     results = await asyncio.gather(*(call(a, ch) for a, ch in targets), return_exceptions=True)
     return {a: r for (a, _), r in zip(targets, results, strict=True)}
 

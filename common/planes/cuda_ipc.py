@@ -20,11 +20,11 @@ import torch
 
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.planes.base import (
-    Outcomes,
     Recipient,
     Settings,
     Staged,
     Target,
+    TransferResults,
     Update,
     call_transfer,
     gather,
@@ -146,7 +146,7 @@ class IpcSender:
 
     async def send(
         self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
-    ) -> Outcomes:
+    ) -> TransferResults:
         tensors = list(update.wire.values())
         if not tensors or not all(t.is_cuda for t in tensors):
             raise ValueError("transport='ipc' shares CUDA tensors: move the state dict to the servers' GPU first")

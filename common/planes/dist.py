@@ -30,11 +30,11 @@ import torch
 
 from rewardmesh.common.errors import InvalidInput, Unavailable
 from rewardmesh.common.planes.base import (
-    Outcomes,
     Recipient,
     Settings,
     Staged,
     Target,
+    TransferResults,
     Update,
     call_transfer,
     gather,
@@ -423,7 +423,7 @@ class DistSender:
 
     async def send(
         self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
-    ) -> Outcomes:
+    ) -> TransferResults:
         tensors = list(update.wire.values())
         timeout_s = self.settings.timeout_s
         backend = "nccl" if tensors and tensors[0].is_cuda else "gloo"
@@ -471,7 +471,7 @@ class DistSender:
             check.CopyFrom(base)
             check.validate_only = True
             checked = await gather(targets, lambda a, ch: call_transfer(ch, check, timeout_s))
-            refused: Outcomes = {a: o for a, o in checked.items() if isinstance(o, BaseException)}
+            refused: TransferResults = {a: o for a, o in checked.items() if isinstance(o, BaseException)}
             if refused:
                 return refused
             self._validated = signature

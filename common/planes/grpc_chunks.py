@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from rewardmesh.common.errors import InvalidInput
-from rewardmesh.common.planes.base import Outcomes, Settings, Staged, Target, Update, gather
+from rewardmesh.common.planes.base import Settings, Staged, Target, TransferResults, Update, gather
 from rewardmesh.common.planes.layout import byte_view
 from rewardmesh.common.planes.manifest import (
     TORCH_DTYPES,
@@ -314,7 +314,7 @@ class GrpcSender:
 
     async def send(
         self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
-    ) -> Outcomes:
+    ) -> TransferResults:
         messages = iter_update_requests(
             update.wire, version, self.chunk_bytes, specs=update.specs, delta_base=update.base
         )

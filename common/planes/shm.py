@@ -18,11 +18,11 @@ import torch
 
 from rewardmesh.common.errors import InvalidInput
 from rewardmesh.common.planes.base import (
-    Outcomes,
     Recipient,
     Settings,
     Staged,
     Target,
+    TransferResults,
     Update,
     call_transfer,
     gather,
@@ -195,7 +195,7 @@ class ShmSender:
 
     async def send(
         self, targets: Sequence[Target], update: Update, version: int, infos: Sequence[rollout_pb2.GetInfoResponse]
-    ) -> Outcomes:
+    ) -> TransferResults:
         tensors = list(update.wire.values())
         (bucket,) = layout([t.numel() * t.element_size() for t in tensors], bucket_bytes=1 << 62, alone_bytes=1 << 62)
         if self._shm is None:

@@ -122,7 +122,9 @@ class _HttpError(Exception):
 
 
 @dataclass
-class _Outcome:
+class _SampleReply:
+    """What the gateway answers for one sample: its score and extras, or the status it failed with."""
+
     score: float | None = None
     extras: dict[str, float] | None = None
     code: grpc.StatusCode = grpc.StatusCode.OK
@@ -147,7 +149,7 @@ def _error_response(
     return web.json_response(payload, status=status or _HTTP[code], headers=headers, reason=_reason(code, message))
 
 
-def _sample_status(outcome: _Outcome) -> int:
+def _sample_status(outcome: _SampleReply) -> int:
     """A sample that cannot be scored is the caller's to fix or drop, not a retry: 4xx (its own code's status
     where that is 4xx, else 422); a failed dependency (502) or a deadline (504) keep theirs."""
     status = _HTTP[outcome.code]
@@ -348,20 +350,20 @@ class HttpGateway:
         except RewardError as exc:
             raise _HttpError(*status_of(exc)) from None
 
-    async def _score(self, pipeline_name: str, inputs: list[RewardInput | _Outcome]) -> list[_Outcome]:
+    async def _score(self, pipeline_name: str, inputs: list[RewardInput | _SampleReply]) -> list[_SampleReply]:
         """Score every input at once on the named pipeline; inputs that failed to parse pass through."""
         pipeline = self._pipeline(pipeline_name)
         deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
 
-        async def one(inp: RewardInput | _Outcome) -> _Outcome:
-            if isinstance(inp, _Outcome):
+        async def one(inp: RewardInput | _SampleReply) -> _SampleReply:
+            if isinstance(inp, _SampleReply):
                 return inp
             try:
                 scored = await pipeline.add(Ticket(inp, deadline=deadline)).future
             except SAMPLE_ERRORS as exc:  # any failure is this sample's error (an unexpected one: INTERNAL)
                 code, message = status_of(exc)
-                return _Outcome(code=code, message=message, busy=isinstance(exc, _BUSY))
-            return _Outcome(score=scored.output.score, extras=dict(scored.output.extras))
+                return _SampleReply(code=code, message=message, busy=isinstance(exc, _BUSY))
+            return _SampleReply(score=scored.output.score, extras=dict(scored.output.extras))
 
         outcomes = list(await asyncio.gather(*(one(i) for i in inputs)))
         busy = next((o for o in outcomes if o.busy), None)
@@ -369,16 +371,16 @@ class HttpGateway:
             raise _HttpError(busy.code, busy.message, busy=True)
         return outcomes
 
-    def _parse(self, where: str, make: Any, *args: Any) -> RewardInput | _Outcome:
+    def _parse(self, where: str, make: Any, *args: Any) -> RewardInput | _SampleReply:
         """`make(*args)`'s input; a malformed sample is that sample's INVALID_ARGUMENT, never the whole request's."""
         try:
             result: RewardInput = make(*args)
             return result
         except RecursionError:
-            return _Outcome(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}label: nested too deeply")
+            return _SampleReply(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}label: nested too deeply")
         except Exception as exc:  # whatever one sample's fields hold fails that sample only
             message = str(exc) if isinstance(exc, ValueError) else f"cannot read it: {type(exc).__name__}: {exc}"
-            return _Outcome(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}{message}")
+            return _SampleReply(code=grpc.StatusCode.INVALID_ARGUMENT, message=f"{where}{message}")
 
     async def _openrlhf(self, request: web.Request) -> web.Response:
         """OpenRLHF's remote reward: a batch of prompt+response strings, prompts, and labels."""
