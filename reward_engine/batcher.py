@@ -16,11 +16,10 @@ works on the event loop itself (an inline rule) has the loop as its capacity, sh
 it is handed one batch at a time, each of about INLINE_BATCH_S of loop time at its measured cost per sample, so a
 sample that arrives waits for at most one short batch before the loop reads it and the queue starts it.
 
-Several tenants (training jobs sharing the server) queue side by side (`fair_queue.FairQueue`): a saturated
-pipeline gives them slots by weight, each tenant's samples earliest step deadline first. A sample whose deadline
-has passed, or that can no longer be scored by its step deadline (less time left than scoring takes), is answered
-DEADLINE_EXCEEDED instead of starting: when it arrives, when that moment comes while it waits, and at the latest
-when it would start. With one tenant and no step deadlines the order is plain arrival order.
+Which sample starts next, and what gives way for it when every slot is taken, is the scheduler's to say
+(`scheduler.Scheduler`: tenants' fair shares, credit, preemption, overtaking, what each tenant is charged); when a
+sample's deadline or step deadline ends its wait is `deadlines.Deadlines`'. With one tenant and no step deadlines
+the order is plain arrival order.
 """
 
 from __future__ import annotations
@@ -28,15 +27,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, cast
 
-from rewardmesh.common.errors import InvalidInput, QueueFull, SourceFailed, Unavailable
+from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.deadlines import Deadlines
-from rewardmesh.reward_engine.fair_queue import FairQueue, Lane, Queued, Tenant
+from rewardmesh.reward_engine.fair_queue import Lane, Queued, Tenant
+from rewardmesh.reward_engine.scheduler import Scheduler, moving_average
 from rewardmesh.reward_engine.ticket import Scored, Ticket
 from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
 
@@ -51,11 +50,6 @@ StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | Non
 
 
 FAIR_SHARES = ("time", "samples")
-
-
-def _moving_average(average: float, value: float, weight: float = 0.2) -> float:
-    """An exponential moving average with `value` weighing `weight`; the first value (average 0) as it is."""
-    return value if not average else (1.0 - weight) * average + weight * value
 
 
 @dataclass
@@ -158,51 +152,41 @@ class DynamicBatcher:
         # Called with each batch as it is handed to the source, in start order (observability: what started
         # when, and for whom).
         self.on_start: Callable[[list[Ticket]], None] | None = None
-        self._queue: FairQueue[Ticket] = FairQueue()
-        # How long scoring takes (moving average; a batch's, or one sample's where samples are answered apart):
-        # a sample with less time left before its step deadline is hopeless.
-        self.service_s = 0.0
-        # One sample's service time (moving average over every tenant's; a batch's shared by its samples): the
-        # unit a tenant's fair share is charged in (`_charge`).
-        self.sample_cost_s = 0.0
-        # One sample's service time per tenant, where samples are answered apart (moving average): how much longer a
-        # started sample can be expected to run (`_runs_on`) is read from its own tenant's samples, not from a mix
-        # in which another tenant's short ones would make a long program look like a straggler near its end.
-        self._usual: dict[Tenant, float] = {}
-        # Units charged to a started sample (answered apart) for the time it has run beyond the start's charge of 1,
-        # before it ends (`_accrue`): a tenant's share counts the slots its running programs hold, not only those
-        # that have ended, so a tenant whose programs hang does not look behind its share while they hang.
-        self._accrued: dict[Ticket, float] = {}
+        self._wake = asyncio.Event()
+        # What starts next and what gives way: the tenants' fair queue, shares, preemption and overtaking.
+        self.scheduler = Scheduler(self.config, name, self._wake.set)
+        self._queue = self.scheduler.queue
         # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back, and
         # while the pipeline stays backlogged also what the loop did since the batch before (reading the next
         # samples' messages, writing the last results: what a flood costs the loop per sample, not only the rule's
         # own work) (moving average): what bounds an inline batch's size (inline_bound).
         self.inline_cost_s = 0.0
         self._inline_mark: float | None = None  # the loop's CPU time when a backlogged inline batch ended
-        self._deadlines = Deadlines(name, lambda: self.service_s, self._expire)
-        self._wake = asyncio.Event()
+        self._deadlines = Deadlines(name, lambda: self.scheduler.service_s, self._expire)
         self._batches = 0  # batches handed over and not yet returned
         self._held = 0  # samples handed over whose results are not in yet
         self.started = 0  # samples handed over since the start
         self._running: set[asyncio.Task[None]] = set()
-        # Samples a batch left to be answered apart whose work runs now (see _answer_late): each one's future
-        # (cancelling it stops the work) and start.
-        self._apart: dict[Ticket, tuple[asyncio.Future[Any], float]] = {}
-        self._preempting: set[Ticket] = set()  # stopped for another tenant's, not yet back in the queue
-        self._preempt_timer: asyncio.TimerHandle | None = None  # when a started sample becomes worth stopping
-        self.preemptions = 0  # samples stopped for another tenant's and queued again, since the start
-        # The batches handed over whole (`_start`), until they end: each one's start, tenants and nearest step
-        # deadline, which decide whether a batch may overtake them.
-        self._runs: dict[int, tuple[float, frozenset[Tenant], float]] = {}
-        self._overtaking = False  # a batch runs ahead of the others in flight (`_overtake`), which pause for it
         self._overtaken_s = 0.0  # time the batches run ahead have taken, in all: not the paused batches' own
-        self.overtakes = 0  # batches run ahead of those in flight, since the start
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
     def queue_depth(self) -> int:
         return self._queue.depth
+
+    @property
+    def service_s(self) -> float:
+        """How long scoring takes (learnt by the scheduler)."""
+        return self.scheduler.service_s
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def overtakes(self) -> int:
+        return self.scheduler.overtakes
 
     def tenant_queues(self) -> list[tuple[Tenant, int, float]]:
         """Per tenant seen here: (tenant, samples queued, seconds its longest-waiting sample has waited)."""
@@ -286,8 +270,7 @@ class DynamicBatcher:
         self._admit(item)
         item.started = False
         item.inp.tenant = item.tenant.name
-        self._queue.push(item)
-        item.tenant.in_flight += 1
+        self.scheduler.push(item)
         self._deadlines.watch(item)
         self._wake.set()
         return item
@@ -301,53 +284,11 @@ class DynamicBatcher:
     def _admit(self, item: Ticket) -> None:
         if self._closed:
             raise Unavailable(f"reward pipeline '{self.name}' is shutting down; send the sample elsewhere")
-        tenant = item.tenant
-        if tenant.max_in_flight and tenant.in_flight >= tenant.max_in_flight:
-            raise QueueFull(
-                f"tenant '{tenant.name}' has {tenant.in_flight} samples in flight on this server, its limit "
-                "(max_in_flight); wait for results before sending more"
-            )
+        self.scheduler.check_in_flight(item)
         self._deadlines.check_arrival(item)
-        size = self.config.max_queue_size
-        queue = self._queue
-        if tenant.max_queue_share < 1:
-            lane = queue.lanes.get(tenant)
-            held = lane.count if lane is not None else 0
-            if held >= tenant.max_queue_share * size:
-                raise QueueFull(
-                    f"tenant '{tenant.name}' holds {held} samples in reward pipeline '{self.name}', its share of the "
-                    f"queue (max_queue_share {tenant.max_queue_share:g} of {size}); retry later"
-                )
-        if queue.depth >= size and not self._make_room(tenant):
-            raise QueueFull(
-                f"reward pipeline '{self.name}' queue is full ({size} samples"
-                + (f", tenant '{tenant.name}' holds its share" if len(queue.lanes) > 1 else "")
-                + "); retry later or raise max_queue_size"
-            )
+        self.scheduler.admit(item)
         if self._loop_task is None:
             self.start()
-
-    def _make_room(self, tenant: Tenant) -> bool:
-        """The queue is full: if `tenant` is under its weighted share, refuse the newest sample of the tenant
-        furthest over its own share (the flooder pays, not its neighbours). False if none can make room."""
-        lane = self._queue.lanes.get(tenant)
-        held = lane.count if lane is not None else 0
-        if held >= self._queue.share(tenant) * self.config.max_queue_size:
-            return False
-        victim_lane = self._queue.most_over_share(self.config.max_queue_size, tenant)
-        if victim_lane is None:
-            return False
-        victim = self._queue.evict_newest(victim_lane)
-        self._leave(victim)
-        victim.resolve(
-            QueueFull(
-                f"reward pipeline '{self.name}' queue is full and tenant '{victim_lane.tenant.name}' holds more than "
-                "its weighted share: its newest sample makes room for another tenant's; retry later"
-            )
-        )
-        if self._loop_task is None:
-            self.start()
-        return True
 
     @staticmethod
     def _leave(item: Queued) -> None:
@@ -357,11 +298,9 @@ class DynamicBatcher:
         """Stop taking work; with drain, finish what is queued and computing first."""
         self._closed = True
         self._deadlines.close()
-        if self._preempt_timer is not None:
-            self._preempt_timer.cancel()
-        self._preempt_timer = None
+        self.scheduler.close()
         if drain:
-            while self._queue.depth or self._running or self._apart:
+            while self._queue.depth or self._running or self.scheduler.apart:
                 self._wake.set()
                 await asyncio.sleep(0.005)
         if self._loop_task is not None:
@@ -373,7 +312,7 @@ class DynamicBatcher:
             item.resolve(Unavailable(f"reward pipeline '{self.name}' shut down"))
         for task in list(self._running):
             task.cancel()
-        for fut, _ in list(self._apart.values()):
+        for fut, _ in list(self.scheduler.apart.values()):
             fut.cancel()  # its sample is answered UNAVAILABLE (see _answer_late)
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -387,8 +326,7 @@ class DynamicBatcher:
         self._hold(batch)
         if self._start_each is not None and self._started_each(batch):
             return
-        due = min((it.due for it in batch if it.due is not None), default=math.inf)
-        self._runs[id(batch)] = (time.monotonic(), frozenset(it.tenant for it in batch), due)
+        self.scheduler.batch_started(batch)
         self._spawn(self._run(batch))
 
     def _spawn(self, run: Coroutine[Any, Any, None]) -> None:
@@ -478,11 +416,7 @@ class DynamicBatcher:
             room = self._room() if self._queue.depth else 0
             if not room:
                 if self._queue.depth:
-                    lim = self._limits()
-                    if lim.preemptible:
-                        self._preempt(lim)
-                    elif lim.overtakes:
-                        self._overtake()
+                    self._give_way(self._limits())
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -525,18 +459,15 @@ class DynamicBatcher:
         pad). A sample whose deadline passed, or that cannot make its step deadline, is answered DEADLINE_EXCEEDED
         here instead of taking a worker. Tenants are ordered by what they have had, what their running samples
         have run so far included."""
-        cfg = self.config
-        queue = self._queue
-        if self._apart:
-            self._accrue(time.monotonic())
-        if queue.depth <= room and not cfg.max_batch_tokens:
-            taken = queue.take_all()
-        elif not cfg.max_batch_tokens and ((lim := self._limits()).samples is not None or lim.inline):
-            # An inline batch ends with its first tenant's queued samples: a small step's results are handed back
-            # when its own samples are done, not after a flooder's that would fill the batch behind them.
-            taken = [item for _, item in queue.fair_order(room, end_with_first=lim.inline)]
-        else:
-            taken = self._take_grouped(room)
+        grouped = bool(self.config.max_batch_tokens)
+        inline = False
+        if not grouped and self._queue.depth > room:
+            lim = self._limits()
+            grouped = lim.samples is None and not lim.inline
+            inline = lim.inline
+        # An inline batch ends with its first tenant's queued samples: a small step's results are handed back when
+        # its own samples are done, not after a flooder's that would fill the batch behind them.
+        taken = self._take_grouped(room) if grouped else self.scheduler.take(room, end_with_first=inline)
         now = time.monotonic()
         out = []
         for item in taken:
@@ -551,10 +482,9 @@ class DynamicBatcher:
 
     def _take_grouped(self, room: int) -> list[Ticket]:
         cfg = self.config
-        queue = self._queue
         window = room * 4
         candidates: list[tuple[Lane[Ticket], Ticket]] = []
-        for lane, item in queue.fair_order(window, end_with_first=True):
+        for lane, item in self.scheduler.window(window):
             if item.finished:
                 self._leave(item)
             else:
@@ -574,128 +504,24 @@ class DynamicBatcher:
             chosen.append(k)
             longest = new_longest
         picked = set(chosen)
-        queue.put_back([c for k, c in enumerate(candidates) if k not in picked])
+        self.scheduler.put_back([c for k, c in enumerate(candidates) if k not in picked])
         return sorted((candidates[k][1] for k in chosen), key=_arrival)
 
-    def _preempt(self, lim: StartLimits) -> None:
-        """Every slot is taken and samples wait. If the tenant whose sample is next in fair order holds fewer than its
-        weighted share of the slots and is far behind (a tenant back from idle, with its credit), stop the youngest
-        started samples of tenants over their own share until it would hold its share, and beyond that, while its
-        credit lasts, those its queued samples come before in fair order (none near its step deadline, none expected
-        to end sooner than stopping it costs, none twice while it is its tenant's oldest, none that stepped aside):
-        its samples start now, not when that work ends. A stopped sample goes back to the head of its tenant's lane,
-        its start's charge refunded (the time it ran stays charged: its tenant held the slot). Shares are of the
-        slots that serve: those of samples that stepped aside (the oldest, as many as `lim.aside`) are not."""
-        if lim.samples is None or not self._apart or self._closed:
+    def _give_way(self, lim: StartLimits) -> None:
+        """Every slot is taken and samples wait: ask the scheduler what gives way. Started samples may be stopped
+        for the next in fair order (`Scheduler.preempt`), or its batch may run ahead of those in flight, which pause
+        for it (`Scheduler.may_overtake`)."""
+        if self._closed:
             return
-        now = time.monotonic()
-        self._accrue(now)
-        head = self._queue.next_lane()
-        if head is None:
-            return
-        serving = lim.samples - lim.aside
-        running = [it for it in self._apart if it not in self._preempting and not self._apart[it][0].done()]
-        aside = set(sorted(running, key=lambda it: self._apart[it][1])[: lim.aside])  # the oldest: see Capacity.aside
-        held: dict[Tenant, int] = {}
-        for it in self._apart:
-            if it not in self._preempting and it not in aside:
-                held[it.tenant] = held.get(it.tenant, 0) + 1
-        weights = {lane.tenant: lane.tenant.weight for lane in self._queue.lanes.values() if lane.count}
-        weights.update((tenant, tenant.weight) for tenant in held)
-        per_weight = serving / sum(weights.values())
-        tenant = head.tenant
-        share = math.ceil(tenant.weight * per_weight - 1e-9) - held.get(tenant, 0)
-        want = min(head.count, serving - held.get(tenant, 0)) - len(self._preempting)
-        if want <= 0:
-            return
-        # Up to its share of the slots, each victim's tenant stays over its own share, and ahead of `tenant` in
-        # virtual time by at least a share of the slots' worth of samples once its refunds are counted: the freed
-        # slot goes to `tenant`, nobody is stopped for a tenant that has had more, and tenants that both stay
-        # backlogged (a sample or two apart) never stop each other's. Beyond its share, `tenant` spends its credit:
-        # a sample is stopped only for one of `tenant`'s that comes before it in fair order by that margin (a burst
-        # sent after idle runs on every slot while its credit lasts, as the queue's order would have it).
-        lead = per_weight
-        given = len(self._preempting)
-        vtimes = {lane.tenant: lane.vtime for lane in self._queue.lanes.values()}
-        for it in self._preempting:
-            vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
-        soon = now + 2 * self.service_s
-        # A sample stopped before is stopped again only while an older one of its tenant runs: each tenant's oldest
-        # started sample ends, so every sample does in turn (a stopped one starts again ahead of its tenant's others).
-        oldest: dict[Tenant, float] = {}
-        for it, (_, started) in self._apart.items():
-            oldest[it.tenant] = min(started, oldest.get(it.tenant, started))
-        candidates = [it for it in self._apart if it.tenant is not tenant and it.tenant in vtimes and it not in aside
-                      and (not it.preempted or self._apart[it][1] > oldest[it.tenant])
-                      and it not in self._preempting and (it.due is None or it.due > soon)]  # fmt: skip
-        later = math.inf  # when a sample not worth stopping yet becomes one (a straggler)
-        for it in sorted(candidates, key=lambda it: self._apart[it][1], reverse=True):  # the youngest first
-            if want <= 0:
-                break
-            other = it.tenant
-            refund = 1.0 / other.weight
-            beyond = given >= share or held[other] <= other.weight * per_weight
-            if vtimes[other] - refund < head.vtime + lead + (given / tenant.weight if beyond else 0.0):
-                continue
-            started = self._apart[it][1]
-            usual = self._usual.get(other, self.service_s)
-            if self._runs_on(usual, now - started) <= lim.stop_cost_s:
-                later = min(later, started + usual + lim.stop_cost_s)  # as a straggler, it is worth it then
-                continue
-            if self._apart[it][0].cancel():  # its done callback puts it back in the queue (_answer_late)
-                self._preempting.add(it)
-                held[other] -= 1
-                vtimes[other] -= refund
-                want -= 1
-                given += 1
-        if want > 0 and later < math.inf:  # look again then (nothing else may wake the scheduler before)
-            if self._preempt_timer is not None:
-                self._preempt_timer.cancel()
-            self._preempt_timer = asyncio.get_running_loop().call_at(later + 1e-3, self._wake.set)
-
-    def _overtake(self) -> None:
-        """Every batch slot is taken and samples wait. If the tenant whose sample is next in fair order has none in
-        the batches running and its samples all came after those batches started (a tenant back from idle: nothing
-        of it was passed over), its batch runs now, ahead of them: they pause at their next step until it is done,
-        and its step waits for a step of theirs, not for their end. One such batch at a time. Tenants that both stay
-        backlogged never overtake each other (each one's queued samples were there before the other's batch
-        started), and a tenant overtakes only while the fair order puts it first, so it never gets more than its
-        share this way. None is overtaken whose step deadline is less than two service times away."""
-        if self._overtaking or self._compute_first is None or self._closed or not self._runs:
-            return
-        head = self._queue.next_lane()
-        arrived = None if head is None else head.oldest()
-        if head is None or arrived is None:
-            return
-        soon = time.monotonic() + 2 * self.service_s
-        if any(
-            head.tenant in tenants or arrived <= started or due <= soon for started, tenants, due in self._runs.values()
-        ):
-            return
-        batch = self._take(self.config.max_batch_size)
-        if batch:
-            self._overtaking = True
-            self.overtakes += 1
-            self._hold(batch)
-            self._spawn(self._run(batch, first=True))
-
-    @staticmethod
-    def _runs_on(usual_s: float, ran_s: float) -> float:
-        """How much longer a started sample whose tenant's samples usually take `usual_s` and that has run `ran_s` can
-        be expected to run: the rest of its usual time, or, once past it (a straggler), as long again as it overran."""
-        return abs(usual_s - ran_s)
-
-    def _requeue(self, it: Ticket) -> None:
-        """A preempted sample back at the head of its tenant's lane (it started in time once: its start deadline is
-        met; its step deadline still orders and bounds it)."""
-        it.started = False
-        it.preempted = True
-        it.deadline = None
-        self._accrued.pop(it, None)  # the time it ran stays charged: its tenant held the slot
-        self._queue.requeue(it)
-        it.tenant.in_flight += 1
-        self._deadlines.watch(it)
-        self.preemptions += 1
+        if lim.preemptible:
+            self.scheduler.preempt(lim)
+        elif lim.overtakes and self._compute_first is not None and self.scheduler.may_overtake():
+            batch = self._take(self.config.max_batch_size)
+            if batch:
+                self.scheduler.overtaking = True
+                self.scheduler.overtakes += 1
+                self._hold(batch)
+                self._spawn(self._run(batch, first=True))
 
     def _release(self, samples: int, *, dispatch: bool = True) -> None:
         """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
@@ -716,7 +542,7 @@ class DynamicBatcher:
         self._wake.set()
 
     async def _run(self, batch: list[Ticket], *, first: bool = False) -> None:
-        """Compute `batch` (`first`: ahead of the batches in flight, see `_overtake`) and answer its samples."""
+        """Compute `batch` (`first`: ahead of the batches in flight, see `_give_way`) and answer its samples."""
         late = 0
         start = time.monotonic()
         overtaken = self._overtaken_s
@@ -760,7 +586,7 @@ class DynamicBatcher:
             compute_s = max(end - start - (paused_s if first else ran), 0.0)
             if first:
                 self._overtaken_s += compute_s
-            self._learn(compute_s)
+            self.scheduler.learn(compute_s)
             # The batch is described before its samples are answered: a sink may export a sample's spans at
             # once, and they link to the batch.
             if self._on_batch is not None:
@@ -784,54 +610,20 @@ class DynamicBatcher:
             size = len(live)
             for it, res, waited in zip(live, outcomes, queued, strict=True):
                 it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
-                self._charge(it, compute_s / size)
+                self.scheduler.charge(it, compute_s / size)
             if self._limits().inline:  # the loop's CPU this batch held, its results handed back included, and the
                 # loop's since the batch before if the queue was backlogged then (thread time: the waits a loaded host
                 # adds are not the batch's, and would shrink the bound for nothing)
                 cpu = time.thread_time()
                 since = start_cpu if self._inline_mark is None else min(start_cpu, self._inline_mark)
-                self.inline_cost_s = _moving_average(self.inline_cost_s, (cpu - since) / size)
+                self.inline_cost_s = moving_average(self.inline_cost_s, (cpu - since) / size)
                 self._inline_mark = cpu if self._queue.depth else None
         finally:
-            self._runs.pop(id(batch), None)
-            if first:
-                self._overtaking = False
+            self.scheduler.batch_ended(batch, first=first)
             for it in batch:
                 it.tenant.in_flight -= 1
             self._batches -= 1
             self._release(len(batch) - late)
-
-    def _learn(self, compute_s: float) -> None:
-        self.service_s = _moving_average(self.service_s, compute_s)
-
-    def _charge(self, it: Ticket, cost_s: float) -> None:
-        """Charge the sample's tenant what it really took of the sources' time, in units of the mean sample's (it
-        was charged 1 as it started, and what `_accrue` charged while it ran): tenants share time, whatever their
-        samples cost each."""
-        accrued = self._accrued.pop(it, 0.0)
-        if self.config.fair_share != "time":
-            return
-        mean = self.sample_cost_s
-        self.sample_cost_s = _moving_average(mean, cost_s, 0.05)
-        if mean > 0:
-            extra = cost_s / mean - 1.0 - accrued
-            # What it accrued while it ran stays charged, though the mean may have grown since: a refund here would
-            # put a tenant whose long programs just ended behind one it was ahead of a moment ago.
-            self._queue.charge(it.tenant, max(extra, 0.0) if accrued > 0 else extra)
-
-    def _accrue(self, now: float) -> None:
-        """Charge each running sample's tenant for the time it has run so far beyond the mean sample's, before the
-        fair queue or a stop decides by tenants' virtual times (only where several tenants have queued here)."""
-        mean = self.sample_cost_s
-        if mean <= 0 or self.config.fair_share != "time" or len(self._queue.lanes) < 2:
-            return
-        accrued = self._accrued
-        for it, (_, started) in self._apart.items():
-            units = (now - started) / mean - 1.0
-            charged = accrued.get(it, 0.0)
-            if units > charged:
-                self._queue.charge(it.tenant, units - charged)
-                accrued[it] = units
 
     def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
         """A source may leave a sample's result as a future (each sample answered when its own work is done, and
@@ -839,24 +631,21 @@ class DynamicBatcher:
         batch of one, when it is done, and holds its sample slot until then. True if so."""
         if not isinstance(res, asyncio.Future):
             return False
-        self._apart[it] = (res, start)
+        self.scheduler.started_apart(it, res, start)
         it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
-            self._apart.pop(it, None)
+            stopped = self.scheduler.ended_apart(it, fut)
             it.tenant.in_flight -= 1
-            if it in self._preempting:
-                self._preempting.discard(it)
-                if fut.cancelled() and self._loop_task is not None and not self._loop_task.done():
-                    self._requeue(it)  # before its slot frees: the next in fair order takes it
-                    self._release(1)
-                    return
+            if stopped and self._loop_task is not None and not self._loop_task.done():
+                self.scheduler.requeue(it)  # before its slot frees: the next in fair order takes it
+                self._deadlines.watch(it)
+                self._release(1)
+                return
             # What it took is learnt and charged before its slot frees: the next hand-over judges step deadlines
             # by the service time and picks its tenant by virtual time.
             end = time.monotonic()
-            self._learn(end - start)
-            self._usual[it.tenant] = _moving_average(self._usual.get(it.tenant, end - start), end - start)
-            self._charge(it, end - start)
+            self.scheduler.learn_apart(it, end - start)
             self._release(1)  # its slot was held until now
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")

@@ -358,7 +358,7 @@ async def test_a_sample_that_can_no_longer_make_its_step_deadline_when_it_would_
     running = b.add(Ticket(inp("running"))).future
     await eventually(lambda: rec.active == 1, "one sample computes")
     later = b.add(Ticket(inp("later"), due=time.monotonic() + 30)).future  # fine when it comes: scoring took ~0 so far
-    b.service_s = 60.0  # scoring has come to take a minute
+    b.scheduler.service_s = 60.0  # scoring has come to take a minute
     rec.gate.set()
     with pytest.raises(DeadlineExceeded, match="step deadline cannot be met"):
         await later

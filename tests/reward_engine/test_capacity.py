@@ -376,7 +376,7 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
 
         def a_running(ran_s: Callable[[float], bool], every: bool = True) -> bool:
             now = time.monotonic()
-            runs = [now - started for it, (_, started) in batcher._apart.items() if it.tenant is a]
+            runs = [now - started for it, (_, started) in batcher.scheduler.apart.items() if it.tenant is a]
             return len(runs) == 2 and (all if every else any)(ran_s(r) for r in runs)
 
         async def b_step(tag: str) -> None:
@@ -399,7 +399,7 @@ async def test_what_a_started_program_has_left_is_read_from_its_own_tenants_prog
         # A's youngest program just started (on a loaded host the two may not start together): worth a stop, as is
         # the other if it started with it (B's credit covers both slots); one 0.4 s or more into its second is not
         await eventually(lambda: a_running(lambda r: r < 0.2, every=False), "A's next program just started")
-        ran = [time.monotonic() - started for it, (_, started) in batcher._apart.items() if it.tenant is a]
+        ran = [time.monotonic() - started for it, (_, started) in batcher.scheduler.apart.items() if it.tenant is a]
         await b_step("early-")
         # stopped in its sandbox, or taken back before its program began
         stopped = batcher.preemptions
@@ -417,8 +417,8 @@ async def test_a_running_program_is_charged_to_its_tenant_while_it_runs() -> Non
     async with pipeline_of(source, None) as pipeline:
         batcher, a, b = pipeline.batcher, Tenant("a"), Tenant("b")
         hanging = batcher.add(Ticket(sample("a0", sleeping(200), ONE_TEST), tenant=a)).future
-        await eventually(lambda: len(batcher._apart) == 1, "A's program runs")
-        queue = batcher._queue
+        await eventually(lambda: len(batcher.scheduler.apart) == 1, "A's program runs")
+        queue = batcher.scheduler.queue
         started_at = queue.lane(a).vtime  # its start's charge: 1
         for k in range(6):
             step = [batcher.add(Ticket(sample(f"b{k}-{i}", ECHO, ONE_TEST), tenant=b)).future for i in range(4)]
@@ -890,7 +890,7 @@ async def test_a_reward_model_batch_near_its_step_deadline_is_not_overtaken(tiny
             due = time.monotonic() + 15
             flood = [batcher.add(Ticket(sample(f"a{i}"), tenant=a, due=due)).future for i in range(100)]
             await eventually(lambda: batcher.in_flight_batches == 1, "A's batch handed over, waiting for the model")
-            batcher.service_s = 10.0  # scoring takes 10 s: A's step deadline is nearer than two of that
+            batcher.scheduler.service_s = 10.0  # scoring takes 10 s: A's step deadline is nearer than two of that
             step = [batcher.add(Ticket(sample(f"b{i}"), tenant=b)).future for i in range(STEP)]
             await holds_for(lambda: batcher.in_flight_batches == 1, "B's step waits for A's batch near its deadline")
             release()
