@@ -29,7 +29,7 @@ KIND_BATCHING: dict[str, BatcherConfig] = {
     "code": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
     "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
 }
-SOURCE_TYPES = ("rule", "function", "model", "judge", "code")
+SOURCE_TYPES = ("rule", "function", "model", "judge", "code", "verifiers")
 
 
 def _source_class(kind: str) -> type:
@@ -54,6 +54,10 @@ def _source_class(kind: str) -> type:
         from rewardmesh.reward_engine.sources.code import CodeSource
 
         return CodeSource
+    if kind == "verifiers":  # a verifiers environment's Task.score; verifiers is imported when one is configured
+        from rewardmesh.reward_engine.sources.verifiers_env import VerifiersSource
+
+        return VerifiersSource
     raise ValueError(f"unknown source type '{kind}' (known: {', '.join(SOURCE_TYPES)})")
 
 
