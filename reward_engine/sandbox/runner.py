@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 WORK = "/tmp/work"
 STDERR_KEEP = 4096
@@ -318,11 +318,7 @@ def _run(
     argv: list[str], stdin_data: bytes, limits: dict[str, Any], wall_s: float, cpu_s: float, out_cap: int
 ) -> tuple[str, int | None, int | None, bytes, bytes, float, float]:
     """One process under limits: (status, exit code, signal, stdout, stderr tail, wall, cpu)."""
-    in_path = os.path.join(WORK, ".stdin")
-    with open(in_path, "wb") as f:
-        f.write(stdin_data)
-    stdin = open(in_path, "rb")
-    os.unlink(in_path)
+    stdin = _stdin_file(stdin_data)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     try:
@@ -341,6 +337,47 @@ def _run(
         stdin.close()
         return "error", None, None, b"", str(exc).encode(), 0.0, 0.0
     stdin.close()
+    assert proc.stdout is not None and proc.stderr is not None
+    deadline = start + wall_s
+    status, out, err = _read(proc, deadline, out_cap)
+    if status:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=max(0.0, deadline + 1 - time.monotonic()) if status is None else 2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    wall = time.monotonic() - start
+    _reset()
+    proc.stdout.close()
+    proc.stderr.close()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    code = proc.returncode
+    if status is None:
+        status = "exited"
+    sig = -code if code is not None and code < 0 else None
+    if cpu > cpu_s and status == "exited" and sig in (signal.SIGXCPU, signal.SIGKILL):
+        status = "timeout"
+    return status, (code if code is not None and code >= 0 else None), sig, bytes(out[:out_cap]), bytes(err), wall, cpu
+
+
+def _stdin_file(data: bytes) -> BinaryIO:
+    """The test's stdin as an open file already unlinked, so the test cannot find it in its work dir."""
+    in_path = os.path.join(WORK, ".stdin")
+    with open(in_path, "wb") as f:
+        f.write(data)
+    stdin = open(in_path, "rb")
+    os.unlink(in_path)
+    return stdin
+
+
+def _read(proc: subprocess.Popen[bytes], deadline: float, out_cap: int) -> tuple[str | None, bytearray, bytearray]:
+    """The test's stdout and stderr until both close, or until it runs out of time or output or the host stops it
+    (the status that ends it, else None)."""
     out, err = bytearray(), bytearray()
     assert proc.stdout is not None and proc.stderr is not None
     sel = selectors.DefaultSelector()
@@ -348,7 +385,6 @@ def _run(
     sel.register(proc.stderr, selectors.EVENT_READ, err)
     sel.register(0, selectors.EVENT_READ, _INBOX)  # a stop from the host
     status: str | None = None
-    deadline = start + wall_s
     exited_at: float | None = None
     while len(sel.get_map()) > 1:
         now = time.monotonic()
@@ -380,29 +416,7 @@ def _run(
         if status:
             break
     sel.close()
-    if status:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=max(0.0, deadline + 1 - time.monotonic()) if status is None else 2)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    wall = time.monotonic() - start
-    _reset()
-    proc.stdout.close()
-    proc.stderr.close()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    code = proc.returncode
-    if status is None:
-        status = "exited"
-    sig = -code if code is not None and code < 0 else None
-    if cpu > cpu_s and status == "exited" and sig in (signal.SIGXCPU, signal.SIGKILL):
-        status = "timeout"
-    return status, (code if code is not None and code >= 0 else None), sig, bytes(out[:out_cap]), bytes(err), wall, cpu
+    return status, out, err
 
 
 def _kill_others() -> None:
