@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward, describe_exception
@@ -22,15 +23,28 @@ from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, Rewar
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
-RULES: dict[str, RuleFn] = {}
-# Rules whose parsing is bounded and linear-time (clipped input, simple regexes, no evaluation): they run
-# inline on the event loop, where a worker round trip would cost more than the rule. Every other rule
-# runs isolated in worker processes under a time and memory budget (see rewardmesh.reward_engine.isolation).
-INLINE_SAFE: set[str] = set()
-# Warm-up hooks ("module:function()") a worker runs as it starts, for rules with a costly first import.
-PRELOAD: dict[str, tuple[str, ...]] = {}
-# The extras each rule may report (ListRewards announces them, so every caller builds the same columns).
-EXTRAS: dict[str, tuple[str, ...]] = {}
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: its function and what the registry knows of how it runs. Calling it calls the function."""
+
+    fn: RuleFn
+    # False: the rule's parsing is bounded and linear-time (clipped input, simple regexes, no evaluation), so it
+    # runs inline on the event loop, where a worker round trip would cost more than the rule. Every other rule
+    # runs isolated in worker processes under a time and memory budget (see rewardmesh.reward_engine.isolation).
+    isolate: bool = True
+    # Warm-up hooks ("module:function()") a worker runs as it starts, for rules with a costly first import.
+    preload: tuple[str, ...] = ()
+    # The extras the rule may report (ListRewards announces them, so every caller builds the same columns).
+    extras: tuple[str, ...] = ()
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None
+    ) -> float | dict[str, Any]:
+        return self.fn(data_source, solution_str, ground_truth, extra_info)
+
+
+RULES: dict[str, Rule] = {}  # the one registry, by name
 
 
 def register_rule(
@@ -49,14 +63,9 @@ def register_rule(
         raise ValueError("rule name must be a non-empty string")
 
     def decorator(fn: RuleFn) -> RuleFn:
-        if name in RULES and RULES[name] is not fn and not replace:
+        if name in RULES and RULES[name].fn is not fn and not replace:
             raise ValueError(f"rule {name!r} is already registered (pass replace=True to override it)")
-        RULES[name] = fn
-        INLINE_SAFE.discard(name)
-        if not isolate:
-            INLINE_SAFE.add(name)
-        PRELOAD[name] = preload
-        EXTRAS[name] = extras
+        RULES[name] = Rule(fn, isolate=isolate, preload=preload, extras=extras)
         return fn
 
     return decorator
@@ -64,7 +73,7 @@ def register_rule(
 
 def get_rule(name: str) -> RuleFn:
     try:
-        return RULES[name]
+        return RULES[name].fn
     except KeyError:
         raise UnknownReward(f"unknown rule {name!r}; known rules: {', '.join(sorted(RULES))}") from None
 
@@ -305,7 +314,7 @@ def auto(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> float | dict[str, Any]:
     """Dispatch on data_source like verl's default_compute_score, for mixed-dataset batches."""
-    rule = RULES[rule_for_data_source(data_source)]
+    rule = RULES[rule_for_data_source(data_source)].fn
     return rule(data_source, solution_str, ground_truth, extra_info)
 
 
@@ -366,19 +375,20 @@ class RuleSource(RewardSource):
             raise ValueError(f"{where}: 'workers' must be an integer >= 1, got {workers!r}")
         self.name = name
         self.target = rule
-        self.extra_keys = EXTRAS.get(rule, ())
+        registered = RULES[rule]
+        self.extra_keys = registered.extras
         self._what = f"rule {rule!r}"
         spec = spec_of(self._fn)
         if isolation == "process" and spec is None:
             raise ValueError(
                 f"{where}: rule {rule!r} cannot be imported by a worker process (define it at module level)"
             )
-        isolate = isolation == "process" or (isolation == "auto" and rule not in INLINE_SAFE and spec is not None)
+        isolate = isolation == "process" or (isolation == "auto" and registered.isolate and spec is not None)
         self._spec = spec
         self.prestart = bool(prestart)
         self.pool: IsolatedPool | None = None
         if isolate and spec is not None:
-            preload = (spec, *PRELOAD.get(rule, ()))
+            preload = (spec, *registered.preload)
             self.pool = IsolatedPool(
                 f"rule-{name}", workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, preload=preload
             )
