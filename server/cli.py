@@ -205,7 +205,41 @@ def build_parser() -> argparse.ArgumentParser:
     rdemo.add_argument("--samples", type=int, default=400, help="samples to score (default %(default)s)")
     rdemo.add_argument("--models", type=Path, default=default_models_dir())
     rdemo.add_argument("--seed", type=int, default=0)
+
+    health = sub.add_parser(
+        "health",
+        help="ask a server's grpc.health.v1 service; exit 0 if SERVING (for exec probes)",
+        description="One grpc.health.v1 Check, plaintext: exit 0 when the service is SERVING, 1 otherwise (with "
+        "the status or error on stderr). For Kubernetes exec probes where gRPC probes are missing (before 1.27), "
+        "and for scripts.",
+    )
+    health.add_argument("--host", default="127.0.0.1", help="server address (default %(default)s)")
+    health.add_argument("--port", type=int, required=True, help="the server's port, or its --health-port")
+    health.add_argument("--service", default="",
+                        help="e.g. rewardmesh.v1.RewardService (default: the whole server)")  # fmt: skip
+    health.add_argument("--timeout-s", dest="timeout_s", type=float, default=3.0, help="default %(default)s")
     return parser
+
+
+def _health(args: argparse.Namespace) -> int:
+    """Exit status of one health check: 0 SERVING, 1 anything else (NOT_SERVING, unknown service, unreachable)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = f"{args.host}:{args.port}" if ":" not in args.host else f"[{args.host}]:{args.port}"
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout_s
+            )
+        except grpc.RpcError as exc:
+            print(f"rewardmesh health: {target} {args.service!r}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"rewardmesh health: {target} {args.service!r}: {status}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -239,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "health":
+        return _health(args)
     if args.command == "tiny-models":
         from rewardmesh.demo.tiny_models import build_shaped_models, build_tiny_models
 
