@@ -6,11 +6,15 @@ kubernetes-validate package, which ships the Kubernetes OpenAPI schemas as JSON 
 kustomization, or a component it uses, may raise the oldest with the annotation
 `rewardmesh.dev/min-kubernetes` on its kustomization file). Every Localhost seccomp profile a pod names must be
 installed by a DaemonSet of the same render (the kubelet's seccomp directory as a hostPath, the profile from a
-ConfigMap), and each profile must be a well-formed OCI seccomp profile that refuses what it does not list.
+ConfigMap), and each profile must be a well-formed OCI seccomp profile that refuses what it does not list. Every
+container image must name a tag or digest (an untagged one pulls `latest`, or nothing where no registry is
+reachable), and a render must use one rewardmesh image. The live-node overlays (overlays/live-node, for the
+Kubernetes 1.20 node of `make test-cluster`) use API versions these schemas no longer have: they are rendered and
+checked here, and their schemas are checked by that node's API server (`make test-cluster`).
 Nothing here touches a cluster or the network.
 
     python k8s/check.py               # base, every overlay
-    python k8s/check.py --print NAME  # print one rendered overlay (e.g. multi-node)
+    python k8s/check.py --print NAME  # print one rendered overlay (e.g. multi-node, live-node/tls)
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ K8S_DIR = Path(__file__).resolve().parent
 # Oldest: native gRPC probes are GA from 1.27 on; newest: the latest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 MIN_VERSION_ANNOTATION = "rewardmesh.dev/min-kubernetes"
+# On a component: kustomizations using it target this (older) Kubernetes, whose schemas are checked live.
+LIVE_ANNOTATION = "rewardmesh.dev/live-kubernetes"
 # Where the kubelet reads Localhost seccomp profiles from (<kubelet root dir>/seccomp).
 KUBELET_SECCOMP = "/var/lib/kubelet/seccomp"
 _SECCOMP_DEFAULTS = {"SCMP_ACT_ERRNO", "SCMP_ACT_KILL", "SCMP_ACT_KILL_PROCESS", "SCMP_ACT_KILL_THREAD",
@@ -40,31 +46,50 @@ _SECCOMP_OPS = {"SCMP_CMP_NE", "SCMP_CMP_LT", "SCMP_CMP_LE", "SCMP_CMP_EQ", "SCM
 
 
 def kustomizations() -> dict[str, Path]:
-    """base and every overlay, by name."""
+    """base and every overlay for users' clusters, by name."""
     found = {"base": K8S_DIR / "base"}
     for kfile in sorted((K8S_DIR / "overlays").glob("*/kustomization.yaml")):
         found[kfile.parent.name] = kfile.parent
     return found
 
 
+def live_kustomizations() -> dict[str, Path]:
+    """The live node's overlays (overlays/live-node/NAME, by that path), its component left out."""
+    found = {}
+    for kfile in sorted((K8S_DIR / "overlays" / "live-node").glob("*/kustomization.yaml")):
+        if (yaml.safe_load(kfile.read_text()) or {}).get("kind") != "Component":
+            found[f"live-node/{kfile.parent.name}"] = kfile.parent
+    return found
+
+
+def _annotation(path: Path, key: str, seen: set[Path]) -> list[str]:
+    """`key`'s values on a kustomization, the components it uses and the kustomizations it builds on."""
+    path = path.resolve()
+    if path in seen or not (path / "kustomization.yaml").is_file():
+        return []
+    seen.add(path)
+    spec = yaml.safe_load((path / "kustomization.yaml").read_text()) or {}
+    found = [str((spec.get("metadata") or {}).get("annotations", {}).get(key, ""))]
+    for entry in [*(spec.get("components") or []), *(spec.get("resources") or [])]:
+        if (path / entry).is_dir():
+            found += _annotation(path / entry, key, seen)
+    return [f for f in found if f]
+
+
+def live_kubernetes(path: Path) -> str | None:
+    """The Kubernetes a live-node overlay targets (its schemas checked by that node's API server), else None."""
+    found = _annotation(path, LIVE_ANNOTATION, set())
+    return found[0] if found else None
+
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
 
-def min_kubernetes(path: Path, seen: set[Path] | None = None) -> str:
+def min_kubernetes(path: Path) -> str:
     """The oldest Kubernetes a kustomization supports: the highest `rewardmesh.dev/min-kubernetes` among it, the
     components it uses and the kustomizations it builds on, else the oldest this check knows."""
-    seen = set() if seen is None else seen
-    path = path.resolve()
-    if path in seen or not (path / "kustomization.yaml").is_file():
-        return KUBERNETES_VERSIONS[0]
-    seen.add(path)
-    spec = yaml.safe_load((path / "kustomization.yaml").read_text()) or {}
-    floors = [str((spec.get("metadata") or {}).get("annotations", {}).get(MIN_VERSION_ANNOTATION, ""))]
-    for entry in [*(spec.get("components") or []), *(spec.get("resources") or [])]:
-        if (path / entry).is_dir():
-            floors.append(min_kubernetes(path / entry, seen))
-    return max((f for f in floors if f), key=_version, default=KUBERNETES_VERSIONS[0])
+    return max(_annotation(path, MIN_VERSION_ANNOTATION, set()), key=_version, default=KUBERNETES_VERSIONS[0])
 
 
 def versions_for(path: Path) -> tuple[str, ...]:
@@ -171,6 +196,24 @@ def seccomp_profile_errors(name: str, text: str) -> list[str]:
     return errors
 
 
+def image_errors(objects: list[dict[str, Any]]) -> list[str]:
+    """Every container names its image with a tag or digest, and one rewardmesh image serves the whole render."""
+    errors = []
+    ours = set()
+    for where, pod in _pods(objects):
+        for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+            image = str(c.get("image", ""))
+            last = image.rsplit("/", 1)[-1]
+            if "@" not in last and ":" not in last:
+                errors.append(f"{where}: container {c.get('name')}: image {image!r} has no tag (it would pull "
+                              f"'latest'; a component's resources need their own `images:` entry)")  # fmt: skip
+            if last.split(":")[0].split("@")[0] == "rewardmesh":
+                ours.add(image)
+    if len(ours) > 1:
+        errors.append(f"more than one rewardmesh image in one render: {', '.join(sorted(ours))}")
+    return errors
+
+
 def seccomp_errors(objects: list[dict[str, Any]]) -> list[str]:
     """Every Localhost profile a pod names is installed by a DaemonSet here, from a ConfigMap here, and is valid."""
     config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
@@ -205,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", dest="show", metavar="NAME", help="print one rendered kustomization and exit")
     args = parser.parse_args(argv)
-    targets = kustomizations()
+    targets = {**kustomizations(), **live_kustomizations()}
     if args.show:
         if args.show not in targets:
             raise SystemExit(f"k8s-check: no kustomization named {args.show!r} (known: {', '.join(targets)})")
@@ -215,11 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name, path in targets.items():
         objects = render(path)
+        live = live_kubernetes(path)
         versions = versions_for(path)
-        errors = validate(objects, versions) + seccomp_errors(objects)
+        errors = (validate(objects, versions) if live is None else []) + seccomp_errors(objects) + image_errors(objects)
         kinds = sorted({str(o.get("kind")) for o in objects})
         status = "ok" if not errors else f"{len(errors)} error(s)"
         since = f", Kubernetes {versions[0]}+" if versions[0] != KUBERNETES_VERSIONS[0] else ""
+        if live is not None:
+            since = f", Kubernetes {live} (schemas checked live: make test-cluster)"
         print(f"k8s-check: {name}: {len(objects)} objects ({', '.join(kinds)}){since}: {status}")
         for err in errors:
             print(f"  {err}")
