@@ -143,7 +143,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         sampling = Sampling(temperature=args.temperature, max_tokens=1)
         async with TrainerClient(targets, reward=args.reward, sampling=sampling, normalize_adv_std=args.norm_adv_by_std,
                                  pad_token_id=tokenizer.pad_token_id or 0) as client:  # fmt: skip
-            print(f"rollout servers: {', '.join(t.address for t in client.targets)}; reward pipeline '{args.reward}'")
+            resolved = await client.pool.wait_for_members()  # dns:/// targets: the addresses they resolve to
+            print(f"rollout servers: {', '.join(t.address for t in resolved)}; reward pipeline '{args.reward}'")
             print("  ".join(f"{c:>10}" for c in COLUMNS))
             last = time.perf_counter()
             bar = tqdm(total=args.steps, desc="training", unit="step", leave=False)

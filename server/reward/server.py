@@ -107,6 +107,29 @@ class RewardServer(MeshServer):
         )
         return port
 
+    async def say_if_code_rewards_are_off(self) -> None:
+        """A code pipeline proven only on first use would fail its first sample with the sandbox's reason and say
+        nothing before: prove its isolation now (one probe, no sandbox started) and say at start if code rewards
+        are off, and the usual cause in a container (its seccomp profile, not the kernel)."""
+        from rewardmesh.reward_engine.sandbox.executor import SandboxUnavailable
+        from rewardmesh.reward_engine.sources.code import CodeSource
+
+        for name, pipeline in sorted(self.engine.pipelines.items()):
+            for weighted in pipeline.sources:
+                source = weighted.source
+                if not isinstance(source, CodeSource) or source.prestart:
+                    continue
+                try:
+                    await source.sandbox.start()
+                except SandboxUnavailable as exc:
+                    log.warning(
+                        "code rewards are off: pipeline %r answers UNAVAILABLE: %s. In a container this is usually "
+                        "its seccomp profile refusing user namespaces (Kubernetes' RuntimeDefault does), not the "
+                        "kernel: on Kubernetes use k8s/components/code-sandbox (docs/deployment.md)",
+                        name,
+                        exc,
+                    )
+
     def _hint_shared_loop(self) -> None:
         """Tenants share this server, and a pipeline scoring on the event loop shares with them the loop that reads
         every tenant's messages: fair share orders its queue, but a flood's messages still take turns of that loop,
@@ -163,6 +186,7 @@ async def serve_reward(
         await server.gateway.start()
     freeze_startup_heap()  # models loaded, sources warm: what the server holds from here on is never scanned
     await server.grpc.set_ready()
+    await server.say_if_code_rewards_are_off()
     await server.serve_until_signalled()
     svc = server.servicer
     log.info(

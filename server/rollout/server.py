@@ -109,7 +109,8 @@ class RolloutServer(MeshServer):
         self.servicer.booting = (f"the rollout server is still booting its {self.backend.name} backend; retry when it "
                                  "reports SERVING")  # fmt: skip
         port = await self.grpc.start(ready=False)
-        targets = [s.address for s in self.rewards.streams] if self.rewards else []
+        # dns:/// targets resolve on first use: name them as configured until then.
+        targets = ([s.address for s in self.rewards.streams] or self.rewards.pool.specs) if self.rewards else []
         log.info("rollout server listening on %s:%d (backend %s, model %s, reward targets %s); booting the engine",
                  self.options.host, port, self.backend.name, self.backend.model, targets)  # fmt: skip
         self._boot = asyncio.create_task(self._boot_backend(), name="rollout-backend-boot")
