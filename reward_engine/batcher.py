@@ -18,8 +18,8 @@ sample that arrives waits for at most one short batch before the loop reads it a
 
 Which sample starts next, and what gives way for it when every slot is taken, is the scheduler's to say
 (`scheduler.Scheduler`: tenants' fair shares, credit, preemption, overtaking, what each tenant is charged); when a
-sample's deadline or step deadline ends its wait is `deadlines.Deadlines`'. With one tenant and no step deadlines
-the order is plain arrival order.
+sample's deadline or step deadline ends its wait is `deadlines.Deadlines`'; running what is handed over and answering
+its samples is `batch_runner.BatchRunner`'s. With one tenant and no step deadlines the order is plain arrival order.
 """
 
 from __future__ import annotations
@@ -28,26 +28,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
-from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
+from rewardmesh.common.errors import Unavailable
+from rewardmesh.reward_engine.batch_runner import BatchInfo, BatchRunner, ComputeFirstFn, ComputeFn, StartEachFn
 from rewardmesh.reward_engine.deadlines import Deadlines
 from rewardmesh.reward_engine.fair_queue import Lane, Queued, Tenant
-from rewardmesh.reward_engine.scheduler import Scheduler, moving_average
-from rewardmesh.reward_engine.ticket import Scored, Ticket
-from rewardmesh.reward_engine.types import ApartResult, BatchResult, Outcome, RewardInput, RewardOutput
+from rewardmesh.reward_engine.scheduler import Scheduler
+from rewardmesh.reward_engine.ticket import Ticket
 
 log = logging.getLogger(__name__)
-
-# A batch's outcomes, a future in the place of a sample answered apart (RewardSource.start_each).
-ComputeFn = Callable[[list[RewardInput]], Awaitable[ApartResult]]
-# A batch run ahead of those in flight: its outcomes, and the seconds it waited for them to pause (not charged).
-ComputeFirstFn = Callable[[list[RewardInput]], Awaitable[tuple[ApartResult, float]]]
-# Each sample's work started now, a future of its outcome each; None: the batch goes to the ComputeFn.
-StartEachFn = Callable[[list[RewardInput]], "list[asyncio.Future[Outcome]] | None"]
-
 
 FAIR_SHARES = ("time", "samples")
 
@@ -107,24 +99,6 @@ class StartLimits(NamedTuple):
 NO_LIMITS = StartLimits()
 
 
-@dataclass
-class BatchInfo:
-    """What one executed batch looked like (for logs, metrics and batch spans)."""
-
-    size: int
-    padded_tokens: int
-    real_tokens: int
-    compute_s: float
-    sample_ids: list[str]
-    start_time_ns: int
-    end_time_ns: int
-    contexts: list[object]
-    # Per sample, in sample_ids' order: seconds queued before the batch started, and the outcome (the output
-    # or the exception that sample raised). What per-sample metrics and spans need, handed over once per batch.
-    queue_s: list[float] = field(default_factory=list)
-    outcomes: BatchResult = field(default_factory=list)
-
-
 class DynamicBatcher:
     """Collects concurrently submitted samples into batches for one compute function, handing a batch over only
     when `limits()` says the sources can start it."""
@@ -143,12 +117,8 @@ class DynamicBatcher:
     ) -> None:
         self.config = config or BatcherConfig()
         self.name = name
-        self._compute = compute
-        self._on_batch = on_batch
         self._limits = limits or (lambda: NO_LIMITS)
         self._start_delay = start_delay or (lambda: 0.0)
-        self._start_each = start_each
-        self._compute_first = compute_first
         # Called with each batch as it is handed to the source, in start order (observability: what started
         # when, and for whom).
         self.on_start: Callable[[list[Ticket]], None] | None = None
@@ -156,18 +126,15 @@ class DynamicBatcher:
         # What starts next and what gives way: the tenants' fair queue, shares, preemption and overtaking.
         self.scheduler = Scheduler(self.config, name, self._wake.set)
         self._queue = self.scheduler.queue
-        # The loop's CPU time one sample of an inline batch takes, from its start to its result handed back, and
-        # while the pipeline stays backlogged also what the loop did since the batch before (reading the next
-        # samples' messages, writing the last results: what a flood costs the loop per sample, not only the rule's
-        # own work) (moving average): what bounds an inline batch's size (inline_bound).
-        self.inline_cost_s = 0.0
-        self._inline_mark: float | None = None  # the loop's CPU time when a backlogged inline batch ended
         self._deadlines = Deadlines(name, lambda: self.scheduler.service_s, self._expire)
+        # Runs what is handed over and answers its samples.
+        self.runner = BatchRunner(name, self.scheduler, self._deadlines, compute, limits=self._limits,
+                                  freed=self._freed, serving=self._serving, on_batch=on_batch,
+                                  start_each=start_each, compute_first=compute_first)  # fmt: skip
         self._batches = 0  # batches handed over and not yet returned
         self._held = 0  # samples handed over whose results are not in yet
         self.started = 0  # samples handed over since the start
         self._running: set[asyncio.Task[None]] = set()
-        self._overtaken_s = 0.0  # time the batches run ahead have taken, in all: not the paused batches' own
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -209,7 +176,7 @@ class DynamicBatcher:
     def inline_bound(self) -> int:
         """Samples the next inline batch may hold: about INLINE_BATCH_S of loop time at the measured cost per
         sample (one sample until one was measured), at least 1, at most max_batch_size."""
-        cost = self.inline_cost_s
+        cost = self.runner.inline_cost_s
         size = int(INLINE_BATCH_S / cost) if cost > 0 else 1
         return max(1, min(self.config.max_batch_size, size))
 
@@ -324,10 +291,14 @@ class DynamicBatcher:
     def _start(self, batch: list[Ticket]) -> None:
         """Hand `batch` to the source: its samples hold their slots from now on."""
         self._hold(batch)
-        if self._start_each is not None and self._started_each(batch):
+        answered = self.runner.start_each(batch)
+        if answered is not None:  # handed over whole: the batch itself holds nothing
+            self._batches -= 1
+            if answered:
+                self._release(answered, dispatch=False)  # the scheduler takes the next: no recursion here
             return
         self.scheduler.batch_started(batch)
-        self._spawn(self._run(batch))
+        self._spawn(self.runner.run(batch))
 
     def _spawn(self, run: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(run)
@@ -362,33 +333,7 @@ class DynamicBatcher:
             self._wake.set()
             return
         self._hold(batch)
-        await self._run(batch)
-
-    def _started_each(self, batch: list[Ticket]) -> bool:
-        """Start each sample's work now, where the pipeline can (no task, no turn of the event loop: a slot that
-        frees is taken at once): each sample answered apart when its work is done. False: it cannot, `_run`."""
-        assert self._start_each is not None
-        start = time.monotonic()
-        try:
-            futures = self._start_each([it.inp for it in batch])
-            if futures is not None and len(futures) != len(batch):
-                raise SourceFailed(f"source started {len(futures)} samples of a batch of {len(batch)}")
-        except Exception as exc:  # a source's bug fails the batch's samples, not the batcher
-            log.warning("pipeline %s: starting a batch of %d failed: %s", self.name, len(batch), exc)
-            futures = [SourceFailed(str(exc))] * len(batch)  # type: ignore[list-item]
-        if futures is None:
-            return False
-        self._batches -= 1  # handed over whole: the batch itself holds nothing
-        late = 0
-        for it, fut in zip(batch, futures, strict=True):
-            if self._answer_late(it, fut, start - it.enqueued, start):
-                late += 1
-            else:  # not a future (the start failed): answered now
-                it.resolve(fut)  # type: ignore[arg-type]
-            it.tenant.in_flight -= 1  # the batch lets go of it (a late one is counted again until answered)
-        if late < len(batch):
-            self._release(len(batch) - late, dispatch=False)  # the scheduler takes the next: no recursion here
-        return True
+        await self.runner.run(batch)
 
     def _room(self) -> int:
         """Samples the next batch may hold now: 0 while every batch slot, or every per-sample slot, is taken.
@@ -515,13 +460,13 @@ class DynamicBatcher:
             return
         if lim.preemptible:
             self.scheduler.preempt(lim)
-        elif lim.overtakes and self._compute_first is not None and self.scheduler.may_overtake():
+        elif lim.overtakes and self.runner.compute_first is not None and self.scheduler.may_overtake():
             batch = self._take(self.config.max_batch_size)
             if batch:
                 self.scheduler.overtaking = True
                 self.scheduler.overtakes += 1
                 self._hold(batch)
-                self._spawn(self._run(batch, first=True))
+                self._spawn(self.runner.run(batch, first=True))
 
     def _release(self, samples: int, *, dispatch: bool = True) -> None:
         """Samples' slots are free: where the sources take work per sample, the next sample in fair order starts at
@@ -541,127 +486,14 @@ class DynamicBatcher:
                         self._start(batch)
         self._wake.set()
 
-    async def _run(self, batch: list[Ticket], *, first: bool = False) -> None:
-        """Compute `batch` (`first`: ahead of the batches in flight, see `_give_way`) and answer its samples."""
-        late = 0
-        start = time.monotonic()
-        overtaken = self._overtaken_s
-        try:
-            live = [it for it in batch if not it.finished]
-            if not live:
-                return
-            start_ns = time.time_ns()
-            start_cpu = time.thread_time()
-            paused_s = 0.0  # a batch run ahead: its wait for the batches in flight to pause
-            try:
-                if first and self._compute_first is not None:
-                    results, paused_s = await self._compute_first([it.inp for it in live])
-                else:
-                    results = await self._compute([it.inp for it in live])
-                if len(results) != len(live):
-                    raise SourceFailed(f"source returned {len(results)} results for a batch of {len(live)}")
-            except asyncio.CancelledError:
-                for it in live:
-                    it.resolve(Unavailable(f"reward pipeline '{self.name}' shut down"))
-                raise
-            except Exception as exc:  # a whole-batch failure fails each sample, not the batcher
-                log.warning("pipeline %s: batch of %d failed: %s", self.name, len(live), exc)
-                err = exc if isinstance(exc, SourceFailed | InvalidInput) else SourceFailed(str(exc))
-                results = [err] * len(live)
-            queued = [start - it.enqueued for it in live]
-            if any(isinstance(res, asyncio.Future) for res in results):  # answered apart, each when it is done
-                triples = zip(live, results, queued, strict=True)
-                keep = [not self._answer_late(it, res, waited, start) for it, res, waited in triples]
-                late = len(live) - sum(keep)
-                live = [it for it, k in zip(live, keep, strict=True) if k]
-                results = [res for res, k in zip(results, keep, strict=True) if k]
-                queued = [q for q, k in zip(queued, keep, strict=True) if k]
-                if not live:
-                    return
-            outcomes = cast(BatchResult, results)  # the futures were taken out above
-            end = time.monotonic()
-            # A batch that paused for one run ahead of it took its own time, not that one's too, and the one run ahead
-            # its own, not its wait for the other to pause (learnt and charged).
-            ran = self._overtaken_s - overtaken
-            compute_s = max(end - start - (paused_s if first else ran), 0.0)
-            if first:
-                self._overtaken_s += compute_s
-            self.scheduler.learn(compute_s)
-            # The batch is described before its samples are answered: a sink may export a sample's spans at
-            # once, and they link to the batch.
-            if self._on_batch is not None:
-                try:
-                    self._on_batch(
-                        BatchInfo(
-                            size=len(live),
-                            padded_tokens=len(live) * max(it.tokens for it in live),
-                            real_tokens=sum(it.tokens for it in live),
-                            compute_s=compute_s,
-                            sample_ids=[it.inp.sample_id for it in live],
-                            start_time_ns=start_ns,
-                            end_time_ns=time.time_ns(),
-                            contexts=[it.context for it in live],
-                            queue_s=queued,
-                            outcomes=outcomes,
-                        )
-                    )
-                except Exception:  # metrics or spans must never cost the batch its results
-                    log.exception("pipeline %s: batch listener failed", self.name)
-            size = len(live)
-            for it, res, waited in zip(live, outcomes, queued, strict=True):
-                it.resolve(res if isinstance(res, BaseException) else Scored(res, waited, compute_s, size))
-                self.scheduler.charge(it, compute_s / size)
-            if self._limits().inline:  # the loop's CPU this batch held, its results handed back included, and the
-                # loop's since the batch before if the queue was backlogged then (thread time: the waits a loaded host
-                # adds are not the batch's, and would shrink the bound for nothing)
-                cpu = time.thread_time()
-                since = start_cpu if self._inline_mark is None else min(start_cpu, self._inline_mark)
-                self.inline_cost_s = moving_average(self.inline_cost_s, (cpu - since) / size)
-                self._inline_mark = cpu if self._queue.depth else None
-        finally:
-            self.scheduler.batch_ended(batch, first=first)
-            for it in batch:
-                it.tenant.in_flight -= 1
-            self._batches -= 1
-            self._release(len(batch) - late)
+    def _freed(self, batches: int, samples: int) -> None:
+        """The runner let go of batch and sample slots."""
+        self._batches -= batches
+        self._release(samples)
 
-    def _answer_late(self, it: Ticket, res: object, waited: float, start: float) -> bool:
-        """A source may leave a sample's result as a future (each sample answered when its own work is done, and
-        a call burning its budget holds neither its batch nor the batch's slot): the sample is answered, as a
-        batch of one, when it is done, and holds its sample slot until then. True if so."""
-        if not isinstance(res, asyncio.Future):
-            return False
-        self.scheduler.started_apart(it, res, start)
-        it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
-
-        def done(fut: asyncio.Future[Any]) -> None:
-            stopped = self.scheduler.ended_apart(it, fut)
-            it.tenant.in_flight -= 1
-            if stopped and self._loop_task is not None and not self._loop_task.done():
-                self.scheduler.requeue(it)  # before its slot frees: the next in fair order takes it
-                self._deadlines.watch(it)
-                self._release(1)
-                return
-            # What it took is learnt and charged before its slot frees: the next hand-over judges step deadlines
-            # by the service time and picks its tenant by virtual time.
-            end = time.monotonic()
-            self.scheduler.learn_apart(it, end - start)
-            self._release(1)  # its slot was held until now
-            if fut.cancelled():
-                outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")
-            else:
-                outcome = fut.exception() or fut.result()
-            if self._on_batch is not None:
-                with contextlib.suppress(Exception):  # metrics or spans must never cost the sample its result
-                    self._on_batch(BatchInfo(size=1, padded_tokens=it.tokens, real_tokens=it.tokens,
-                                             compute_s=end - start, sample_ids=[it.inp.sample_id],
-                                             start_time_ns=time.time_ns() - int((end - start) * 1e9),
-                                             end_time_ns=time.time_ns(), contexts=[it.context], queue_s=[waited],
-                                             outcomes=[outcome]))  # fmt: skip
-            it.resolve(outcome if isinstance(outcome, BaseException) else Scored(outcome, waited, end - start, 1))
-
-        res.add_done_callback(done)
-        return True
+    def _serving(self) -> bool:
+        """The scheduling loop runs (a sample stopped for another tenant's may be queued again)."""
+        return self._loop_task is not None and not self._loop_task.done()
 
 
 def _arrival(item: Ticket) -> float:

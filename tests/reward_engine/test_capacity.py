@@ -749,14 +749,14 @@ async def test_a_tenant_back_from_idle_overtakes_the_reward_model_pass_in_flight
         done: list[str] = []
         a, b = Tenant("a"), Tenant("b")
         batches: list[BatchInfo] = []
-        described = batcher._on_batch
+        described = batcher.runner.on_batch
 
         def describe(info: BatchInfo) -> None:  # the batches as the batcher charges them
             batches.append(info)
             if described is not None:
                 described(info)
 
-        batcher._on_batch = describe
+        batcher.runner.on_batch = describe
 
         def enqueue(tenant: Tenant, i: int) -> asyncio.Future[Scored]:
             fut = batcher.add(Ticket(varied(tenant.name, i), tenant=tenant)).future
