@@ -77,9 +77,9 @@ class Sandbox:
         self.samples_per_sandbox = reuse
         self.limits = limits or Limits()
         self.limits.check("sandbox")
-        after_s = min(1.0, self.limits.wall_s / 10) if straggler_after_s is None else straggler_after_s
-        most = 2 * self.workers if max_stragglers is None else max_stragglers
-        if not after_s > 0 or most < 0:
+        self.straggler_after_s = min(1.0, self.limits.wall_s / 10) if straggler_after_s is None else straggler_after_s
+        self.max_stragglers = most = 2 * self.workers if max_stragglers is None else max_stragglers
+        if not self.straggler_after_s > 0 or most < 0:
             raise ValueError("sandbox: 'straggler_after_s' must be > 0 and 'max_stragglers' >= 0")
         self.python = python or default_python()
         self.uid_base = uid_base
@@ -92,26 +92,10 @@ class Sandbox:
         self._slots = SlotQueue(self.workers, self.stats)
         self._lock = threading.Lock()  # guards the warm pool, the jobs running, the stragglers and the counters
         self.warm = WarmPool(
-            workers=self.workers,
-            max_stragglers=most,
-            limits=self.limits,
-            python=self.python,
-            uid_base=uid_base,
-            lock=self._lock,
-            threads=self._threads,
-            stats=self.stats,
+            self.workers, most, self.limits, self.python, uid_base, self._lock, self._threads, self.stats
         )
         self._running: set[Running] = set()  # the jobs whose sandbox runs them now
-        self._aside = Stragglers(
-            after_s=after_s,
-            most=most,
-            reuse=reuse > 1,
-            lock=self._lock,
-            running=self._running,
-            slots=self._slots,
-            warm=self.warm,
-            stats=self.stats,
-        )
+        self._aside = Stragglers(self, reuse > 1, self._running, self._slots, self.warm)
         self.stop_s = STOP_GUESS_S  # what stopping a job costs until its slot serves again (moving average)
         self._busy = 0
 
@@ -121,18 +105,14 @@ class Sandbox:
         return self._proof.level
 
     @property
-    def filter(self) -> str:
-        """The system-call filter the runner installs ("seccomp", or why none), once proven."""
-        return self._proof.filter
-
-    @property
     def description(self) -> str:
         if self.level is None:
             failure = self._proof.failure
             return f"unavailable ({failure})" if failure else "not started"
         reuse = self.samples_per_sandbox
         kept = f"each serving up to {reuse} samples, one spare" if reuse > 1 else "a fresh one per sample"
-        filtered = "system-call filter on" if self.filter == "seccomp" else f"system-call filter: {self.filter}"
+        seccomp = self._proof.filter  # the filter the runner installs ("seccomp", or why none)
+        filtered = "system-call filter on" if seccomp == "seccomp" else f"system-call filter: {seccomp}"
         return f"{self.level.name} ({self.level.tool}), {filtered}, {self.workers} workers, {kept}"
 
     def outlook(self) -> str:
@@ -170,24 +150,6 @@ class Sandbox:
     def stragglers(self) -> int:
         """Jobs that stepped aside and run now beside the slots, each in its own sandbox."""
         return self._aside.count
-
-    @property
-    def straggler_after_s(self) -> float:
-        """How long a pipeline's job runs while every slot is taken before it steps aside."""
-        return self._aside.after_s
-
-    @straggler_after_s.setter
-    def straggler_after_s(self, value: float) -> None:
-        self._aside.after_s = value
-
-    @property
-    def max_stragglers(self) -> int:
-        """How many jobs may run aside at once."""
-        return self._aside.most
-
-    @max_stragglers.setter
-    def max_stragglers(self, value: int) -> None:
-        self._aside.most = value
 
     @property
     def held_outside(self) -> int:

@@ -14,8 +14,8 @@ not sandbox starts.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
 
 from rewardmesh.reward_engine.sandbox.jobs import JobResult
 from rewardmesh.reward_engine.sandbox.levels import Level
@@ -26,37 +26,30 @@ from rewardmesh.reward_engine.sandbox.warm import WarmPool
 RECHECK_S = 0.05
 
 
-class Stragglers:
-    """The pipeline's jobs that step aside: after ``after_s`` running while every slot is taken, at most ``most`` at
-    once beside the slots; ``count`` run now. ``reuse``: sandboxes serve more than one job (a spare is kept warm).
-    ``running`` (the jobs whose sandbox runs them now), the warm pool and ``stats`` are the pool's, under its lock."""
+class StragglerSettings(Protocol):
+    """The pool's settings for stragglers, read at each look so that a change takes effect on the jobs running."""
 
-    def __init__(
-        self,
-        *,
-        after_s: float,
-        most: int,
-        reuse: bool,
-        lock: threading.Lock,
-        running: set[Running],
-        slots: SlotQueue,
-        warm: WarmPool,
-        stats: Counter[str],
-    ) -> None:
-        self.after_s = after_s
-        self.most = most
-        self.count = 0  # jobs running beside the slots, each in its own sandbox
-        self.reuse = reuse
-        self.lock = lock
-        self.running = running
-        self.slots = slots
-        self.warm = warm
-        self.stats = stats
+    straggler_after_s: float  # how long a job runs while every slot is taken before it steps aside
+    max_stragglers: int  # how many jobs may run aside at once
+
+
+@dataclass(eq=False)
+class Stragglers:
+    """The pipeline's jobs that step aside, as ``settings`` allow; ``count`` run now. ``reuse``: sandboxes serve more
+    than one job (a spare is kept warm). ``running`` (the jobs whose sandbox runs them now), the slots and the warm
+    pool are the pool's; ``lock`` and ``stats`` are the warm pool's."""
+
+    settings: StragglerSettings
+    reuse: bool
+    running: set[Running]
+    slots: SlotQueue
+    warm: WarmPool
+    count: int = 0  # jobs running beside the slots, each in its own sandbox
 
     async def watch(self, future: asyncio.Future[JobResult], run: Running, level: Level) -> None:
         """Until the job ends or steps aside: once it has run past the straggler time, it steps aside as soon as
         it may (every slot taken, the spare up, the jobs claimed before it aside), looking again every 50 ms."""
-        wait = self.after_s
+        wait = self.settings.straggler_after_s
         while wait < float("inf"):
             await asyncio.wait((future,), timeout=wait)
             if future.done() or self.step_aside(run, level):
@@ -69,9 +62,9 @@ class Stragglers:
         sandbox (False: a slot is free, no more stragglers may run, the job is not running, no spare is up yet, or
         one of the pipeline's claimed before it still serves in a slot: jobs step aside in their claims' order, so
         those aside are the pipeline's oldest started, which is how its batcher knows them)."""
-        if self.slots.free or self.warm.closed or self.count >= self.most:
+        if self.slots.free or self.warm.closed or self.count >= self.settings.max_stragglers:
             return False
-        with self.lock:
+        with self.warm.lock:
             if run.uid is None or run.ended or run.stop.is_set() or not (self.warm.free_uids or self.warm.kept):
                 return False
             if any(other.seq is not None and run.seq is not None and other.seq < run.seq and not other.aside
@@ -82,7 +75,7 @@ class Stragglers:
             if not wait:
                 run.aside = True
                 self.count += 1
-                self.stats["jobs that stepped aside"] += 1
+                self.warm.stats["jobs that stepped aside"] += 1
                 self.warm.step_aside(run.slot, spare)
         if self.reuse:
             self.warm.start_spare(level)  # the next spare; or, where none is up (it died, say), one to step aside to
@@ -94,7 +87,7 @@ class Stragglers:
 
     def let_go(self, run: Running) -> None:
         """The job's thread or its caller is done; once both are, an aside job no longer runs beside the slots."""
-        with self.lock:
+        with self.warm.lock:
             run.holders -= 1
             if run.aside and not run.holders:
                 self.count -= 1

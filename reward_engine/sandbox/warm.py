@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from rewardmesh.reward_engine.isolation import WORKER_NICENESS
 from rewardmesh.reward_engine.sandbox.exchange import STARTUP_S
@@ -38,29 +39,22 @@ log = logging.getLogger(__name__)
 STARTUP_GUESS_S = 0.05
 
 
+@dataclass(eq=False)
 class WarmPool:
     """The slots' next sandboxes, the spare, the sandboxes kept for the next spares, and which uid each runs as.
     ``lock`` (the pool's) guards all of it and ``stats``; sandboxes start in ``threads``, in the background."""
 
-    def __init__(
-        self,
-        *,
-        workers: int,
-        max_stragglers: int,
-        limits: Limits,
-        python: str,
-        uid_base: int,
-        lock: threading.Lock,
-        threads: ThreadPoolExecutor,
-        stats: Counter[str],
-    ) -> None:
-        self.workers = workers
-        self.limits = limits
-        self.python = python
-        self.uid_base = uid_base
-        self.lock = lock
-        self.threads = threads
-        self.stats = stats
+    workers: int
+    max_stragglers: int
+    limits: Limits  # the pool's: a sandbox started ahead gets its tmpfs size
+    python: str
+    uid_base: int
+    lock: threading.Lock
+    threads: ThreadPoolExecutor
+    stats: Counter[str]
+
+    def __post_init__(self) -> None:
+        workers, max_stragglers = self.workers, self.max_stragglers
         self.setpriv = shutil.which("setpriv", path=PATH + ":/usr/sbin:/sbin")
         self.nice = shutil.which("nice", path=PATH)
         self.idle: dict[int, SandboxProcess] = {}  # a warm sandbox per slot, waiting for its next job
