@@ -22,6 +22,7 @@ from typing import Any
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Unavailable, describe_exception
 from rewardmesh.reward_engine.sandbox.executor import Claim, Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
+from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,8 @@ class CodeSource(RewardSource):
         score: str = "auto",
         prestart: bool = True,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError("code source: 'name' must be a non-empty string")
-        where = f"code source {name!r}"
-        if score not in SCORES:
-            raise ValueError(f"{where}: 'score' must be one of {', '.join(SCORES)}, got {score!r}")
+        where = options.source_where("code source", name)
+        options.one_of(where, "score", score, SCORES)
         limits = Limits(
             cpu_s=timeout_s,
             wall_s=timeout_s,

@@ -16,6 +16,7 @@ from typing import Any
 from rewardmesh.common.errors import DeadlineExceeded, RewardError, SourceFailed, Unavailable, describe_exception
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, run_call
 from rewardmesh.reward_engine.loading import load_function, parse_spec
+from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.sources.verl_compat import to_output, verl_kwargs
 from rewardmesh.reward_engine.types import (
     BatchResult,
@@ -90,19 +91,12 @@ class FunctionSource(RewardSource):
         memory_mb: int = 2048,
         max_concurrency: int = 16,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError("function source: 'name' must be a non-empty string")
-        where = f"function source {name!r}"
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise ValueError(f"{where}: 'timeout_s' must be a positive number, got {timeout_s!r}")
-        if executor not in EXECUTORS:
-            raise ValueError(f"{where}: 'executor' must be one of {', '.join(EXECUTORS)}; got {executor!r}")
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-            raise ValueError(f"{where}: 'max_workers' must be an integer >= 1, got {max_workers!r}")
-        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
-            raise ValueError(f"{where}: 'memory_mb' must be an integer >= 0 (0: no limit), got {memory_mb!r}")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"{where}: 'max_concurrency' must be an integer >= 1, got {max_concurrency!r}")
+        where = options.source_where("function source", name)
+        options.positive(where, "timeout_s", timeout_s)
+        options.one_of(where, "executor", executor, EXECUTORS)
+        options.integer(where, "max_workers", max_workers, minimum=1)
+        options.integer(where, "memory_mb", memory_mb, minimum=0, note=" (0: no limit)")
+        options.integer(where, "max_concurrency", max_concurrency, minimum=1)
         self._spec = parse_spec(function)
         self._fn = load_function(self._spec)  # fail at config time, in the parent, with a clear error
         self.name = name

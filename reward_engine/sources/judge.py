@@ -30,6 +30,7 @@ from rewardmesh.common.errors import (
 )
 from rewardmesh.common.rate_limit import RateLimiter
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
+from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
 DEFAULT_PROMPT_TEMPLATE = """\
@@ -114,14 +115,6 @@ def _snippet(text: str) -> str:
     return repr(text[:_SNIPPET_CHARS] + ("..." if len(text) > _SNIPPET_CHARS else ""))
 
 
-def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
-
-
-def _non_negative(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and value >= 0
-
-
 class JudgeSource(RewardSource):
     """Scores each sample by asking an LLM judge and parsing a number out of its reply.
 
@@ -173,46 +166,28 @@ class JudgeSource(RewardSource):
         breaker_open_s: float = 10.0,
         parse_timeout_s: float = 2.0,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError("judge source: 'name' must be a non-empty string")
-        where = f"judge source {name!r}"
+        where = options.source_where("judge source", name)
         if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
             raise ValueError(f"{where}: 'url' must be an http:// or https:// URL, got {url!r}")
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"{where}: 'model' must be a non-empty string")
+        options.text(where, "model", model)
         self._check_template(where, prompt_template)
         try:
             self._score_re = re.compile(score_regex)
         except (re.error, TypeError) as exc:
             raise ValueError(f"{where}: 'score_regex' {score_regex!r} does not compile: {exc}") from exc
-        if isinstance(score_scale, bool) or not isinstance(score_scale, int | float):
-            raise ValueError(f"{where}: 'score_scale' must be a number, got {score_scale!r}")
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"{where}: 'max_concurrency' must be an integer >= 1, got {max_concurrency!r}")
-        if not _non_negative(requests_per_minute):
-            raise ValueError(
-                f"{where}: 'requests_per_minute' must be >= 0 (0 = unlimited), got {requests_per_minute!r}"
-            )
-        if not _positive(timeout_s):
-            raise ValueError(f"{where}: 'timeout_s' must be a positive number, got {timeout_s!r}")
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"{where}: 'max_retries' must be an integer >= 0, got {max_retries!r}")
-        if not _non_negative(retry_backoff_s):
-            raise ValueError(f"{where}: 'retry_backoff_s' must be >= 0, got {retry_backoff_s!r}")
-        if not _non_negative(temperature):
-            raise ValueError(f"{where}: 'temperature' must be >= 0, got {temperature!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{where}: 'max_tokens' must be an integer >= 1, got {max_tokens!r}")
-        if not isinstance(api_key_env, str):
-            raise ValueError(f"{where}: 'api_key_env' must be a string, got {api_key_env!r}")
-        if not isinstance(system_prompt, str):
-            raise ValueError(f"{where}: 'system_prompt' must be a string")
-        if isinstance(breaker_failures, bool) or not isinstance(breaker_failures, int) or breaker_failures < 1:
-            raise ValueError(f"{where}: 'breaker_failures' must be an integer >= 1, got {breaker_failures!r}")
-        if not _positive(breaker_open_s):
-            raise ValueError(f"{where}: 'breaker_open_s' must be a positive number, got {breaker_open_s!r}")
-        if not _positive(parse_timeout_s):
-            raise ValueError(f"{where}: 'parse_timeout_s' must be a positive number, got {parse_timeout_s!r}")
+        options.number(where, "score_scale", score_scale)
+        options.integer(where, "max_concurrency", max_concurrency, minimum=1)
+        options.non_negative(where, "requests_per_minute", requests_per_minute, note=" (0 = unlimited)")
+        options.positive(where, "timeout_s", timeout_s)
+        options.integer(where, "max_retries", max_retries, minimum=0)
+        options.non_negative(where, "retry_backoff_s", retry_backoff_s)
+        options.non_negative(where, "temperature", temperature)
+        options.integer(where, "max_tokens", max_tokens, minimum=1)
+        options.text(where, "api_key_env", api_key_env, empty=True)
+        options.text(where, "system_prompt", system_prompt, empty=True)
+        options.integer(where, "breaker_failures", breaker_failures, minimum=1)
+        options.positive(where, "breaker_open_s", breaker_open_s)
+        options.positive(where, "parse_timeout_s", parse_timeout_s)
 
         self.name = name
         self.target = url

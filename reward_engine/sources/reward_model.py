@@ -52,6 +52,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
+from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
 
 logger = logging.getLogger(__name__)
@@ -88,18 +89,13 @@ class ModelSource(RewardSource):
         """``batches_in_flight``: batches handed to the model at once, one computing and the others staged
         meanwhile (0: the device's own, 2 on an accelerator and 1 on the CPU); the pipeline's
         ``max_concurrent_batches`` (2 for a model by default) still caps it."""
+        where = options.source_where("reward model", name)
         self.name = name
         self.target = str(path)
-        if retokenize not in _RETOKENIZE:
-            raise ValueError(f"reward model {name!r}: retokenize must be one of {_RETOKENIZE}, not {retokenize!r}")
-        if max_length < 1:
-            raise ValueError(f"reward model {name!r}: max_length must be >= 1, not {max_length}")
-        if length_buckets < 1:
-            raise ValueError(f"reward model {name!r}: length_buckets must be >= 1, not {length_buckets}")
-        if batches_in_flight < 0:
-            raise ValueError(
-                f"reward model {name!r}: batches_in_flight must be >= 0 (0: the device's own), not {batches_in_flight}"
-            )
+        options.one_of(where, "retokenize", retokenize, _RETOKENIZE)
+        options.integer(where, "max_length", max_length, minimum=1)
+        options.integer(where, "length_buckets", length_buckets, minimum=1)
+        options.integer(where, "batches_in_flight", batches_in_flight, minimum=0, note=" (0: the device's own)")
         self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)

@@ -18,6 +18,7 @@ from typing import Any
 
 from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, UnknownReward, describe_exception
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
+from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.sources.verl_compat import to_output
 from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
 
@@ -356,23 +357,16 @@ class RuleSource(RewardSource):
         workers: int = 2,
         prestart: bool = True,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError("rule source: 'name' must be a non-empty string")
-        where = f"rule source {name!r}"
-        if not isinstance(rule, str) or not rule:
-            raise ValueError(f"{where}: 'rule' must be a non-empty string")
+        where = options.source_where("rule source", name)
+        options.text(where, "rule", rule)
         try:
             self._fn = get_rule(rule)
         except UnknownReward as exc:
             raise ValueError(f"{where}: 'rule': {exc}") from exc
-        if isolation not in ISOLATION_MODES:
-            raise ValueError(f"{where}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}; got {isolation!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise ValueError(f"{where}: 'timeout_s' must be a positive number, got {timeout_s!r}")
-        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
-            raise ValueError(f"{where}: 'memory_mb' must be an integer >= 0 (0: no limit), got {memory_mb!r}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"{where}: 'workers' must be an integer >= 1, got {workers!r}")
+        options.one_of(where, "isolation", isolation, ISOLATION_MODES)
+        options.positive(where, "timeout_s", timeout_s)
+        options.integer(where, "memory_mb", memory_mb, minimum=0, note=" (0: no limit)")
+        options.integer(where, "workers", workers, minimum=1)
         self.name = name
         self.target = rule
         registered = RULES[rule]
