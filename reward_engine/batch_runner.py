@@ -152,7 +152,7 @@ class BatchRunner:
             if self._limits().inline:
                 self._measure_inline(start_cpu, size)
         finally:
-            self.scheduler.batch_ended(batch, first=first)
+            self.scheduler.batch_ended(batch, ahead=first)
             for it in batch:
                 it.tenant.in_flight -= 1
             self._freed(1, len(batch) - late)

@@ -280,7 +280,7 @@ class DynamicBatcher:
         for task in list(self._running):
             task.cancel()
         for fut, _ in list(self.scheduler.apart.values()):
-            fut.cancel()  # its sample is answered UNAVAILABLE (see _answer_late)
+            fut.cancel()  # its sample is answered UNAVAILABLE (see BatchRunner._answer_late)
 
     # -- scheduling ---------------------------------------------------------------------------
 
@@ -463,8 +463,7 @@ class DynamicBatcher:
         elif lim.overtakes and self.runner.compute_first is not None and self.scheduler.may_overtake():
             batch = self._take(self.config.max_batch_size)
             if batch:
-                self.scheduler.overtaking = True
-                self.scheduler.overtakes += 1
+                self.scheduler.batch_started(batch, ahead=True)
                 self._hold(batch)
                 self._spawn(self.runner.run(batch, first=True))
 

@@ -73,7 +73,7 @@ class Scheduler:
         # The batches handed over whole, until they end: each one's start, tenants and nearest step deadline, which
         # decide whether a batch may overtake them.
         self._runs: dict[int, tuple[float, frozenset[Tenant], float]] = {}
-        self.overtaking = False  # a batch runs ahead of the others in flight, which pause for it
+        self._overtaking = False  # a batch runs ahead of the others in flight, which pause for it
         self.overtakes = 0  # batches run ahead of those in flight, since the start
 
     # -- arrival ----------------------------------------------------------------------------------
@@ -189,9 +189,7 @@ class Scheduler:
         # sent after idle runs on every slot while its credit lasts, as the queue's order would have it).
         lead = per_weight
         given = len(self._preempting)
-        vtimes = {lane.tenant: lane.vtime for lane in self.queue.lanes.values()}
-        for it in self._preempting:
-            vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
+        vtimes = self._vtimes()
         later = math.inf  # when a sample not worth stopping yet becomes one (a straggler)
         for it in self._victims(tenant, aside, vtimes, now):  # the youngest first
             if want <= 0:
@@ -216,6 +214,13 @@ class Scheduler:
             if self._preempt_timer is not None:
                 self._preempt_timer.cancel()
             self._preempt_timer = asyncio.get_running_loop().call_at(later + 1e-3, self._wake)
+
+    def _vtimes(self) -> dict[Tenant, float]:
+        """Each queued tenant's virtual time, the start charges of its samples being stopped refunded."""
+        vtimes = {lane.tenant: lane.vtime for lane in self.queue.lanes.values()}
+        for it in self._preempting:
+            vtimes[it.tenant] = vtimes.get(it.tenant, 0.0) - 1.0 / it.tenant.weight
+        return vtimes
 
     def _holdings(self, aside_slots: int) -> tuple[dict[Tenant, int], set[Ticket]]:
         """The serving slots each tenant's started samples hold, and the samples that stepped aside (the oldest
@@ -252,7 +257,7 @@ class Scheduler:
         backlogged never overtake each other (each one's queued samples were there before the other's batch
         started), and a tenant overtakes only while the fair order puts it first, so it never gets more than its
         share this way. None is overtaken whose step deadline is less than two service times away."""
-        if self.overtaking or not self._runs:
+        if self._overtaking or not self._runs:
             return False
         head = self.queue.next_lane()
         arrived = None if head is None else head.oldest()
@@ -265,16 +270,21 @@ class Scheduler:
 
     # -- what started and ended -------------------------------------------------------------------
 
-    def batch_started(self, batch: list[Ticket]) -> None:
-        """A batch handed over whole: what a batch that may overtake it is judged against."""
+    def batch_started(self, batch: list[Ticket], *, ahead: bool = False) -> None:
+        """A batch handed over whole: what a batch that may overtake it is judged against; `ahead`: it is the one
+        run ahead of the others (`may_overtake`)."""
+        if ahead:
+            self._overtaking = True
+            self.overtakes += 1
+            return
         due = min((it.due for it in batch if it.due is not None), default=math.inf)
         self._runs[id(batch)] = (time.monotonic(), frozenset(it.tenant for it in batch), due)
 
-    def batch_ended(self, batch: list[Ticket], *, first: bool) -> None:
-        """A batch's run ended (`first`: it was the one run ahead of the others)."""
+    def batch_ended(self, batch: list[Ticket], *, ahead: bool) -> None:
+        """A batch's run ended (`ahead`: it was the one run ahead of the others)."""
         self._runs.pop(id(batch), None)
-        if first:
-            self.overtaking = False
+        if ahead:
+            self._overtaking = False
 
     def started_apart(self, it: Ticket, future: asyncio.Future[Any], start: float) -> None:
         """A sample answered apart runs now, until `future` is done (cancelling it stops the work)."""
