@@ -139,6 +139,7 @@ class Sandbox:
         return level
 
     async def _run_alone(self, level: Level, job: Job) -> tuple[JobResult, dict[str, Any]]:
+        """The start probe's job, in a sandbox of its own started in one of the pool's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, self._run_once, level, job, 0)
 
     @property
