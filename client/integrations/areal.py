@@ -10,8 +10,9 @@
 Generation, tokenization and the trajectory are RLVRWorkflow's own; only the reward differs. AReaL's
 `reward_fn` path runs a sync function in a process pool through AsyncRewardWrapper, which after 15 s (three
 retries) returns 0 without an error: a slow reward fleet trains on zeros. This workflow never uses it: the
-reward is awaited on AReaL's own event loop (its rollout thread's uvloop), one reward client per loop, bounded
-by `timeout_s` per sample (default 300), and a slow fleet only makes the episode slower.
+reward is awaited on AReaL's own event loop (its rollout thread's uvloop), one reward client per loop (closed
+before AReaL closes the loop), bounded by `timeout_s` per sample (default 300), and a slow fleet only makes the
+episode slower.
 
 Dataset columns feed the sample: `ground_truth_key` (default: the first of ground_truth, answer, solution, label
 present), `data_source` and `extra_info`. The pipeline's extras go to AReaL's stats tracker as `rewardmesh/<key>`.
@@ -26,7 +27,9 @@ lacks the pipeline raises either way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,12 +45,13 @@ from rewardmesh.client.integrations.scoring import (
 
 try:  # AReaL is optional: this module imports without it
     from areal import workflow_context
+    from areal.infra.utils.concurrent import register_loop_cleanup
     from areal.utils import stats_tracker
     from areal.utils.perf_tracer import trace_session
     from areal.workflow.rlvr import RLVRWorkflow
 except ImportError:  # pragma: no cover - exercised where AReaL is absent
     RLVRWorkflow = object
-    workflow_context = stats_tracker = None
+    workflow_context = stats_tracker = register_loop_cleanup = None
 
     def trace_session(phase: str) -> Any:
         return lambda fn: fn
@@ -95,6 +99,7 @@ class RewardMeshRLVRWorkflow(RLVRWorkflow):
         self.reward_fn = self.scorer  # not a string: arun_episode never imports a reward function
         self.mask_errors = mask_errors
         self.ground_truth_key = ground_truth_key
+        self._loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
     def _truth(self, data: dict[str, Any]) -> Any:
         for key in (self.ground_truth_key,) if self.ground_truth_key else GROUND_TRUTH_KEYS:
@@ -117,6 +122,12 @@ class RewardMeshRLVRWorkflow(RLVRWorkflow):
             data_source=str(task_data.get("data_source") or ""),
             extra_info=extra,
         )
+        loop = asyncio.get_running_loop()
+        if register_loop_cleanup is not None and loop not in self._loops:
+            # this loop's reward client closes before the loop does (AReaL's rollout loop ends on destroy):
+            # grpc.aio work left on a closed loop would break the calls of the next one
+            self._loops.add(loop)
+            register_loop_cleanup(self.scorer.close, loop=loop)
         (result,) = await self.scorer.score([sample])
         if result.HasField("error"):
             what = describe(extra.get("index", task_data.get("query_id")), prompt_text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -15,8 +16,9 @@ import pytest
 pytest.importorskip("areal.workflow.rlvr")
 
 from areal.api import ModelRequest, ModelResponse
-from areal.api.cli_args import GenerationHyperparameters
+from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
 from areal.api.reward_api import AsyncRewardWrapper
+from areal.infra.workflow_executor import WorkflowExecutor
 
 from rewardmesh.client.integrations.areal import RewardMeshRLVRWorkflow
 from rewardmesh.client.integrations.scoring import RewardMeshError
@@ -30,6 +32,9 @@ class CannedEngine:
 
     def __init__(self, tok: Any, answers: dict[str, str]) -> None:
         self.tok, self.answers, self.requests = tok, answers, 0
+
+    def get_version(self) -> int:  # what AReaL's WorkflowExecutor reads for staleness
+        return 0
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         self.requests += 1
@@ -105,6 +110,29 @@ def test_a_failed_sample_raises_naming_it_or_is_rejected_when_asked(tok: Any) ->
         masked = workflow(tok, server.address, "sleepy", mask_errors=True)
         assert episode(masked, engine, bad) is None  # AReaL counts a None episode as rejected
         assert episode(masked, engine, good)["rewards"].tolist() == [4.0]
+
+
+def test_through_areals_workflow_executor_a_failed_sample_is_a_rejected_episode_logged_by_name(
+    tok: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """AReaL's own executor (its rollout thread and uvloop loop) catches what an episode raises: the failed sample
+    comes back as a rejected (None) episode, with the error naming it in the executor's log, never as a reward."""
+    engine = CannedEngine(tok, {"q": "four"})
+    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=2)
+    with server_thread({"sleepy": fn_pipeline("sleepy")}) as server:
+        wf = workflow(tok, server.address, "sleepy")
+        executor = WorkflowExecutor(config, engine)
+        executor.initialize(logger=logging.getLogger("areal-executor"))
+        try:
+            executor.submit(row("q: a", extra_info=json.dumps({"delay": 0})), wf)
+            executor.submit(row("q: b", extra_info=json.dumps({"delay": "oops", "index": 9})), wf)
+            results = executor.wait(2, timeout=60)
+        finally:
+            executor.destroy()  # ends the rollout loop: the workflow's reward client closes first, with it
+    rewards = [None if r is None else r["rewards"].tolist() for r in results]
+    assert sorted(rewards, key=str) == [None, [4.0]]  # AReaL shuffles a batch
+    logged = capfd.readouterr().err  # AReaL's loggers write to stderr and do not propagate
+    assert "Workflow execution failed: rewardmesh pipeline 'sleepy' could not score sample 9 (prompt 'q: b')" in logged
 
 
 def test_a_slow_sample_is_scored_or_fails_never_zero(tok: Any) -> None:
