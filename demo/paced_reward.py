@@ -11,7 +11,7 @@ from typing import Any
 from rewardmesh.reward_engine.batcher import BatcherConfig
 from rewardmesh.reward_engine.engine import RewardEngine
 from rewardmesh.reward_engine.pipeline import RewardPipeline, WeightedSource
-from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource, SourceKind
 
 PIPELINE = "paced"
 
@@ -20,7 +20,7 @@ class PacedSource(RewardSource):
     """Scores every sample 1.0 after `batch_s` seconds per batch (the time passes, the CPU stays free), up to
     `batches` batches at once (its declared capacity)."""
 
-    kind = "model"
+    kind = SourceKind.MODEL
 
     def __init__(self, name: str = PIPELINE, batch_s: float = 0.02, batches: int = 1) -> None:
         self.name = name

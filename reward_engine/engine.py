@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from typing import Any
 from rewardmesh.common.errors import UnknownReward
 from rewardmesh.reward_engine.batcher import BatcherConfig, BatchInfo
 from rewardmesh.reward_engine.pipeline import RewardPipeline, WeightedSource
-from rewardmesh.reward_engine.types import RewardSource
+from rewardmesh.reward_engine.types import RewardSource, SourceKind
 
 log = logging.getLogger(__name__)
 
@@ -22,43 +23,33 @@ log = logging.getLogger(__name__)
 # sandbox slots, requests in flight), each sample answered when its own work is done; max_concurrent_batches x
 # max_batch_size still caps the samples in flight (here far above any source's capacity). A model waits a moment
 # for a fuller batch; two batches in flight (its capacity) let the second be staged while the first computes.
-KIND_BATCHING: dict[str, BatcherConfig] = {
-    "rule": BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
-    "function": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
-    "judge": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
-    "code": BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
-    "model": BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
+KIND_BATCHING: dict[SourceKind, BatcherConfig] = {
+    SourceKind.RULE: BatcherConfig(max_batch_size=256, max_queue_delay_ms=0, max_concurrent_batches=4),
+    SourceKind.FUNCTION: BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
+    SourceKind.JUDGE: BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
+    SourceKind.CODE: BatcherConfig(max_batch_size=64, max_queue_delay_ms=0, max_concurrent_batches=16),
+    SourceKind.MODEL: BatcherConfig(max_batch_size=32, max_queue_delay_ms=2, max_concurrent_batches=2),
 }
-SOURCE_TYPES = ("rule", "function", "model", "judge", "code", "verifiers")
+# A config's source `type` -> the class that builds it ("module:Class", imported only when configured: a rule-only
+# server never loads torch or aiohttp). The class says its kind (a verifiers environment runs as a function).
+SOURCE_TYPES: dict[str, str] = {
+    "rule": "rewardmesh.reward_engine.sources.rules:RuleSource",
+    "function": "rewardmesh.reward_engine.sources.custom:FunctionSource",
+    "model": "rewardmesh.reward_engine.sources.reward_model:ModelSource",
+    "judge": "rewardmesh.reward_engine.sources.judge:JudgeSource",
+    "code": "rewardmesh.reward_engine.sources.code:CodeSource",
+    "verifiers": "rewardmesh.reward_engine.sources.verifiers_env:VerifiersSource",
+}
 
 
-def _source_class(kind: str) -> type:
-    """Import lazily: a rule-only server never loads torch or aiohttp."""
-    if kind == "rule":
-        from rewardmesh.reward_engine.sources.rules import RuleSource
-
-        return RuleSource
-    if kind == "function":
-        from rewardmesh.reward_engine.sources.custom import FunctionSource
-
-        return FunctionSource
-    if kind == "model":
-        from rewardmesh.reward_engine.sources.reward_model import ModelSource
-
-        return ModelSource
-    if kind == "judge":
-        from rewardmesh.reward_engine.sources.judge import JudgeSource
-
-        return JudgeSource
-    if kind == "code":
-        from rewardmesh.reward_engine.sources.code import CodeSource
-
-        return CodeSource
-    if kind == "verifiers":  # a verifiers environment's Task.score; verifiers is imported when one is configured
-        from rewardmesh.reward_engine.sources.verifiers_env import VerifiersSource
-
-        return VerifiersSource
-    raise ValueError(f"unknown source type '{kind}' (known: {', '.join(SOURCE_TYPES)})")
+def _source_class(source_type: str) -> type:
+    """The class of a config's source `type`, imported now."""
+    target = SOURCE_TYPES.get(source_type)
+    if target is None:
+        raise ValueError(f"unknown source type '{source_type}' (known: {', '.join(SOURCE_TYPES)})")
+    module, _, attr = target.partition(":")
+    cls: type = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def build_source(where: str, spec: dict[str, Any]) -> tuple[RewardSource, float]:
@@ -88,8 +79,8 @@ def _key_list(where: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def batcher_config(where: str, kind: str, overrides: dict[str, Any] | None) -> BatcherConfig:
-    base = KIND_BATCHING.get(kind, BatcherConfig())
+def batcher_config(where: str, kind: SourceKind, overrides: dict[str, Any] | None) -> BatcherConfig:
+    base = KIND_BATCHING[kind]
     values = {f.name: getattr(base, f.name) for f in fields(BatcherConfig)}
     for key, value in (overrides or {}).items():
         if key not in values:
@@ -142,7 +133,7 @@ class RewardEngine:
                     RewardPipeline(
                         rule,
                         [WeightedSource(RuleSource(name=rule, rule=rule, prestart=False, **rule_options))],
-                        batcher_config(rule, "rule", None),
+                        batcher_config(rule, SourceKind.RULE, None),
                         description=f"built-in rule '{rule}'",
                         on_batch=self._on_batch,
                     )
@@ -152,7 +143,7 @@ class RewardEngine:
 
             code = CodeSource(name="code", prestart=False)
             description = "built-in code execution against tests in the sandbox"
-            batching = batcher_config("code", "code", None)
+            batching = batcher_config("code", SourceKind.CODE, None)
             pipeline = RewardPipeline(
                 "code", [WeightedSource(code)], batching, description=description, on_batch=self._on_batch
             )
@@ -171,9 +162,9 @@ class RewardEngine:
             declared = spec.get("extra_keys")
             built = [build_source(f"{where}.sources[{i}]", s) for i, s in enumerate(spec["sources"])]
             sources = [WeightedSource(src, w) for src, w in built]
-            kind = sources[0].source.kind
-            if any(ws.source.kind == "model" for ws in sources):
-                kind = "model"
+            kind = sources[0].source.kind  # a model's batching wins: a pipeline with one waits on it
+            if any(ws.source.kind is SourceKind.MODEL for ws in sources):
+                kind = SourceKind.MODEL
             self.add(
                 RewardPipeline(
                     str(name),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -189,13 +190,24 @@ class Capacity:
         return f"{self.slots} {self.unit}" + (", paced" if self.paced else "") + preempt + ahead + elsewhere
 
 
+class SourceKind(enum.StrEnum):
+    """What a source computes with: the batcher's defaults for its pipeline and the kind ListRewards reports
+    follow it. A str ("rule" == SourceKind.RULE), so logs and configs read as before."""
+
+    RULE = "rule"
+    FUNCTION = "function"
+    MODEL = "model"
+    JUDGE = "judge"
+    CODE = "code"
+
+
 class RewardSource(ABC):
     """A reward source as the pipeline, the batcher and the server see it: a rule, a user function, a code
     sandbox, a judge, a reward model. Every source subclasses this; what it does not override keeps the default
     here (no extras, no warm-up, nothing to close, no limit on the work it can start, answers with its batch)."""
 
     name: str
-    kind: str  # "rule" | "function" | "model" | "judge" | "code"
+    kind: SourceKind
     target: str  # rule name, function spec, model path, judge URL or isolation level
     # The extras this source reports (ListRewards announces them, so every caller builds the same columns).
     extra_keys: tuple[str, ...] = ()

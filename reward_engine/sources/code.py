@@ -23,7 +23,15 @@ from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Un
 from rewardmesh.reward_engine.sandbox.executor import Claim, Limits, Sandbox, TestRun
 from rewardmesh.reward_engine.sandbox.grading import OUTCOMES, Plan, job_of, outcome, plan
 from rewardmesh.reward_engine.sources import options
-from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import (
+    BatchResult,
+    Capacity,
+    Outcome,
+    RewardInput,
+    RewardOutput,
+    RewardSource,
+    SourceKind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,7 @@ class CodeSource(RewardSource):
       prestart: prove the sandbox and start the pool's sandboxes when the server starts (else on first use).
     """
 
-    kind = "code"
+    kind = SourceKind.CODE
     sandbox: Sandbox
 
     def __init__(

@@ -25,6 +25,7 @@ from rewardmesh.reward_engine.types import (
     RewardInput,
     RewardOutput,
     RewardSource,
+    SourceKind,
 )
 
 EXECUTORS = ("auto", "process", "thread", "inline")
@@ -79,7 +80,7 @@ class FunctionSource(RewardSource):
     stuck forever leaks, so prefer "process" for code that may hang.
     """
 
-    kind = "function"
+    kind = SourceKind.FUNCTION
 
     def __init__(
         self,

@@ -31,7 +31,15 @@ from rewardmesh.common.errors import (
 from rewardmesh.common.rate_limit import RateLimiter
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool
 from rewardmesh.reward_engine.sources import options
-from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import (
+    BatchResult,
+    Capacity,
+    Outcome,
+    RewardInput,
+    RewardOutput,
+    RewardSource,
+    SourceKind,
+)
 
 DEFAULT_PROMPT_TEMPLATE = """\
 You are a strict grader. Rate how well the response below answers the prompt, on a scale from 0 \
@@ -142,7 +150,7 @@ class JudgeSource(RewardSource):
         (unset or empty = no Authorization header).
     """
 
-    kind = "judge"
+    kind = SourceKind.JUDGE
     extra_keys = ("judge_raw",)
 
     def __init__(

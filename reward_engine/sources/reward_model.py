@@ -53,7 +53,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from rewardmesh.common.errors import InvalidInput, SourceFailed, Unavailable
 from rewardmesh.reward_engine.devices import resolve_device, resolve_dtype
 from rewardmesh.reward_engine.sources import options
-from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import BatchResult, Capacity, RewardInput, RewardOutput, RewardSource, SourceKind
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ CPU_BATCHES_IN_FLIGHT = 1
 class ModelSource(RewardSource):
     """Scores samples with a local sequence-classification reward model."""
 
-    kind = "model"
+    kind = SourceKind.MODEL
 
     def __init__(
         self,

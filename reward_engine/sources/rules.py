@@ -20,7 +20,15 @@ from rewardmesh.common.errors import InvalidInput, RewardError, SourceFailed, Un
 from rewardmesh.reward_engine.isolation import Call, IsolatedPool, spec_of
 from rewardmesh.reward_engine.sources import options
 from rewardmesh.reward_engine.sources.verl_compat import to_output
-from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import (
+    BatchResult,
+    Capacity,
+    Outcome,
+    RewardInput,
+    RewardOutput,
+    RewardSource,
+    SourceKind,
+)
 
 RuleFn = Callable[[str, str, str, dict[str, Any] | None], float | dict[str, Any]]
 
@@ -345,7 +353,7 @@ class RuleSource(RewardSource):
     "auto" and is refused under "process".
     """
 
-    kind = "rule"
+    kind = SourceKind.RULE
 
     def __init__(
         self,

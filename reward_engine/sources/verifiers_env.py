@@ -32,7 +32,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from rewardmesh.common.errors import DeadlineExceeded, InvalidInput, SourceFailed, Unavailable, describe_exception
-from rewardmesh.reward_engine.types import BatchResult, Capacity, Outcome, RewardInput, RewardOutput, RewardSource
+from rewardmesh.reward_engine.types import (
+    BatchResult,
+    Capacity,
+    Outcome,
+    RewardInput,
+    RewardOutput,
+    RewardSource,
+    SourceKind,
+)
 
 INSTALL_HINT = "pip install verifiers==0.4.0 (and the environment's package) beside the reward server"
 
@@ -70,7 +78,7 @@ def _task_class(where: str, taskset: str, task: str) -> type:
 class VerifiersSource(RewardSource):
     """Runs a verifiers Task's `score` (its `@vf.reward`s, `@vf.metric`s and plugged judges) on each sample."""
 
-    kind = "function"
+    kind = SourceKind.FUNCTION
 
     def __init__(
         self,

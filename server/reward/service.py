@@ -9,6 +9,7 @@ from typing import Any
 from grpc import aio
 
 from rewardmesh.reward_engine.engine import RewardEngine
+from rewardmesh.reward_engine.types import SourceKind
 from rewardmesh.server.limits import DEFAULT_LIMITS, Limits, keep_traces
 from rewardmesh.server.reward.sample_split import ParsedBatch, ParsedScore
 from rewardmesh.server.reward.scoring import DEFAULT_MAX_STREAM_UNANSWERED, Scoring
@@ -16,13 +17,11 @@ from rewardmesh.server.reward.telemetry import RewardTelemetry
 from rewardmesh.server.reward.tenants import TenantTable
 from rewardmesh.v1 import reward_pb2, reward_pb2_grpc
 
-_KINDS = {
-    "rule": reward_pb2.REWARD_SOURCE_KIND_RULE,
-    "function": reward_pb2.REWARD_SOURCE_KIND_FUNCTION,
-    "model": reward_pb2.REWARD_SOURCE_KIND_MODEL,
-    "judge": reward_pb2.REWARD_SOURCE_KIND_JUDGE,
-    "code": reward_pb2.REWARD_SOURCE_KIND_CODE,
-}
+
+def wire_kind(kind: SourceKind) -> str:
+    """A source's kind as ListRewards reports it: the RewardSourceKind value named REWARD_SOURCE_KIND_ and the
+    kind's name (RULE, MODEL ...); a message field set from it takes the name."""
+    return f"REWARD_SOURCE_KIND_{kind.name}"
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -104,7 +103,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 sources=[
                     reward_pb2.RewardSource(
                         name=ws.source.name,
-                        kind=_KINDS.get(ws.source.kind, reward_pb2.REWARD_SOURCE_KIND_UNSPECIFIED),
+                        kind=wire_kind(ws.source.kind),
                         weight=ws.weight,
                         target=ws.source.target,
                     )
