@@ -4,7 +4,7 @@
 
 Workload: R requests on the tiny policy (seeded sampling at temperature 1, so every mode generates the same
 tokens), max_tokens drawn uniformly in [min, max] per request, so rows finish at different steps.
-  (a) offline: all R requests submitted at once (one batch, max_batch_size >= R): the throughput limit;
+  (a) offline: all R requests submitted at once (one batch, max_num_seqs >= R): the throughput limit;
   (b) stream: the same requests arriving as a Poisson process spread over `--window` x (a)'s makespan, each
       joining the running batch at the next step boundary. (a)'s makespan is the median of every offline run so
       far (3 calibration runs, then each round's), so a slow or fast moment of a shared machine does not stretch
@@ -118,7 +118,7 @@ async def main_async(args: argparse.Namespace) -> int:
     backend = HFBackend(
         str(models.policy),
         device="cpu",
-        max_batch_size=max(args.requests, 1),
+        max_num_seqs=max(args.requests, 1),
         num_threads=args.threads,
         batch_wait_ms=5,
     )

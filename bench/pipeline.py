@@ -361,7 +361,7 @@ async def run(args: argparse.Namespace) -> int:
             policy,
             None,
             rollout_servers=args.rollout_servers,
-            max_batch_size=max_batch,
+            max_num_seqs=max_batch,
             batch_wait_ms=args.batch_wait_ms,
         ) as mesh:
             addresses = mesh.rollout_addresses

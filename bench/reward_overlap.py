@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-model", action="store_true", help="score with the real tiny reward model instead")
     p.add_argument("--repeats", type=int, default=15, help="runs of (a)+(b); medians are reported")
     p.add_argument("--calibration-runs", type=int, default=5, help="generation-only runs to calibrate (medians)")
-    p.add_argument("--max-batch-size", type=int, default=0, help="hf backend micro-batch limit (0: B x n)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="hf backend: most rows decoded together (0: B x n)")
     p.add_argument(
         "--batch-wait-ms",
         type=float,
@@ -258,12 +258,12 @@ async def run(args: argparse.Namespace) -> int:
     lengths = spread_max_tokens(args.prompts, args.min_tokens, args.max_tokens, rng, args.length_spread)
     work = Workload(specs, lengths, args.n, stop_token_ids(tokenizer, args.stop_tokens), args.temperature)
     total = args.prompts * args.n
-    max_batch = args.max_batch_size or total
+    max_batch = args.max_num_seqs or total
     dist = LatencyDist.parse(args.latency)
 
     reps: list[Repeat] = []
     with tempfile.TemporaryDirectory(prefix="rewardmesh-bench-") as tmp:
-        async with local_mesh(policy, None, max_batch_size=max_batch, batch_wait_ms=args.batch_wait_ms) as mesh:
+        async with local_mesh(policy, None, max_num_seqs=max_batch, batch_wait_ms=args.batch_wait_ms) as mesh:
             address = mesh.rollout_addresses[0]
             progress(
                 f"calibrating: {args.prompts} prompts x {args.n} samples, max_tokens {sorted(set(lengths))}, "
@@ -334,7 +334,7 @@ def report(
     config = {
         "workload": f"{args.prompts} prompts x n={args.n} = {args.prompts * args.n} samples, hf backend, tiny policy",
         "lengths": lengths_desc(args, work, reps),
-        "hf backend": f"max_batch_size {args.max_batch_size or args.prompts * args.n}, "
+        "hf backend": f"max_num_seqs {args.max_num_seqs or args.prompts * args.n}, "
         f"batch_wait_ms {args.batch_wait_ms:g}, 1 decode thread",
         "calibration (no reward, medians)": f"{args.calibration_runs} runs: mean generation time of one sample "
         f"{calib.mean_generate_s:.3f}s, makespan {calib.makespan_s:.3f}s",

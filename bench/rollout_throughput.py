@@ -329,7 +329,7 @@ async def run_hf(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     reward = ServerProcess("reward-hf", reward_argv(), workdir)
     rollout_argv = [sys.executable, "-m", "rewardmesh.server.cli", "serve", "rollout", "--host", "127.0.0.1",
                     "--port", "0",
-                    "--backend", "hf", "--model", policy, "--device", "cpu", "--max-batch-size", str(batch),
+                    "--backend", "hf", "--model", policy, "--device", "cpu", "--max-num-seqs", str(batch),
                     "--grace-s", "2"]  # fmt: skip
     os.environ.update(env_threads)  # the rollout server's torch uses the same thread count as the bare run
     reward.start()

@@ -74,7 +74,7 @@ async def local_mesh(
     pipelines: dict[str, Any] | None = None,
     *,
     rollout_servers: int = 1,
-    max_batch_size: int = 64,
+    max_num_seqs: int = 64,
     num_threads: int | None = 1,
     batch_wait_ms: float | None = None,
     reward_targets: bool = True,
@@ -83,7 +83,8 @@ async def local_mesh(
 ) -> AsyncIterator[Mesh]:
     """One reward server and `rollout_servers` rollout servers (hf, or vllm) on the policy at `policy`.
 
-    hf: one torch thread per decode loop by default: two threads each on a loaded 2-core machine slow every step.
+    hf: one torch thread per decode loop by default: two threads each on a loaded 2-core machine slow every step;
+    ``max_num_seqs`` rows decoded together (the vllm engine keeps vLLM's own max_num_seqs).
     vllm: the engine computes in float32, as the learner does, so its log-probs match the learner's; further
     engine arguments come from REWARDMESH_ENGINE_ARG (KEY=VALUE,...), as for `rewardmesh serve rollout`.
     """
@@ -103,7 +104,7 @@ async def local_mesh(
                 from rewardmesh.server.rollout.backends.hf import HFBackend
 
                 options: dict[str, Any] = {"batch_wait_ms": batch_wait_ms} if batch_wait_ms is not None else {}
-                backend = HFBackend(str(policy), device="cpu", max_batch_size=max_batch_size, num_threads=num_threads,
+                backend = HFBackend(str(policy), device="cpu", max_num_seqs=max_num_seqs, num_threads=num_threads,
                                     **options)  # fmt: skip
             targets = [reward.address] if reward_targets else None
             rollouts.append(await stack.enter_async_context(rollout_server(backend, targets, stop_grace_s=1.0)))

@@ -134,7 +134,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     mesh: Any = (
         contextlib.nullcontext()
         if args.rollout_target
-        else local_mesh(policy, rollout_servers=servers, max_batch_size=args.max_batch_size, backend_name=args.backend)
+        else local_mesh(policy, rollout_servers=servers, max_num_seqs=args.max_num_seqs, backend_name=args.backend)
     )
     history: list[dict[str, float]] = []
     started = time.perf_counter()

@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--max-model-len", dest="max_model_len", type=int,
                          help="context length (default 0: the model's)")  # fmt: skip
     rollout.add_argument("--device", help="hf backend: auto, cpu or cuda (default auto)")
+    rollout.add_argument("--max-num-seqs", dest="max_num_seqs", type=int,
+                         help="most sequences decoded together: the hf backend's rows, vLLM's max_num_seqs "
+                              "(default 0: the backend's own)")  # fmt: skip
     rollout.add_argument("--max-batch-size", dest="max_batch_size", type=int,
-                         help="hf backend: most requests decoded together (default 32)")  # fmt: skip
+                         help="deprecated name of --max-num-seqs")  # fmt: skip
     rollout.add_argument("--max-batch-tokens", dest="max_batch_tokens", type=int,
                          help="hf backend: KV budget, prompt + max_tokens over rows (default 0: none)")  # fmt: skip
     rollout.add_argument("--batch-wait-ms", dest="batch_wait_ms", type=float,
@@ -175,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", type=Path, help="policy directory (default: the tiny policy)")
     demo.add_argument("--models", type=Path, default=default_models_dir(),
                       help="tiny models directory, built if missing (default %(default)s)")  # fmt: skip
-    demo.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=64)
+    demo.add_argument("--max-num-seqs", "--max-batch-size", dest="max_num_seqs", type=int, default=64,
+                      help="hf rollout servers: most sequences decoded together (default %(default)s; "
+                           "--max-batch-size: its deprecated name)")  # fmt: skip
     demo.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
     demo.add_argument("--clip-ratio-low", dest="clip_ratio_low", type=float, default=0.2,
                       help="PPO clip below 1 (default %(default)s)")  # fmt: skip

@@ -42,9 +42,11 @@ class RolloutServerConfig(ServerOptions):
     # Engine options. Both backends:
     dtype: str = "auto"  # auto: bf16 on a GPU that has it (else fp16), fp32 on CPU
     max_model_len: int = 0  # 0: the model's max_position_embeddings
+    # Most sequences decoded together (the hf backend's rows, vLLM's max_num_seqs); 0: the backend's own default.
+    max_num_seqs: int = 0
+    max_batch_size: int = 0  # deprecated (it also names a reward batch): read as max_num_seqs, with a warning
     # hf backend:
     device: str = "auto"
-    max_batch_size: int = 32  # most rows decoded together
     max_batch_tokens: int = 0  # KV budget of the running batch, prompt + max_tokens per row; 0: rows only
     batch_wait_ms: float = 5.0  # an idle backend waits this long for company before its first prefill
     num_threads: int = -1  # torch threads of the decode thread; -1: half the usable cores (1-8), 0: torch's
@@ -58,6 +60,28 @@ class RolloutServerConfig(ServerOptions):
     engine_arg: list[str] = field(default_factory=list)
 
 
+def max_num_seqs(cfg: RolloutServerConfig) -> dict[str, int]:
+    """``{"max_num_seqs": N}`` when the config sets it (or its deprecated name, max_batch_size), else nothing: the
+    backend keeps its own default."""
+    for name in ("max_num_seqs", "max_batch_size"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 1 (0: the backend's default), got {getattr(cfg, name)}")
+    if cfg.max_batch_size:
+        if cfg.max_num_seqs and cfg.max_num_seqs != cfg.max_batch_size:
+            raise ValueError(
+                f"max_batch_size {cfg.max_batch_size} and max_num_seqs {cfg.max_num_seqs} both set: max_batch_size "
+                "is the deprecated name of max_num_seqs; set max_num_seqs only"
+            )
+        log.warning(
+            "max_batch_size is deprecated for the rollout server (it also names a reward batch's size): read as "
+            "max_num_seqs=%d, at most that many sequences decoded together by the %s backend; set max_num_seqs",
+            cfg.max_batch_size,
+            cfg.backend,
+        )
+        return {"max_num_seqs": cfg.max_batch_size}
+    return {"max_num_seqs": cfg.max_num_seqs} if cfg.max_num_seqs else {}
+
+
 def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
     """The constructor options of ``cfg.backend`` from the server config."""
     max_model_len = cfg.max_model_len or None
@@ -68,7 +92,7 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
             "device": cfg.device,
             "dtype": cfg.dtype,
             "max_model_len": max_model_len,
-            "max_batch_size": cfg.max_batch_size,
+            **max_num_seqs(cfg),
             "max_batch_tokens": cfg.max_batch_tokens or None,
             "batch_wait_ms": cfg.batch_wait_ms,
             "num_threads": None if cfg.num_threads < 0 else cfg.num_threads,
@@ -76,6 +100,13 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
     if cfg.backend == "vllm":
         from rewardmesh.server.rollout.backends.vllm_engine import parse_engine_args
 
+        engine_args = parse_engine_args(cfg.engine_arg)
+        seqs = max_num_seqs(cfg)
+        if seqs and engine_args.get("max_num_seqs", seqs["max_num_seqs"]) != seqs["max_num_seqs"]:
+            raise ValueError(
+                f"max_num_seqs {seqs['max_num_seqs']} and engine_arg max_num_seqs={engine_args['max_num_seqs']} "
+                "disagree: set it once"
+            )
         return {
             "dtype": cfg.dtype,
             "max_model_len": max_model_len,
@@ -83,7 +114,8 @@ def backend_options(cfg: RolloutServerConfig) -> dict[str, Any]:
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "enforce_eager": cfg.enforce_eager,
             "attention_backend": cfg.attention_backend or None,
-            "engine_args": parse_engine_args(cfg.engine_arg),
+            **seqs,
+            "engine_args": engine_args,
         }
     return {}
 

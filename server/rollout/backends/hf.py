@@ -6,7 +6,7 @@ cache slot is freed), and a request that arrives while others decode is prefille
 the running rows' next token and joins, so it never waits for the longest row of a batch it missed. The KV
 cache is preallocated per row (hf_kv_cache.SlotCache), so joining and leaving copy no cache. Models whose cache
 is not plain full attention (sliding windows, linear attention) or whose attention takes no 4-D mask run on
-transformers' own cache instead, where new rows wait for an empty batch. Admission is bounded by ``max_batch_size``
+transformers' own cache instead, where new rows wait for an empty batch. Admission is bounded by ``max_num_seqs``
 rows and ``max_batch_tokens`` (each row reserves prompt + max_tokens). Each request's future resolves the
 moment its own row finishes.
 
@@ -48,6 +48,9 @@ from rewardmesh.server.rollout.backends.hf_weights import ModelWeights, WeightSw
 from rewardmesh.server.rollout.backends.requests import eos_token_ids, validate_request
 
 logger = logging.getLogger(__name__)
+# Rows decoded together when the server config leaves max_num_seqs unset (vLLM's engine argument of that name, which
+# the vllm backend is given instead, has vLLM's own default).
+DEFAULT_MAX_NUM_SEQS = 32
 
 
 def default_num_threads() -> int:
@@ -79,14 +82,14 @@ class HFBackend(Backend):
         *,
         device: str = "auto",
         dtype: str = "auto",
-        max_batch_size: int = 32,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_batch_tokens: int | None = None,
         batch_wait_ms: float = 5.0,
         max_model_len: int | None = None,
         num_threads: int | None = None,
     ) -> None:
         """``max_batch_tokens`` bounds the running batch's KV cache: the sum of prompt + max_tokens over its
-        rows (default ``max_batch_size * max_model_len``, i.e. only the row count binds); a request larger
+        rows (default ``max_num_seqs * max_model_len``, i.e. only the row count binds); a request larger
         than the budget still runs, alone. ``batch_wait_ms`` is how long an idle backend waits for company
         before its first prefill; once a batch runs, newcomers join at the next step without waiting.
         ``num_threads`` sets torch's CPU threads for the decode thread only (OpenMP settings are per thread;
@@ -94,8 +97,8 @@ class HFBackend(Backend):
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -105,7 +108,7 @@ class HFBackend(Backend):
         self.model = str(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs
         self.num_threads = default_num_threads() if num_threads is None else num_threads
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.config = AutoConfig.from_pretrained(self.model, local_files_only=True)
@@ -121,7 +124,7 @@ class HFBackend(Backend):
         elif limit is not None and max_model_len > limit:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
         self.max_model_len = int(max_model_len)
-        self.max_batch_tokens = max_batch_tokens or max_batch_size * self.max_model_len
+        self.max_batch_tokens = max_batch_tokens or max_num_seqs * self.max_model_len
         self.vocab_size: int | None = getattr(self.config, "vocab_size", None)
         self.policy_version = 0
 
@@ -274,7 +277,7 @@ class HFBackend(Backend):
             idle = not running and not self._pending
             if not self._drain_inbox(block=idle):
                 return
-            if idle and self.batch_wait_s > 0 and len(self._pending) < self.max_batch_size:
+            if idle and self.batch_wait_s > 0 and len(self._pending) < self.max_num_seqs:
                 time.sleep(self.batch_wait_s)  # an idle backend waits a moment for company
                 if not self._drain_inbox(block=False):
                     return
@@ -373,7 +376,7 @@ class HFBackend(Backend):
             return []  # the general path admits into an empty batch only
         reserved = sum(row.reserve for row in running)
         rows: list[Row] = []
-        while self._pending and len(running) + len(rows) < self.max_batch_size:
+        while self._pending and len(running) + len(rows) < self.max_num_seqs:
             slot = self._pending[0]
             if slot.future.done():
                 self._pending.popleft()

@@ -179,8 +179,8 @@ async def test_logprobs_are_cut_with_a_stop_string(backend: HFBackend) -> None:
 # ----------------------------------------------------------------------------------------------- batching
 
 
-async def test_concurrent_requests_share_steps_up_to_max_batch_size(tiny_models: TinyModelPaths) -> None:
-    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_batch_size=3)
+async def test_concurrent_requests_share_steps_up_to_max_num_seqs(tiny_models: TinyModelPaths) -> None:
+    b = HFBackend(str(tiny_models.policy), num_threads=1, batch_wait_ms=20, max_num_seqs=3)
     try:
         outs = await asyncio.gather(*(b.generate(greedy(b, p, max_tokens=4)) for p in [*PROMPTS, *PROMPTS]))
         assert all(len(o.token_ids) == 4 for o in outs)
@@ -502,8 +502,8 @@ async def test_bad_weights_are_rejected_and_nothing_is_applied(
 
 async def test_make_backend(tiny_models: TinyModelPaths) -> None:
     threads = torch.get_num_threads()
-    b = make_backend("hf", str(tiny_models.policy), batch_wait_ms=1.0, max_batch_size=4, num_threads=1)
-    assert isinstance(b, HFBackend) and b.max_batch_size == 4
+    b = make_backend("hf", str(tiny_models.policy), batch_wait_ms=1.0, max_num_seqs=4, num_threads=1)
+    assert isinstance(b, HFBackend) and b.max_num_seqs == 4
     out = await b.generate(greedy(b, PROMPTS[0], max_tokens=3))  # starts on demand
     assert len(out.token_ids) == 3
     assert torch.get_num_threads() == threads  # the cap stayed on the decode thread
