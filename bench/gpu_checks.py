@@ -58,7 +58,9 @@ class Step:
 
 
 @dataclass
-class Outcome:
+class StepResult:
+    """How one check step ended, for the summary table."""
+
     step: Step
     state: str  # "passed" | "failed" | "timed out" | "not run: ..."
     summary: str = ""
@@ -168,7 +170,7 @@ def blocker(step: Step, no_cuda: str, no_vllm: str) -> str:
     return ""
 
 
-def run_step(step: Step, out: Path, limit_s: float) -> Outcome:
+def run_step(step: Step, out: Path, limit_s: float) -> StepResult:
     log = out / f"{step.name}.log"
     started = time.monotonic()
     env = {**os.environ, **step.env, "PYTHONUNBUFFERED": "1"}
@@ -184,17 +186,17 @@ def run_step(step: Step, out: Path, limit_s: float) -> Outcome:
     seconds = time.monotonic() - started
     output = log.read_text(errors="replace")
     if code is None:
-        return Outcome(step, "timed out", f"after {limit_s:.0f} s (see {log.name})", seconds)
+        return StepResult(step, "timed out", f"after {limit_s:.0f} s (see {log.name})", seconds)
     try:
         passed, summary = step.summarize(output, out / f"{step.name}.json")
     except (OSError, ValueError, KeyError) as exc:
         passed, summary = False, f"no result ({type(exc).__name__}: {exc}; see {log.name})"
     if code != 0:
         passed, summary = False, f"exit code {code}; {summary}"
-    return Outcome(step, "passed" if passed else "failed", summary, seconds)
+    return StepResult(step, "passed" if passed else "failed", summary, seconds)
 
 
-def table(outcomes: list[Outcome]) -> str:
+def table(outcomes: list[StepResult]) -> str:
     rows = [[o.step.name, o.step.what, o.state, o.summary, f"{o.seconds:.0f}" if o.seconds else ""] for o in outcomes]
     return markdown_table(["check", "what", "result", "measured", "s"], rows)
 
@@ -232,22 +234,22 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"logs, JSON and the table: {out}", flush=True)
     deadline = time.monotonic() + args.deadline_s
-    outcomes: list[Outcome] = []
+    outcomes: list[StepResult] = []
     stopped = ""
     for s in plan:
         left = deadline - time.monotonic()
         why = blocker(s, no_cuda, no_vllm)
         if stopped:
-            outcomes.append(Outcome(s, "not run", stopped))
+            outcomes.append(StepResult(s, "not run", stopped))
         elif s.needs_cuda and no_cuda:
             stopped = f"no CUDA GPU here ({no_cuda})"
-            outcomes.append(Outcome(s, "not run", stopped))
+            outcomes.append(StepResult(s, "not run", stopped))
             print(f"\nstopped at {s.name}: it needs a CUDA GPU, and {no_cuda}; not run: "
                   f"{', '.join(x.name for x in plan[plan.index(s):])}", flush=True)  # fmt: skip
         elif why:
-            outcomes.append(Outcome(s, "not run", why))
+            outcomes.append(StepResult(s, "not run", why))
         elif left < 30:
-            outcomes.append(Outcome(s, "not run", f"the run's {args.deadline_s:.0f} s were spent"))
+            outcomes.append(StepResult(s, "not run", f"the run's {args.deadline_s:.0f} s were spent"))
         else:
             limit = min(s.limit_s, left)
             print(f"\n[gpu_checks {time.strftime('%H:%M:%S')}] {s.name}: {s.what} (limit {limit:.0f} s)", flush=True)
