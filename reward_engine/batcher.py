@@ -282,7 +282,7 @@ class DynamicBatcher:
         for fut, _ in list(self.scheduler.apart.values()):
             fut.cancel()  # its sample is answered UNAVAILABLE (see BatchRunner._answer_late)
 
-    # -- scheduling ---------------------------------------------------------------------------
+    # -- forming batches and handing them over ----------------------------------------------------
 
     async def _schedule(self) -> None:
         while True:
