@@ -5,7 +5,8 @@
     workflow = RewardMeshRLVRWorkflow(
         gconfig=config.gconfig, tokenizer=tokenizer, target="reward:50051", pipeline="gsm8k"
     )
-    rollout.prepare_batch(dataloader, workflow=workflow)  # or workflow="...areal.RewardMeshRLVRWorkflow" + kwargs
+    rollout.prepare_batch(dataloader, workflow=workflow)
+    # or workflow="rewardmesh.client.integrations.areal.RewardMeshRLVRWorkflow", workflow_kwargs={...}
 
 Generation, tokenization and the trajectory are RLVRWorkflow's own; only the reward differs. AReaL's
 `reward_fn` path runs a sync function in a process pool through AsyncRewardWrapper, which after 15 s (three
@@ -18,11 +19,13 @@ Dataset columns feed the sample: `ground_truth_key` (default: the first of groun
 present), `data_source` and `extra_info`. The pipeline's extras go to AReaL's stats tracker as `rewardmesh/<key>`.
 
 A sample the service cannot score raises RewardMeshError from `arun_episode`, naming the sample and the cause.
-AReaL's workflow executor catches an episode's exception: it logs it at ERROR ("Workflow execution failed",
-with this message) and counts the episode rejected, so a fleet that fails every sample shows as rejected
-episodes and these errors, never as rewards. Opt-in: `mask_errors=True` returns None for such an episode,
-AReaL's own way of rejecting a trajectory, logged as a warning. A server that is down, refuses the token or
-lacks the pipeline raises either way.
+AReaL's workflow executor catches an episode's exception, logs it at ERROR ("Workflow execution failed") and
+counts the episode rejected; training would go on without the sample, or, with every sample failing (a fleet that
+is down), wait for a batch that never comes. So the workflow also hands the error to AReaL's rollout dispatcher as
+a failure of its threads (AReaL's own fail-fast path), and the trainer's next `prepare_batch`/`wait`/`submit`
+raises it: RuntimeError "Background thread failed: <this error>". Opt-in: `mask_errors=True` returns None for a
+failed sample, AReaL's own way of rejecting a trajectory, with a warning naming it. A server that is down, refuses
+the token or lacks the pipeline stops the rollouts either way.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 from rewardmesh.client.integrations.scoring import (
     SERVICE_ERRORS,
     MeshScorer,
+    RewardMeshError,
     describe,
     error_text,
     extra_info_from,
@@ -63,6 +67,20 @@ GROUND_TRUTH_KEYS = ("ground_truth", "answer", "solution", "label")
 
 class _Masked(Exception):
     """An episode whose reward failed and is masked (mask_errors): arun_episode returns None for it."""
+
+
+def _stop_rollouts(engine: Any, exc: Exception) -> None:
+    """Hand `exc` to AReaL's rollout dispatcher as a failure of its own threads (the fail-fast path AReaL uses for
+    them), so the trainer's next wait or submit raises it: AReaL only logs an episode's own exception and counts the
+    episode rejected, so a failed sample would be dropped, and with every sample failing (a fleet that is down),
+    training would wait for a batch that never comes. An engine without AReaL's executor is left alone."""
+    try:
+        dispatcher = engine.workflow_executor.dispatcher
+    except (AttributeError, RuntimeError):  # no executor, or not initialized
+        return
+    setter = getattr(dispatcher, "_set_thread_exception", None)
+    if callable(setter):
+        setter(exc)
 
 
 def _prompt_text(data: dict[str, Any], fallback: str) -> str:
@@ -142,8 +160,11 @@ class RewardMeshRLVRWorkflow(RLVRWorkflow):
         return float(result.score)
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
-        """RLVRWorkflow's episode; None (AReaL rejects it) for a masked failure."""
+        """RLVRWorkflow's episode; None (AReaL rejects it) for a masked failure; other failures stop the rollouts."""
         try:
             return await super().arun_episode(engine, data)
         except _Masked:
             return None
+        except RewardMeshError as exc:
+            _stop_rollouts(engine, exc)
+            raise

@@ -32,6 +32,7 @@ class CannedEngine:
 
     def __init__(self, tok: Any, answers: dict[str, str]) -> None:
         self.tok, self.answers, self.requests = tok, answers, 0
+        self.workflow_executor: Any = None
 
     def get_version(self) -> int:  # what AReaL's WorkflowExecutor reads for staleness
         return 0
@@ -112,27 +113,68 @@ def test_a_failed_sample_raises_naming_it_or_is_rejected_when_asked(tok: Any) ->
         assert episode(masked, engine, good)["rewards"].tolist() == [4.0]
 
 
-def test_through_areals_workflow_executor_a_failed_sample_is_a_rejected_episode_logged_by_name(
+def executor_for(engine: CannedEngine, batch: int) -> WorkflowExecutor:
+    """AReaL's own WorkflowExecutor (its rollout thread, its uvloop loop) on the stand-in engine, which holds it as
+    AReaL's RemoteInfEngine holds its executor."""
+    config = InferenceEngineConfig(consumer_batch_size=batch, max_head_offpolicyness=0, max_concurrent_rollouts=batch)
+    executor = WorkflowExecutor(config, engine)
+    engine.workflow_executor = executor
+    executor.initialize(logger=logging.getLogger("areal-executor"))
+    return executor
+
+
+def rollouts(executor: WorkflowExecutor, wf: RewardMeshRLVRWorkflow, rows: list[dict[str, Any]]) -> list[Any]:
+    """As prepare_batch does: submit, wait for results, again while the batch is short (3 rounds at most)."""
+    results: list[Any] = []
+    for _ in range(3):
+        for data in rows:
+            executor.submit(data, wf)
+        results += executor.wait(len(rows), timeout=120)
+    return results
+
+
+def test_through_areals_workflow_executor_a_failed_sample_stops_training_or_is_rejected_when_asked(
     tok: Any, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """AReaL's own executor (its rollout thread and uvloop loop) catches what an episode raises: the failed sample
-    comes back as a rejected (None) episode, with the error naming it in the executor's log, never as a reward."""
+    """AReaL's executor only logs what an episode raises and counts it rejected: by default the workflow also stops
+    the rollouts, so the trainer's next call raises naming the sample; with mask_errors it is a rejected episode."""
     engine = CannedEngine(tok, {"q": "four"})
-    config = InferenceEngineConfig(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=2)
+    rows = [row("q: a", extra_info=json.dumps({"delay": 0})), row("q: b", extra_info='{"delay": "oops", "index": 9}')]
+    named = r"rewardmesh pipeline 'sleepy' could not score sample 9 \(prompt 'q: b'\): INTERNAL.*mask_errors=True"
     with server_thread({"sleepy": fn_pipeline("sleepy")}) as server:
-        wf = workflow(tok, server.address, "sleepy")
-        executor = WorkflowExecutor(config, engine)
-        executor.initialize(logger=logging.getLogger("areal-executor"))
+        executor = executor_for(engine, 2)
         try:
-            executor.submit(row("q: a", extra_info=json.dumps({"delay": 0})), wf)
-            executor.submit(row("q: b", extra_info=json.dumps({"delay": "oops", "index": 9})), wf)
-            results = executor.wait(2, timeout=60)
+            with pytest.raises(RuntimeError, match="Background thread failed: " + named):
+                rollouts(executor, workflow(tok, server.address, "sleepy"), rows)
         finally:
             executor.destroy()  # ends the rollout loop: the workflow's reward client closes first, with it
+        assert "Workflow execution failed" in capfd.readouterr().err  # AReaL's own log (stderr, not propagated)
+        executor = executor_for(engine, 2)
+        try:
+            executor.submit(rows[0], masked := workflow(tok, server.address, "sleepy", mask_errors=True))
+            executor.submit(rows[1], masked)
+            results = executor.wait(2, timeout=120)
+        finally:
+            executor.destroy()
     rewards = [None if r is None else r["rewards"].tolist() for r in results]
-    assert sorted(rewards, key=str) == [None, [4.0]]  # AReaL shuffles a batch
-    logged = capfd.readouterr().err  # AReaL's loggers write to stderr and do not propagate
-    assert "Workflow execution failed: rewardmesh pipeline 'sleepy' could not score sample 9 (prompt 'q: b')" in logged
+    assert sorted(rewards, key=str) == [None, [4.0]]  # the failed sample rejected (AReaL shuffles a batch)
+
+
+def test_through_areals_workflow_executor_a_server_down_stops_training_at_once(tok: Any) -> None:
+    """Every episode would be rejected and the trainer would wait for a batch forever; a masked one too."""
+    engine = CannedEngine(tok, {"2 + 2": "#### 4"})
+    with refusing_port() as port:
+        executor = executor_for(engine, 1)
+        start = time.monotonic()
+        try:
+            wf = workflow(tok, f"127.0.0.1:{port}", "gsm8k", timeout_s=20, mask_errors=True)
+            with pytest.raises(
+                RuntimeError, match=r"Background thread failed: rewardmesh pipeline 'gsm8k'.*UNAVAILABLE"
+            ):
+                rollouts(executor, wf, [row("What is 2 + 2?", "4")])
+        finally:
+            executor.destroy()
+    assert time.monotonic() - start < 60
 
 
 def test_a_slow_sample_is_scored_or_fails_never_zero(tok: Any) -> None:
