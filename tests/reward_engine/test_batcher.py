@@ -249,9 +249,10 @@ def test_config_validation_names_the_knob() -> None:
         BatcherConfig(max_queue_size=0)
 
 
-async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> None:
-    """put(): no future per sample; the sink gets each outcome once, after the batch listener saw the batch
-    (a sink may export spans that link to it); a cancelled ticket gets nothing; expiry reaches the sink."""
+async def test_a_sink_ticket_is_answered_once_after_the_batch_is_described() -> None:
+    """A ticket with a sink: no future per sample (asking for one is an error); the sink gets each outcome once,
+    after the batch listener saw the batch (a sink may export spans that link to it); a cancelled ticket gets
+    nothing; expiry reaches the sink."""
     events: list[object] = []
     rec = Recorder()
     rec.gate = asyncio.Event()
@@ -263,6 +264,8 @@ async def test_put_delivers_to_the_sink_once_after_the_batch_is_described() -> N
         events.append((token, outcome if isinstance(outcome, BaseException) else outcome.batch_size))  # type: ignore[attr-defined]
 
     first = b.add(Ticket(inp("a"), sink=sink, token="tok-a"))  # computes alone, held at the gate
+    with pytest.raises(TypeError, match="answers through a sink"):
+        _ = first.future
     await eventually(lambda: rec.active == 1, "the first sample computes")
     queued = [b.add(Ticket(inp(sid), sink=sink, token=f"tok-{sid}")) for sid in ("b", "bad1", "c")]
     expired = b.add(Ticket(inp("late"), sink=sink, token="tok-late", deadline=time.monotonic() - 1))
