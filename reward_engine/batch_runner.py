@@ -235,17 +235,15 @@ class BatchRunner:
         it.tenant.in_flight += 1  # the batch lets go of it below; its tenant still waits for it
 
         def done(fut: asyncio.Future[Any]) -> None:
-            stopped = self.scheduler.ended_apart(it, fut)
             it.tenant.in_flight -= 1
-            if stopped and self._serving():
-                self.scheduler.requeue(it)  # before its slot frees: the next in fair order takes it
+            # Before its slot frees: a sample stopped for another tenant's is queued again (the next in fair order
+            # takes the slot), and what a sample took is learnt and charged (the next hand-over judges step
+            # deadlines by the service time and picks its tenant by virtual time).
+            end = time.monotonic()
+            if self.scheduler.ended_apart(it, fut, end - start, requeue=self._serving()):
                 self._deadlines.watch(it)
                 self._freed(0, 1)
                 return
-            # What it took is learnt and charged before its slot frees: the next hand-over judges step deadlines
-            # by the service time and picks its tenant by virtual time.
-            end = time.monotonic()
-            self.scheduler.learn_apart(it, end - start)
             self._freed(0, 1)  # its slot was held until now
             if fut.cancelled():
                 outcome: RewardOutput | BaseException = Unavailable(f"reward pipeline '{self.name}' shut down")

@@ -290,15 +290,22 @@ class Scheduler:
         """A sample answered apart runs now, until `future` is done (cancelling it stops the work)."""
         self.apart[it] = (future, start)
 
-    def ended_apart(self, it: Ticket, future: asyncio.Future[Any]) -> bool:
-        """A sample answered apart ended; True if its work was stopped for another tenant's (to be queued again)."""
+    def ended_apart(self, it: Ticket, future: asyncio.Future[Any], took_s: float, *, requeue: bool) -> bool:
+        """A sample answered apart ended after `took_s`. True if its work was stopped for another tenant's: it is
+        queued again (where `requeue`: the pipeline still serves). Else what it took is learnt (also as its
+        tenant's usual) and charged to its tenant."""
         self.apart.pop(it, None)
         if it in self._preempting:
             self._preempting.discard(it)
-            return future.cancelled()
+            if future.cancelled() and requeue:
+                self._requeue(it)
+                return True
+        self.learn(took_s)
+        self._usual[it.tenant] = moving_average(self._usual.get(it.tenant, took_s), took_s)
+        self.charge(it, took_s)
         return False
 
-    def requeue(self, it: Ticket) -> None:
+    def _requeue(self, it: Ticket) -> None:
         """A preempted sample back at the head of its tenant's lane (it started in time once: its start deadline is
         met; its step deadline still orders and bounds it)."""
         it.started = False
@@ -313,12 +320,6 @@ class Scheduler:
 
     def learn(self, compute_s: float) -> None:
         self.service_s = moving_average(self.service_s, compute_s)
-
-    def learn_apart(self, it: Ticket, took_s: float) -> None:
-        """A sample answered apart took `took_s`: learnt (also as its tenant's usual) and charged to its tenant."""
-        self.learn(took_s)
-        self._usual[it.tenant] = moving_average(self._usual.get(it.tenant, took_s), took_s)
-        self.charge(it, took_s)
 
     def charge(self, it: Ticket, cost_s: float) -> None:
         """Charge the sample's tenant what it really took of the sources' time, in units of the mean sample's (it
