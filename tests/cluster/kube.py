@@ -39,7 +39,9 @@ class KubectlError(RuntimeError):
 
 
 def kubectl(*args: str, stdin: str | None = None, timeout: float = 180, check: bool = True) -> str:
-    proc = subprocess.run([KUBECTL, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [KUBECTL, *args], input=stdin, capture_output=True, text=True, errors="replace", timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise KubectlError(f"kubectl {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()}")
     return proc.stdout

@@ -216,10 +216,14 @@ def test_the_trainer_job_trains_through_the_headless_services(single_node: list[
 
 def test_losing_a_rollout_and_a_reward_pod_mid_step_loses_no_sample(single_node: list[dict[str, Any]]) -> None:
     """Two of each, then one of each deleted with --grace-period=0 while the trainer and an audit run."""
+    kube.delete_job("trainer")
     kubectl("-n", NS, "scale", "deployment/reward", "deployment/rollout", "--replicas=2")
+    # A new trainer starts its weights at version 1, and rollout servers refuse weights older than the ones they
+    # serve (the last run's): a new run needs new rollout pods.
+    kubectl("-n", NS, "rollout", "restart", "deployment/rollout")
+    kubectl("-n", NS, "rollout", "status", "deployment/rollout", "--timeout=1500s", timeout=1600)
     kube.wait_ready("reward", 2)
     kube.wait_ready("rollout", 2)
-    kube.delete_job("trainer")
     kube.apply([the_job(single_node, steps=300)])
     start_audit("audit-loss", 40)
     wait_for_steps("the trainer", 3, lambda: step_rows(kube.job_log("trainer")))
