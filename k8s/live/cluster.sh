@@ -208,6 +208,39 @@ remove_containers() {
 	for id in $ids; do "${CTR[@]}" containers delete "$id" >/dev/null 2>&1 || true; done
 }
 
+# The rules and chains the kubelet and kube-proxy made (KUBE-*), and the jumps to them from the built-in chains.
+clean_iptables() {
+	local cmd t rules rule chains c
+	for cmd in iptables ip6tables; do
+		command -v "$cmd" >/dev/null || continue
+		for t in filter nat mangle; do
+			rules=$("$cmd" -t "$t" -S 2>/dev/null | grep -E '^-A (INPUT|OUTPUT|FORWARD|PREROUTING|POSTROUTING) .*-j KUBE-' || true)
+			while IFS= read -r rule; do
+				[ -n "$rule" ] && eval "$cmd -t $t -D ${rule#-A }" 2>/dev/null || true
+			done <<<"$rules"
+			chains=$("$cmd" -t "$t" -S 2>/dev/null | awk '/^-N KUBE-/ {print $2}')
+			for c in $chains; do "$cmd" -t "$t" -F "$c" 2>/dev/null || true; done
+			for c in $chains; do "$cmd" -t "$t" -X "$c" 2>/dev/null || true; done
+		done
+	done
+}
+
+# Every pod's veth on the cluster's bridge and the network namespace at its other end (containerd made them;
+# the pods were removed under it, not through CNI).
+clean_pod_networks() {
+	local veth ns
+	for veth in $(ip -o link show master "$BRIDGE" 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1); do
+		ns=$(ip -o link show "$veth" 2>/dev/null | grep -o 'link-netns [^ ]*' | cut -d' ' -f2 || true)
+		ip link del "$veth" 2>/dev/null || true
+		[ -n "$ns" ] && ip netns delete "$ns" 2>/dev/null || true
+	done
+	# And the namespaces containerd made for pods it has removed but left behind (named cni-*, made since the
+	# cluster started).
+	for ns in $(find /run/netns -maxdepth 1 -name 'cni-*' -newer "$RUN_DIR/pki/tokens.csv" -printf '%f\n' 2>/dev/null); do
+		ip netns delete "$ns" 2>/dev/null || true
+	done
+}
+
 stop_pid() {
 	local name=$1 pid
 	[ -f "$PIDS/$name.pid" ] || return 0
@@ -232,10 +265,9 @@ down() {
 	for name in kube-proxy dns-sync dnsmasq controller-manager scheduler containerd apiserver etcd; do
 		stop_pid "$name"
 	done
-	if [ -x "$BIN/kube-proxy" ] && iptables -t nat -S KUBE-SERVICES >/dev/null 2>&1; then
-		"$BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
-	fi
-	# What the pods left: their volume mounts, network namespaces, the bridge, the IP allocations.
+	clean_iptables
+	# What the pods left: their network namespaces and links, volume mounts, the bridge, the IP allocations.
+	clean_pod_networks
 	local mounts
 	mounts=$(findmnt -rn -o TARGET | grep "^$RUN_DIR/" | sort -r || true)
 	for m in $mounts; do umount -l "$m" 2>/dev/null || true; done
