@@ -110,10 +110,10 @@ clean:
 k8s-check: $(STAMP)
 	$(BIN)/python k8s/check.py
 
-# --- Trainer integrations: verl, TRL and OpenRLHF, pinned in tests/integrations/requirements.lock, and slime's reward
-# code from its source (tests/integrations/slime_src), in an environment of their own (.venv-integrations; its
-# packages are cached per lock under INTEG_CACHE, so only the first run on a machine installs them). `make test`
-# never needs them.
+# --- Trainer integrations: verl, TRL, OpenRLHF, AReaL, verifiers and skyrl-gym, pinned in
+# tests/integrations/requirements.lock, and slime's reward code from its source (tests/integrations/slime_src), in an
+# environment of their own (.venv-integrations; its packages are cached per lock under INTEG_CACHE, so only the first
+# run on a machine installs them). `make test` never needs them.
 INTEG_VENV := .venv-integrations
 INTEG_LOCK := tests/integrations/requirements.lock
 INTEG_CACHE ?= $(HOME)/.cache/rewardmesh/integrations
