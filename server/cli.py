@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run a server")
     serve_sub = serve.add_subparsers(dest="service", required=True)
+    _add_serve_reward(serve_sub)
+    _add_serve_rollout(serve_sub)
+    _add_tiny_models(sub)
+    _add_demo(sub)
+    _add_reward_demo(sub)
+    _add_health(sub)
+    return parser
+
+
+def _add_serve_reward(serve_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`serve reward` and its options."""
     reward = serve_sub.add_parser(
         "reward",
         help="run a reward server",
@@ -100,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not offer the built-in rules as pipelines",
     )
 
+
+def _add_serve_rollout(serve_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`serve rollout` and its options (some for one backend only, as their help says)."""
     rollout = serve_sub.add_parser(
         "rollout",
         help="run a rollout server",
@@ -139,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--engine-arg", dest="engine_arg", action="append", metavar="KEY=VALUE",
                          help="vllm backend: any other vllm.AsyncEngineArgs field (repeatable)")  # fmt: skip
 
+
+def _add_tiny_models(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`tiny-models` and its options."""
     tiny = sub.add_parser(
         "tiny-models",
         help="build tiny policy and reward models locally (no download)",
@@ -151,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"a model of a real shape instead of the tiny set (repeatable): "
                            f"{', '.join(sorted(SHAPES))}")  # fmt: skip
 
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`demo` and its options: the mesh's servers, the GRPO trainer's settings and what the run writes."""
     demo = sub.add_parser(
         "demo",
         help="train the tiny policy with GRPO on the mesh (in-process servers on 127.0.0.1, or real ones)",
@@ -206,11 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace-out", dest="trace_out", type=Path,
                       help="write spans as OTLP JSON lines; print the slowest sample's span tree")  # fmt: skip
 
+
+def _add_reward_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`reward-demo` and its options."""
     rdemo = sub.add_parser("reward-demo", help="score GSM8K-style samples through a real reward server and client")
     rdemo.add_argument("--samples", type=int, default=400, help="samples to score (default %(default)s)")
     rdemo.add_argument("--models", type=Path, default=default_models_dir())
     rdemo.add_argument("--seed", type=int, default=0)
 
+
+def _add_health(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`health` and its options."""
     health = sub.add_parser(
         "health",
         help="ask a server's grpc.health.v1 service; exit 0 if SERVING (for exec probes)",
@@ -223,7 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="",
                         help="e.g. rewardmesh.v1.RewardService (default: the whole server)")  # fmt: skip
     health.add_argument("--timeout-s", dest="timeout_s", type=float, default=3.0, help="default %(default)s")
-    return parser
 
 
 def _health(args: argparse.Namespace) -> int:
