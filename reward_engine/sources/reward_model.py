@@ -66,6 +66,14 @@ BATCHES_IN_FLIGHT = 2
 CPU_BATCHES_IN_FLIGHT = 1
 
 
+def _check_options(where: str, retokenize: str, max_length: int, length_buckets: int, batches_in_flight: int) -> None:
+    """Reject a reward model's options before anything is loaded, naming the option."""
+    options.one_of(where, "retokenize", retokenize, _RETOKENIZE)
+    options.integer(where, "max_length", max_length, minimum=1)
+    options.integer(where, "length_buckets", length_buckets, minimum=1)
+    options.integer(where, "batches_in_flight", batches_in_flight, minimum=0, note=" (0: the device's own)")
+
+
 class ModelSource(RewardSource):
     """Scores samples with a local sequence-classification reward model."""
 
@@ -92,39 +100,17 @@ class ModelSource(RewardSource):
         where = options.source_where("reward model", name)
         self.name = name
         self.target = str(path)
-        options.one_of(where, "retokenize", retokenize, _RETOKENIZE)
-        options.integer(where, "max_length", max_length, minimum=1)
-        options.integer(where, "length_buckets", length_buckets, minimum=1)
-        options.integer(where, "batches_in_flight", batches_in_flight, minimum=0, note=" (0: the device's own)")
+        _check_options(where, retokenize, max_length, length_buckets, batches_in_flight)
         self.length_buckets = length_buckets
         self.device: torch.device = _pick_device(device, name)
         self.dtype: torch.dtype = _pick_dtype(dtype, self.device, name)
 
         self.tokenizer: PreTrainedTokenizerBase = _load_tokenizer(path, f"reward model {name!r}")
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=self.dtype)
-        except Exception as e:  # transformers raises many types; the caller needs one clear message
-            raise ValueError(
-                f"reward model {name!r}: cannot load a sequence classifier from {path}: {type(e).__name__}: {e}"
-            ) from e
-        model.to(device=self.device, dtype=self.dtype)  # also covers transformers versions that ignore dtype=
-        model.eval()
+        model = self._load_model(path)
         self._model: PreTrainedModel | None = model
-
-        text_config = model.config.get_text_config()
-        num_labels = int(model.config.num_labels)
-        if not 0 <= score_index < num_labels:
-            raise ValueError(f"reward model {name!r}: score_index {score_index} out of range for {num_labels} label(s)")
-        self.score_index = score_index
-        max_pos = getattr(text_config, "max_position_embeddings", None)
-        self.max_length = min(max_length, int(max_pos)) if max_pos else max_length
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = getattr(text_config, "pad_token_id", None)
-        if pad is None:
-            pad = self.tokenizer.eos_token_id
-        self.pad_token_id = int(pad) if isinstance(pad, int) else 0
+        self.score_index, self.max_length, self.vocab_size, self.pad_token_id = self._read_model_config(
+            model, score_index, max_length
+        )
 
         # Read the logit at each row's true last token ourselves when the model is "backbone + linear head"
         # (every decoder *ForSequenceClassification); otherwise trust the model's own pooling.
@@ -144,14 +130,56 @@ class ModelSource(RewardSource):
         self.policy_tokenizer: PreTrainedTokenizerBase | None = (
             _load_tokenizer(policy_tokenizer, f"reward model {name!r} policy_tokenizer") if policy_tokenizer else None
         )
-        if retokenize == "always":
-            self.retokenizes = True
-        elif retokenize == "never" or self.policy_tokenizer is None:
-            self.retokenizes = False
-        else:
-            self.retokenizes = self.policy_tokenizer.get_vocab() != self.tokenizer.get_vocab()
+        self.retokenizes = self._decide_retokenize(retokenize)
 
         self._turns = _Turns()  # one forward pass at a time: predictable memory, no thrashing
+        self._capacity = self._install_turns(model, batches_in_flight)
+        # Rust tokenizers can raise "Already borrowed" when one instance is used from several threads at once.
+        self._tokenizer_lock = threading.Lock()
+        self._warned_truncation = False
+        self._log_loaded(path, compile_backend)
+
+    def _load_model(self, path: str) -> PreTrainedModel:
+        """The sequence classifier at ``path``, on this source's device and dtype, in eval mode."""
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=self.dtype)
+        except Exception as e:  # transformers raises many types; the caller needs one clear message
+            raise ValueError(
+                f"reward model {self.name!r}: cannot load a sequence classifier from {path}: {type(e).__name__}: {e}"
+            ) from e
+        model.to(device=self.device, dtype=self.dtype)  # also covers transformers versions that ignore dtype=
+        model.eval()
+        return model
+
+    def _read_model_config(self, model: Any, score_index: int, max_length: int) -> tuple[int, int, int, int]:
+        """The score index (checked against the labels), max length (capped by the model's positions), vocabulary
+        size and pad id this source scores with (``model`` is Any: transformers' config attributes are untyped)."""
+        text_config = model.config.get_text_config()
+        num_labels = int(model.config.num_labels)
+        if not 0 <= score_index < num_labels:
+            raise ValueError(
+                f"reward model {self.name!r}: score_index {score_index} out of range for {num_labels} label(s)"
+            )
+        max_pos = getattr(text_config, "max_position_embeddings", None)
+        capped = min(max_length, int(max_pos)) if max_pos else max_length
+        vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = getattr(text_config, "pad_token_id", None)
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        return score_index, capped, vocab_size, int(pad) if isinstance(pad, int) else 0
+
+    def _decide_retokenize(self, retokenize: str) -> bool:
+        """Whether samples are rebuilt from text: always, never, or (auto) when the policy's vocabulary differs."""
+        if retokenize == "always":
+            return True
+        if retokenize == "never" or self.policy_tokenizer is None:
+            return False
+        return bool(self.policy_tokenizer.get_vocab() != self.tokenizer.get_vocab())
+
+    def _install_turns(self, model: PreTrainedModel, batches_in_flight: int) -> Capacity:
+        """Hook the give-way points into the model and say the source's capacity, naming where a pass gives way."""
         # On the CPU a pass gives way to a batch sent first before each of its layers. Not under torch.compile (the
         # hooks would be traced into the graph), nor on an accelerator, where the host queues layers ahead of the
         # device: pausing the host would not pause what the device has queued.
@@ -165,13 +193,12 @@ class ModelSource(RewardSource):
         where = "on the CPU" if on_cpu else f"on {self.device}"
         gives_way = "gives way at its next layer" if layers is not None else "finishes its pass first"
         unit = f"model batch{'es' if batches > 1 else ''} in flight ({where}; the one computing {gives_way})"
-        self._capacity = Capacity(batches, unit, "batch", overtakes=True)
-        # Rust tokenizers can raise "Already borrowed" when one instance is used from several threads at once.
-        self._tokenizer_lock = threading.Lock()
-        self._warned_truncation = False
+        return Capacity(batches, unit, "batch", overtakes=True)
+
+    def _log_loaded(self, path: str, compile_backend: str) -> None:
         logger.info(
             "reward model %r: %s on %s/%s, max_length %d, %s",
-            name,
+            self.name,
             path,
             self.device,
             self.dtype,
@@ -181,7 +208,7 @@ class ModelSource(RewardSource):
         if self.torch_compile:
             logger.info(
                 "reward model %r: torch.compile on, backend %s (the first batch of each shape class compiles)",
-                name,
+                self.name,
                 compile_backend,
             )
 
