@@ -175,20 +175,8 @@ class JudgeSource(RewardSource):
         parse_timeout_s: float = 2.0,
     ) -> None:
         where = options.source_where("judge source", name)
-        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
-            raise ValueError(f"{where}: 'url' must be an http:// or https:// URL, got {url!r}")
-        options.text(where, "model", model)
-        self._check_template(where, prompt_template)
-        try:
-            self._score_re = re.compile(score_regex)
-        except (re.error, TypeError) as exc:
-            raise ValueError(f"{where}: 'score_regex' {score_regex!r} does not compile: {exc}") from exc
-        options.number(where, "score_scale", score_scale)
-        options.integer(where, "max_concurrency", max_concurrency, minimum=1)
-        options.non_negative(where, "requests_per_minute", requests_per_minute, note=" (0 = unlimited)")
-        options.positive(where, "timeout_s", timeout_s)
-        options.integer(where, "max_retries", max_retries, minimum=0)
-        options.non_negative(where, "retry_backoff_s", retry_backoff_s)
+        self._score_re = self._check_request(where, url, model, prompt_template, score_regex, score_scale)
+        self._check_pacing(where, max_concurrency, requests_per_minute, timeout_s, max_retries, retry_backoff_s)
         options.non_negative(where, "temperature", temperature)
         options.integer(where, "max_tokens", max_tokens, minimum=1)
         options.text(where, "api_key_env", api_key_env, empty=True)
@@ -217,13 +205,44 @@ class JudgeSource(RewardSource):
         self._closed = False
         self.breaker = acquire_breaker(self.endpoint, breaker_failures, float(breaker_open_s))
         self._score_pattern = score_regex
-        # The default regex is linear-time on a clipped reply: parsed inline. A user's regex may backtrack
-        # for hours on some reply, so it is parsed in an isolated worker under parse_timeout_s.
-        self._parser: IsolatedPool | None = None
-        if score_regex != DEFAULT_SCORE_REGEX:
-            self._parser = IsolatedPool(
-                f"judge-{name}", workers=1, timeout_s=float(parse_timeout_s), memory_mb=256, preload=(_PARSER,)
-            )
+        self._parser = self._reply_parser(name, score_regex, float(parse_timeout_s))
+
+    @staticmethod
+    def _check_request(
+        where: str, url: Any, model: Any, prompt_template: Any, score_regex: Any, score_scale: Any
+    ) -> re.Pattern[str]:
+        """Reject, at config time, a judge that cannot be asked or whose replies cannot be read; the compiled
+        ``score_regex`` is what comes back."""
+        if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+            raise ValueError(f"{where}: 'url' must be an http:// or https:// URL, got {url!r}")
+        options.text(where, "model", model)
+        JudgeSource._check_template(where, prompt_template)
+        try:
+            score_re = re.compile(score_regex)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"{where}: 'score_regex' {score_regex!r} does not compile: {exc}") from exc
+        options.number(where, "score_scale", score_scale)
+        return score_re
+
+    @staticmethod
+    def _check_pacing(
+        where: str, max_concurrency: Any, requests_per_minute: Any, timeout_s: Any, max_retries: Any, backoff_s: Any
+    ) -> None:
+        """Reject, at config time, limits on how many requests go out, how fast, how long each may take and how
+        often one is retried."""
+        options.integer(where, "max_concurrency", max_concurrency, minimum=1)
+        options.non_negative(where, "requests_per_minute", requests_per_minute, note=" (0 = unlimited)")
+        options.positive(where, "timeout_s", timeout_s)
+        options.integer(where, "max_retries", max_retries, minimum=0)
+        options.non_negative(where, "retry_backoff_s", backoff_s)
+
+    @staticmethod
+    def _reply_parser(name: str, score_regex: str, parse_timeout_s: float) -> IsolatedPool | None:
+        """Where replies are parsed: the default regex is linear-time on a clipped reply, so inline (None). A user's
+        regex may backtrack for hours on some reply, so it is parsed in an isolated worker under parse_timeout_s."""
+        if score_regex == DEFAULT_SCORE_REGEX:
+            return None
+        return IsolatedPool(f"judge-{name}", workers=1, timeout_s=parse_timeout_s, memory_mb=256, preload=(_PARSER,))
 
     @staticmethod
     def _check_template(where: str, template: Any) -> None:
