@@ -70,6 +70,20 @@ def default_num_threads() -> int:
 # ------------------------------------------------------------------------------------------------- backend
 
 
+def _check_options(
+    max_num_seqs: int, batch_wait_ms: float, max_batch_tokens: int | None, num_threads: int | None
+) -> None:
+    """Reject the backend's limits before any file is read, naming the option."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    if batch_wait_ms < 0:
+        raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
+    if max_batch_tokens is not None and max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+    if num_threads is not None and num_threads < 0:
+        raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {num_threads}")
+
+
 class HFBackend(Backend):
     """transformers causal LM behind the Backend protocol (see base.py)."""
 
@@ -97,14 +111,7 @@ class HFBackend(Backend):
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-        if batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
-        if max_batch_tokens is not None and max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
-        if num_threads is not None and num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {num_threads}")
+        _check_options(max_num_seqs, batch_wait_ms, max_batch_tokens, num_threads)
         self.model = str(model)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -116,14 +123,7 @@ class HFBackend(Backend):
         # The worker thread decodes with its own copy: a fast tokenizer shared across threads can raise
         # "Already borrowed" when the servicer encodes while the decode loop checks stop strings.
         self._decode_tokenizer = AutoTokenizer.from_pretrained(self.model, local_files_only=True)
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if max_model_len is None:
-            if limit is None:
-                raise ValueError(f"{self.model}: config has no max_position_embeddings; pass max_model_len")
-            max_model_len = int(limit)
-        elif limit is not None and max_model_len > limit:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
-        self.max_model_len = int(max_model_len)
+        self.max_model_len = self._context_length(max_model_len)
         self.max_batch_tokens = max_batch_tokens or max_num_seqs * self.max_model_len
         self.vocab_size: int | None = getattr(self.config, "vocab_size", None)
         self.policy_version = 0
@@ -148,6 +148,17 @@ class HFBackend(Backend):
         self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # rows per admission
         self.running_sizes: collections.deque[int] = collections.deque(maxlen=4096)  # rows decoded per step
         self.admission_waits: collections.deque[int] = collections.deque(maxlen=1024)  # steps to first token
+
+    def _context_length(self, max_model_len: int | None) -> int:
+        """The longest prompt + completion served: ``max_model_len``, or the model's own limit when it is None."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if max_model_len is None:
+            if limit is None:
+                raise ValueError(f"{self.model}: config has no max_position_embeddings; pass max_model_len")
+            max_model_len = int(limit)
+        elif limit is not None and max_model_len > limit:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
+        return int(max_model_len)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
