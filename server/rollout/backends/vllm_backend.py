@@ -7,7 +7,8 @@ or ``TokensPrompt`` for prompts, ``logprobs_mode``, ``pause_generation``/``resum
 
 vLLM is imported only inside functions, so this module (and the worker extension, which vLLM imports by name in
 its worker processes) loads on machines without vLLM. Its parts: engine options (vllm_engine), requests and outputs
-(vllm_outputs), weight chunks, checkpoint specs and the worker extension (vllm_weights).
+(vllm_outputs), the weight updates on the engine's side (vllm_updates), and weight chunks, checkpoint specs and the
+worker extension (vllm_weights).
 
 Weight updates travel through ``collective_rpc`` to methods that :class:`RewardMeshWorkerExtension` mixes
 into vLLM's worker class (``worker_extension_cls``). Tensors go as safetensors bytes, which every vLLM
@@ -22,27 +23,16 @@ pause/resume fall back to committing between scheduler steps and resetting the p
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import logging
-import pickle
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
 from rewardmesh.common.errors import Unavailable
-from rewardmesh.common.planes.cuda_ipc import device_uuid, rebuild_args
-from rewardmesh.common.planes.manifest import Entry, WeightsError, validate_weights
-from rewardmesh.server.rollout.backends.base import (
-    Backend,
-    GenerationOutput,
-    GenerationRequest,
-    SampleDone,
-    WeightsNotApplied,
-)
+from rewardmesh.server.rollout.backends.base import GenerationOutput, GenerationRequest, SampleDone
 from rewardmesh.server.rollout.backends.requests import validate_request
 from rewardmesh.server.rollout.backends.vllm_engine import (
     build_engine,
@@ -54,6 +44,7 @@ from rewardmesh.server.rollout.backends.vllm_engine import (
     uses_ipc_transfer,
 )
 from rewardmesh.server.rollout.backends.vllm_outputs import SampleDeltas, sampling_params, to_output, token_prompt
+from rewardmesh.server.rollout.backends.vllm_updates import VLLMWeightUpdates
 from rewardmesh.server.rollout.backends.vllm_weights import (
     CHUNK_BYTES,
     WORKER_EXTENSION,
@@ -61,9 +52,7 @@ from rewardmesh.server.rollout.backends.vllm_weights import (
     checkpoint_specs,
     iter_chunks,
     join_parts,
-    model_dir,
     pack_chunks,
-    weight_transfer_requests,
 )
 
 __all__ = [
@@ -84,7 +73,7 @@ GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLI
 # ------------------------------------------------------------------------------------------------- backend
 
 
-class VLLMBackend(Backend):
+class VLLMBackend(VLLMWeightUpdates):
     """vLLM AsyncLLM (V1) behind the Backend protocol (see base.py)."""
 
     name = "vllm"
@@ -330,192 +319,3 @@ class VLLMBackend(Backend):
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    # -------------------------------------------------------------------------------------------- weights
-
-    def _checkpoint_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        if self._specs is None:
-            path = model_dir(self.model)
-            if path is None:
-                raise RuntimeError(f"{self.model}: checkpoint not found locally; await start() first")
-            self._specs = checkpoint_specs(path)
-        return self._specs
-
-    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Checkpoint names and shapes; the dtype is the one the engine computes in once started."""
-        specs = self._checkpoint_specs()
-        if self._engine is None:
-            return dict(specs)
-        dtype = self._model_config.dtype
-        return {
-            name: (shape, dtype if spec_dtype.is_floating_point else spec_dtype)
-            for name, (shape, spec_dtype) in specs.items()
-        }
-
-    def quantization(self) -> str | None:
-        """The model's quantization method, from the engine once started, else from the checkpoint config."""
-        method = getattr(self._model_config, "quantization", None) if self._model_config is not None else None
-        if method:
-            return str(method)
-        config = getattr(self.config, "quantization_config", None)
-        if config:
-            return str(config.get("quant_method", "yes") if isinstance(config, dict) else config)
-        return None
-
-    def _refuse_quantized(self) -> None:
-        quantized = self.quantization()
-        if quantized:
-            raise WeightsError(
-                f"{self.model} is quantized ({quantized}): in-place weight updates need vLLM's reload path, which "
-                "this backend does not use yet; serve an unquantized checkpoint to update weights"
-            )
-
-    def validate_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._refuse_quantized()
-        validate_weights(tensors, self._checkpoint_specs())
-
-    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Validate, stream chunks into the workers, then pause (keeping requests), commit, label, resume.
-
-        All or nothing: every tensor is validated before the first byte moves, and the worker checks the
-        staged set is complete before loading any of it. The version is set right after the commit.
-        """
-        self.validate_weights(tensors)
-        if self._engine is None:
-            await self.start()
-        engine = self._engine
-        skip = {"lm_head.weight"} if self._tied() else set()  # vLLM ignores it for tied embeddings
-        expected = [name for name in tensors if name not in skip]
-        async with self._update_lock:
-            chunks = 0
-            try:
-                stream = iter_chunks(tensors, skip=skip, chunk_bytes=CHUNK_BYTES)
-                while (blob := await asyncio.to_thread(next, stream, None)) is not None:
-                    await engine.collective_rpc("rewardmesh_stage_weights", args=(blob,))
-                    chunks += 1
-                refused = [r for r in await engine.collective_rpc("rewardmesh_check_weights", args=(expected,)) if r]
-                if refused:  # a chunk or piece went missing: nothing is loaded
-                    raise WeightsNotApplied(refused[0])
-                self._updates += 1
-                paused = await self._pause(engine)
-            except BaseException:  # nothing loaded yet: drop what was staged, the old weights serve on
-                with contextlib.suppress(Exception):
-                    await engine.collective_rpc("rewardmesh_discard_weights")
-                raise
-            await self._load(engine, paused, expected, version,
-                             lambda: engine.collective_rpc("rewardmesh_commit_weights", args=(expected,)))  # fmt: skip
-        logger.info(
-            "vllm backend: applied %d tensors in %d chunk(s), policy_version=%d", len(expected), chunks, version
-        )
-
-    async def _load(
-        self, engine: Any, paused: bool, names: list[str], version: int, load: Callable[[], Awaitable[Any]]
-    ) -> None:
-        """Load (the engine paused, or between steps), label the version, resume; a load that fails part-way
-        marks the model torn."""
-        try:
-            try:
-                await load()
-            except BaseException as exc:
-                self._mark_torn(names, version, exc)
-                raise
-            self._torn.difference_update(names)
-            if not self._torn:
-                self.unusable = None
-            self.policy_version = int(version)
-            if hasattr(engine, "update_weight_version"):
-                try:
-                    await engine.update_weight_version(str(version))
-                except Exception:
-                    logger.warning("vllm backend: update_weight_version(%s) failed", version, exc_info=True)
-        finally:
-            if paused:
-                await engine.resume_generation()
-        if not paused:
-            await self._reset_prefix_cache()
-
-    @property
-    def cuda_device_uuid(self) -> str:
-        """The engine's GPU when it takes CUDA IPC updates (vLLM's "ipc" weight transfer), else ""."""
-        return device_uuid(0) if self._ipc else ""
-
-    async def update_weights_ipc(self, entries: list[Entry], source: Any, version: int) -> None:
-        """CUDA IPC handles of a colocated trainer's tensors (checked by the receiver), loaded by vLLM's own
-        weight-transfer engine: pause (requests kept), start, update (the workers open the handles and load
-        device to device), finish, label the version, resume. Unverified: needs a GPU and vLLM."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        self._refuse_quantized()
-        if self._engine is None:
-            await self.start()
-        engine = self._engine
-        init_request, update_request = weight_transfer_requests()
-        skip = {"lm_head.weight"} if self._tied() else set()  # vLLM ignores it for tied embeddings
-        chosen = [(h, e) for h, e in zip(source.handles, entries, strict=True) if e.name not in skip]
-        handles = [{source.device_uuid: (rebuild_cuda_tensor, rebuild_args(h, e, 0))} for h, e in chosen]
-        names = [e.name for _, e in chosen]
-        info = {"names": names, "dtype_names": [str(e.dtype).removeprefix("torch.") for _, e in chosen],
-                "shapes": [list(e.shape) for _, e in chosen],
-                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}  # fmt: skip
-        async with self._update_lock:
-            if not self._ipc_ready:
-                await engine.init_weight_transfer_engine(init_request(init_info={}))
-                self._ipc_ready = True
-            self._updates += 1
-            paused = await self._pause(engine)
-
-            async def load() -> None:
-                if hasattr(engine, "start_weight_update"):  # releases with the four-phase protocol
-                    await engine.start_weight_update()
-                await engine.update_weights(update_request(update_info=info))
-                if hasattr(engine, "finish_weight_update"):
-                    await engine.finish_weight_update()
-
-            await self._load(engine, paused, names, version, load)
-        logger.info("vllm backend: loaded %d tensors over CUDA IPC, policy_version=%d", len(names), version)
-
-    def _mark_torn(self, names: list[str], version: int, exc: BaseException) -> None:
-        """A commit that failed inside ``load_weights`` may have applied some tensors: stop serving.
-
-        The worker's own checks fail before loading anything (WeightsNotApplied); any other failure leaves an
-        unknown mix of versions, which must not produce samples labelled with either.
-        """
-        if isinstance(exc, WeightsNotApplied):
-            return
-        self._torn.update(names)
-        self.unusable = (
-            f"loading weights version {version} failed part-way ({exc}); the model mixes two versions and "
-            "serves again after a weight update that includes every tensor of that one"
-        )
-        logger.error("vllm backend: %s", self.unusable)
-
-    async def _pause(self, engine: Any) -> bool:
-        """vLLM's async-RL pause: running requests stay (their KV is dropped and recomputed on resume)."""
-        if not (hasattr(engine, "pause_generation") and hasattr(engine, "resume_generation")):
-            return False
-        try:
-            await engine.pause_generation(mode="keep", clear_cache=True)
-        except TypeError:  # a release whose pause_generation has no mode
-            return False
-        return True
-
-    def _tied(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
-    async def _reset_prefix_cache(self) -> None:
-        """Releases without pause/resume: cached prefixes hold KV from the old weights; drop them.
-
-        Recent vLLM can also reset running requests (they are preempted and recomputed with the new
-        weights); older releases refuse to reset while blocks are in use, which is only logged.
-        """
-        engine = self._engine
-        try:
-            try:
-                ok = await engine.reset_prefix_cache(reset_running_requests=True)
-            except TypeError:
-                ok = await engine.reset_prefix_cache()
-        except Exception:
-            logger.warning("vllm backend: prefix cache reset failed; stale prefixes may be reused", exc_info=True)
-            return
-        if ok is False:
-            logger.warning("vllm backend: prefix cache not reset (requests in flight); stale prefixes may be reused")

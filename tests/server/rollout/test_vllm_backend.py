@@ -343,7 +343,7 @@ async def test_a_group_is_one_request_of_deltas_each_sample_reported_as_it_ends(
 async def test_weight_update_follows_the_async_rl_sequence(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_updates.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
@@ -369,7 +369,7 @@ async def test_weight_update_follows_the_async_rl_sequence(
 async def test_a_failed_commit_keeps_the_old_version_and_resumes(
     tiny_models: TinyModelPaths, fake_vllm: type[FakeEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_backend.CHUNK_BYTES", 16 * 1024)
+    monkeypatch.setattr("rewardmesh.server.rollout.backends.vllm_updates.CHUNK_BYTES", 16 * 1024)
     backend = VLLMBackend(str(tiny_models.policy))
     await backend.start()
     engine = fake_vllm.last
