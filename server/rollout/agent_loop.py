@@ -103,14 +103,7 @@ async def run_agent_loop(
         observation = tool_turn_ids(backend.tokenizer, results, gen.token_ids[-1] if gen.token_ids else None)
         if settings.max_response_tokens:
             observation = observation[: max(0, settings.max_response_tokens - len(out.response_ids))]
-        out.response_ids += observation
-        out.response_mask += [0] * len(observation)
-        if out.response_logprobs is not None:
-            out.response_logprobs += [0.0] * len(observation)
-        if out.response_versions is not None:
-            out.response_versions += [out.response_versions[-1] if out.response_versions else gen.policy_version] * len(
-                observation
-            )
+        add_observation(out, observation, gen.policy_version)
         ids += observation
     # The oldest policy that contributed tokens: what bounded staleness must check.
     out.policy_version = min(versions) if versions else backend.policy_version
@@ -142,6 +135,19 @@ def add_turn(out: Rollout, gen: GenerationOutput, generate_s: float) -> None:
     out.response_mask += [1] * len(gen.token_ids)
     _extend(out, gen)
     out.finish_reason = gen.finish_reason
+
+
+def add_observation(out: Rollout, observation: list[int], policy_version: int) -> None:
+    """Append tool output tokens: mask 0, log-prob 0.0, and the version of the turn before them (``policy_version``,
+    the turn's, if no token came before)."""
+    out.response_ids += observation
+    out.response_mask += [0] * len(observation)
+    if out.response_logprobs is not None:
+        out.response_logprobs += [0.0] * len(observation)
+    if out.response_versions is not None:
+        out.response_versions += [out.response_versions[-1] if out.response_versions else policy_version] * len(
+            observation
+        )
 
 
 def one_turn(backend: Backend, sampling: GenerationRequest, gen: GenerationOutput | None, generate_s: float) -> Rollout:
