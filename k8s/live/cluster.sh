@@ -149,6 +149,8 @@ images_up() {
 		"${CTR[@]}" images import "$image" >/dev/null
 		echo "$image" >"$key_file"
 	fi
+	# The images an earlier build left (replaced under the same tag) go, so the cache does not grow.
+	bash "$LIVE_DIR/prune-images.sh" "$RUN_DIR/containerd.sock" docker.io/library/rewardmesh:0.1.0 localhost/pause:1
 }
 
 control_plane_up() {
