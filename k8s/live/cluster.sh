@@ -74,6 +74,9 @@ network() {
 	ip addr add "$NODE_IP/32" dev "$NODE_LINK"
 	ip link set "$NODE_LINK-peer" up
 	ip link set "$NODE_LINK" up
+	# Service addresses that kube-proxy has not rewritten (a Service with no endpoints yet) go to that link and end
+	# there, never out through the machine's default route; the route goes with the link at teardown.
+	ip route replace "$SERVICE_CIDR" dev "$NODE_LINK"
 	mkdir -p "$RUN_DIR/cni"
 	cat >"$RUN_DIR/cni/10-rewardmesh.conflist" <<-EOF
 		{"cniVersion": "0.4.0", "name": "$CNI_NET", "plugins": [
