@@ -54,15 +54,23 @@ SERVICE_ERRORS = frozenset(
 )
 
 
+def _env_number(name: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
 def env_timeout_s() -> float:
-    """The per-sample deadline from REWARDMESH_TIMEOUT_S (seconds; 300 when unset)."""
-    return float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    """The per-sample deadline from REWARDMESH_TIMEOUT_S (seconds; 300 when unset; set, it must be a number)."""
+    value = os.environ.get(TIMEOUT_ENV)
+    return DEFAULT_TIMEOUT_S if value is None else _env_number(TIMEOUT_ENV, value)
 
 
 def env_error_score() -> float | None:
     """The score for a failed sample from REWARDMESH_ERROR_SCORE; None (failures fail the step) when unset or empty."""
     value = os.environ.get(ERROR_SCORE_ENV)
-    return float(value) if value else None
+    return _env_number(ERROR_SCORE_ENV, value) if value else None
 
 
 def failure(pipeline: str, what: str, result: reward_pb2.RewardResult, hint: str = "") -> RewardMeshError:
