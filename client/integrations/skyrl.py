@@ -37,6 +37,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from rewardmesh.client.integrations.scoring import (
+    ERROR_KEY,
     PIPELINE_ENV,
     SERVICE_ERRORS,
     TARGET_ENV,
@@ -57,7 +58,6 @@ except ImportError:  # pragma: no cover - exercised where skyrl-gym is absent
 
 log = logging.getLogger(__name__)
 ENV_ID = "rewardmesh"
-ERROR_KEY = "rewardmesh_error"
 T = TypeVar("T")
 
 _lock = threading.Lock()
